@@ -1,0 +1,1 @@
+"""Speculative decoding for Llama-family models."""
