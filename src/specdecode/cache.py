@@ -1,0 +1,139 @@
+"""A static KV cache, written by position.
+
+Each layer has a preallocated key and value tensor of shape (B, H_kv, S_max, D). A forward
+pass writes the keys/values of its tokens at their positions; attention then reads the first
+``kv_len`` slots. Because writes go by position, rolling back rejected draft tokens is just
+lowering a sequence's length: the stale slots are never visible to a query (causality only
+lets a query at position p see keys at positions <= p, all of which were rewritten on the
+current path) and the next step overwrites them.
+
+The cache keeps per-sequence lengths on the host: they decide positions and the attention
+width, and keeping them off the device avoids a device-to-host sync per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class KVView:
+    """What one forward pass may read from the cache.
+
+    kv_len: keys/values in slots [0, kv_len) are read.
+    mask:   (B, 1, T, kv_len) bool, True where a query may attend; None means every one of the
+            kv_len slots is visible to every query (a single-token step of a single sequence).
+    """
+
+    kv_len: int
+    mask: torch.Tensor | None
+
+
+class KVCache:
+    """Per-layer key/value storage for a batch of sequences with their own lengths."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.capacity = capacity
+        # Number of valid (committed) tokens per sequence; host-side on purpose.
+        self.lengths: list[int] = [0] * batch_size
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    def fits(self, batch_size: int, capacity: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """True when this cache can be reused for a request of that size."""
+        return (
+            self.batch_size == batch_size
+            and self.capacity >= capacity
+            and self.dtype == dtype
+            and self.device == torch.device(device)
+        )
+
+    def reset(self) -> None:
+        """Forget every sequence (no zeroing needed: slots are rewritten before being read)."""
+        self.lengths = [0] * self.batch_size
+
+    def rollback(self, seq: int, length: int) -> None:
+        """Keep the first ``length`` tokens of sequence ``seq`` and drop the rest."""
+        if not 0 <= length <= self.lengths[seq]:
+            raise ValueError(f"cannot roll sequence {seq} back to {length} from {self.lengths[seq]}")
+        self.lengths[seq] = length
+
+    def commit(self, seq: int, length: int) -> None:
+        """Declare the first ``length`` slots of sequence ``seq`` valid after a forward wrote them."""
+        if length > self.capacity:
+            raise ValueError(f"length {length} exceeds the cache capacity {self.capacity}")
+        self.lengths[seq] = length
+
+    def write(
+        self,
+        layer: int,
+        positions: torch.Tensor,  # (B, T) long: slot of each new token
+        keys: torch.Tensor,  # (B, H_kv, T, D)
+        values: torch.Tensor,  # (B, H_kv, T, D)
+        contiguous_start: int | None = None,
+    ) -> None:
+        """Store new keys/values at their positions.
+
+        ``contiguous_start`` is a host-side hint that every sequence writes slots
+        [start, start + T): then a slice copy suffices, otherwise an index_put scatters them.
+        """
+        if contiguous_start is not None:
+            end = contiguous_start + keys.shape[2]
+            self.keys[layer][:, :, contiguous_start:end].copy_(keys)
+            self.values[layer][:, :, contiguous_start:end].copy_(values)
+            return
+        batch_index = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        # Advanced indices on dims 0 and 2 put the (B, T) index dims first: (B, T, H_kv, D).
+        self.keys[layer][batch_index, :, positions] = keys.transpose(1, 2)
+        self.values[layer][batch_index, :, positions] = values.transpose(1, 2)
+
+    def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots [0, kv_len): two (B, H_kv, kv_len, D) views."""
+        return self.keys[layer][:, :, :kv_len], self.values[layer][:, :, :kv_len]
+
+
+def causal_view(
+    positions: torch.Tensor,  # (B, T) long, on the model's device
+    host_positions: list[list[int]],
+    sliding_window: int | None = None,
+) -> KVView:
+    """Attention for tokens at ``positions`` over a cache laid out by position.
+
+    A query at position p sees the keys at positions <= p (and > p - window when the model
+    uses a sliding window). ``host_positions`` is the same data on the host, so the width is
+    known without a device sync.
+    """
+    kv_len = max(max(row) for row in host_positions) + 1
+    single_query = len(host_positions) == 1 and len(host_positions[0]) == 1
+    if single_query and (sliding_window is None or kv_len <= sliding_window):
+        return KVView(kv_len=kv_len, mask=None)
+    key_pos = torch.arange(kv_len, device=positions.device)
+    query_pos = positions[:, :, None]  # (B, T, 1)
+    mask = key_pos[None, None, :] <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > query_pos - sliding_window
+    return KVView(kv_len=kv_len, mask=mask[:, None])  # (B, 1, T, kv_len)
