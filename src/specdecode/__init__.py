@@ -1,1 +1,23 @@
-"""Speculative decoding for Llama-family models."""
+"""specdecode: lossless speculative decoding for Llama-family models.
+
+    from specdecode import SpecDecoder, SamplingParams
+    decoder = SpecDecoder.from_pretrained()  # the demo pair, or (target, draft) names
+    result = decoder.generate("Write a quicksort in Python", SamplingParams(max_new_tokens=64), chat=True)
+    print(result.text, result.stats.tau)
+"""
+
+from .api import GenerationResult, GenerationStream, SpecDecoder
+from .config import SamplingParams, SpecConfig
+from .errors import SpecDecodeError
+from .metrics import GenerationStats
+
+__all__ = [
+    "GenerationResult",
+    "GenerationStats",
+    "GenerationStream",
+    "SamplingParams",
+    "SpecConfig",
+    "SpecDecodeError",
+    "SpecDecoder",
+]
+__version__ = "0.1.0"

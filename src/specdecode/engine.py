@@ -1,0 +1,154 @@
+"""The decoding loop: prefill -> (draft -> verify -> commit)* for one request.
+
+The engine owns the target's KV cache and the committed token buffer. Plain decoding is
+the same loop with zero drafted tokens per step: the target scores the last committed token
+alone and "verification" picks its next token, so both paths share every line that matters
+for equality.
+
+Invariant between steps: the committed sequence has length L; the target cache holds valid
+K/V for positions [0, L - 1); the last committed token is fed by the next verify pass
+together with the draft tokens, at positions L - 1 .. L - 1 + k.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .cache import KVCache, causal_view
+from .config import SamplingParams
+from .drafters.base import Drafter
+from .metrics import GenerationStats, Stopwatch
+from .models.llama import Transformer
+from .sampling import LogitsProcessor, make_generator
+from .verify import greedy_verify, rejection_verify
+
+
+class SpecEngine:
+    def __init__(
+        self,
+        target: Transformer,
+        drafter: Drafter | None,
+        eos_token_ids: Sequence[int],
+        *,
+        sync_timing: bool = False,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sync_timing = sync_timing
+        self._cache: KVCache | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def _target_cache(self, capacity: int) -> KVCache:
+        cfg = self.target.config
+        if self._cache is None or not self._cache.fits(1, capacity, self.target.dtype, self.device):
+            self._cache = None  # free the old one before allocating
+            self._cache = KVCache(
+                cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, capacity, self.target.dtype, self.device
+            )
+        self._cache.reset()
+        return self._cache
+
+    def _forward(self, cache: KVCache, tokens: torch.Tensor, start: int, compute_logits: bool = True):
+        """Feed tokens (1, T) at positions start .. start + T - 1 through the target."""
+        length = tokens.shape[1]
+        positions = torch.arange(start, start + length, device=self.device)[None]
+        view = causal_view(positions, [list(range(start, start + length))], self.target.config.sliding_window)
+        return self.target(
+            tokens, positions, cache, view, compute_logits=compute_logits, contiguous_start=start
+        )
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        num_speculative_tokens: int,
+        stats: GenerationStats,
+    ) -> Iterator[list[int]]:
+        """Yield the newly committed tokens after each step; fill ``stats`` as it goes.
+
+        ``num_speculative_tokens`` = 0 (or no drafter) is plain autoregressive decoding.
+        Closing the iterator early (a stop string) still leaves ``stats`` complete.
+        """
+        started = time.perf_counter()
+        device = self.device
+        prompt_len = len(prompt_ids)
+        max_new = params.max_new_tokens
+        speculate = self.drafter is not None and num_speculative_tokens > 0
+        capacity = prompt_len + max_new + 1
+        cache = self._target_cache(capacity)
+        processor = LogitsProcessor.from_params(params)
+        generator = None if processor.greedy else make_generator(params.seed, device)
+        committed = torch.empty((1, capacity), dtype=torch.long, device=device)
+        committed[0, :prompt_len] = torch.tensor(list(prompt_ids), dtype=torch.long)
+        stats.prompt_tokens = prompt_len
+        draft_watch = Stopwatch(device, self.sync_timing)
+        verify_watch = Stopwatch(device, self.sync_timing)
+        try:
+            # Prefill all but the last prompt token; the first verify pass feeds that one with
+            # the first draft, so even the first new token can be speculated.
+            with Stopwatch(device, self.sync_timing) as prefill_watch:
+                if prompt_len > 1:
+                    self._forward(cache, committed[:, : prompt_len - 1], 0, compute_logits=False)
+                    stats.target_forward_passes += 1
+                cache.commit(0, prompt_len - 1)
+                if speculate:
+                    self.drafter.start(prompt_len, capacity)
+            stats.prefill_seconds = prefill_watch.elapsed
+
+            length = prompt_len
+            while True:
+                remaining = max_new - stats.new_tokens
+                # Never draft past max_new_tokens: a step emits at most k + 1 tokens.
+                k = min(num_speculative_tokens, remaining - 1) if speculate else 0
+                draft_tokens = torch.empty((1, 0), dtype=torch.long, device=device)
+                draft_probs = None
+                if k > 0:
+                    with draft_watch:
+                        proposal = self.drafter.propose(committed[:, :length], k, processor, generator)
+                    stats.draft_seconds += draft_watch.elapsed
+                    draft_tokens, draft_probs = proposal.tokens, proposal.probs
+                    k = proposal.num_tokens
+                with verify_watch:
+                    inputs = torch.cat([committed[:, length - 1 : length], draft_tokens], dim=1)
+                    logits = self._forward(cache, inputs, length - 1).logits  # (1, k + 1, V)
+                    if processor.greedy:
+                        result = greedy_verify(draft_tokens, logits)
+                    else:
+                        result = rejection_verify(draft_tokens, draft_probs, processor.probs(logits), generator)
+                    emitted_row = result.tokens[0].tolist()  # the one host sync of the step
+                stats.verify_seconds += verify_watch.elapsed
+
+                accepted = emitted_row.index(-1) - 1 if -1 in emitted_row else len(emitted_row) - 1
+                stats.record_step(k, accepted)
+                if speculate and k > 0:
+                    self.drafter.on_verified(accepted)
+                new_tokens = emitted_row[: accepted + 1][:remaining]
+                stop_reason = ""
+                if not params.ignore_eos:
+                    for i, token in enumerate(new_tokens):
+                        if token in self.eos_token_ids:
+                            new_tokens = new_tokens[: i + 1]
+                            stop_reason = "eos"
+                            break
+                count = len(new_tokens)
+                committed[:, length : length + count] = result.tokens[:, :count]
+                # K/V of the previously last token and of the accepted drafts are now valid.
+                cache.commit(0, length + min(accepted, count - 1))
+                length += count
+                stats.new_tokens += count
+                if not stop_reason and stats.new_tokens >= max_new:
+                    stop_reason = "length"
+                stats.stop_reason = stop_reason or "running"
+                yield new_tokens
+                if stop_reason:
+                    break
+        finally:
+            stats.total_seconds = time.perf_counter() - started

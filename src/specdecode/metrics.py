@@ -1,0 +1,134 @@
+"""Generation metrics, computed the same way for every method.
+
+tau (mean accepted length) counts the bonus/recovered token: each verification step emits
+accepted + 1 tokens, so plain decoding has tau = 1 exactly. The acceptance rate is accepted
+draft tokens over proposed draft tokens. Per-position acceptance at draft position i is the
+fraction of steps that proposed at least i + 1 tokens in which the first i + 1 were all
+accepted (so it can only fall with i).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    method: str = "none"
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forward_passes: int = 0  # prefill included
+    verify_steps: int = 0  # decode passes of the target (each emits accepted + 1 tokens)
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    emitted_by_steps: int = 0  # sum over steps of accepted + 1, before any truncation
+    proposed_at_position: list[int] = field(default_factory=list)
+    accepted_at_position: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    stop_reason: str = ""
+
+    def record_step(self, proposed: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.target_forward_passes += 1
+        self.draft_tokens_proposed += proposed
+        self.draft_tokens_accepted += accepted
+        self.emitted_by_steps += accepted + 1
+        while len(self.proposed_at_position) < proposed:
+            self.proposed_at_position.append(0)
+            self.accepted_at_position.append(0)
+        for pos in range(proposed):
+            self.proposed_at_position[pos] += 1
+            if pos < accepted:
+                self.accepted_at_position[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if self.draft_tokens_proposed == 0:
+            return None
+        return self.draft_tokens_accepted / self.draft_tokens_proposed
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_at_position, self.proposed_at_position)]
+
+    @property
+    def tau(self) -> float | None:
+        return self.emitted_by_steps / self.verify_steps if self.verify_steps else None
+
+    @property
+    def other_seconds(self) -> float:
+        return max(0.0, self.total_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first over the time after prefill: the steady decoding speed."""
+        decode_time = self.total_seconds - self.prefill_seconds
+        return (self.new_tokens - 1) / decode_time if decode_time > 0 and self.new_tokens > 1 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(
+            acceptance_rate=self.acceptance_rate,
+            acceptance_per_position=self.acceptance_per_position,
+            tau=self.tau,
+            other_seconds=self.other_seconds,
+            tokens_per_second=self.tokens_per_second,
+            decode_tokens_per_second=self.decode_tokens_per_second,
+        )
+        return data
+
+    def summary(self) -> str:
+        """A few human-readable lines for the CLI."""
+        parts = [
+            f"method={self.method} new_tokens={self.new_tokens} prompt_tokens={self.prompt_tokens}",
+            f"tokens/s={self.tokens_per_second:.2f} (decode {self.decode_tokens_per_second:.2f})"
+            f" target_passes={self.target_forward_passes}",
+        ]
+        if self.tau is not None:
+            line = f"tau={self.tau:.2f}"
+            if self.acceptance_rate is not None:
+                per_pos = " ".join(f"{a:.2f}" for a in self.acceptance_per_position)
+                line += f" acceptance={self.acceptance_rate:.2%} per_position=[{per_pos}]"
+            parts.append(line)
+        parts.append(
+            f"time: total={self.total_seconds:.2f}s prefill={self.prefill_seconds:.2f}s "
+            f"draft={self.draft_seconds:.2f}s verify={self.verify_seconds:.2f}s other={self.other_seconds:.2f}s"
+        )
+        return "\n".join(parts)
+
+
+class Stopwatch:
+    """Wall time of a code region.
+
+    On an asynchronous device (CUDA) the time of queued kernels lands in whichever region
+    next waits for them, unless ``sync`` is set: then the region synchronises on entry and
+    exit (precise split, two extra syncs per region). On the CPU every op is synchronous.
+    """
+
+    def __init__(self, device: torch.device, sync: bool = False) -> None:
+        self.sync = sync and device.type == "cuda"
+        self._start = 0.0
+        self.elapsed = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        if self.sync:
+            torch.cuda.synchronize()
+        self._start = time.perf_counter()
+        self.elapsed = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+        self.elapsed = time.perf_counter() - self._start
