@@ -1,0 +1,116 @@
+"""The ``specdecode`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .config import DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS
+from .errors import SpecDecodeError
+from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdecode",
+        description="Lossless speculative decoding for Llama-family models.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for one prompt",
+        description=(
+            "Generate text for PROMPT. Models are demo names (qwen2.5-coder-1.5b-instruct, "
+            "qwen2.5-coder-0.5b-instruct), .gguf files, local Hugging Face folders or hub ids. "
+            "Without --target/--draft the embedded demo pair is used."
+        ),
+    )
+    gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
+    gen.add_argument("--target", help="the model whose output is reproduced (default: demo 1.5B)")
+    gen.add_argument("--draft", help="the small draft model (default: demo 0.5B with the demo target)")
+    gen.add_argument("--method", choices=METHODS, default="draft", help="draft: speculative; none: plain decoding")
+    gen.add_argument("--k", type=_positive_int, default=DEFAULT_NUM_SPECULATIVE_TOKENS, help="tokens drafted per step")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto", help="auto: bf16 where supported, else fp32")
+    gen.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    gen.add_argument("--quiet", action="store_true", help="no progress bars or metrics on stderr")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from . import SamplingParams, SpecDecoder
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+    decoder = SpecDecoder.from_pretrained(
+        args.target,
+        args.draft,
+        method=args.method,
+        k=args.k,
+        dtype=args.dtype,
+        device=args.device,
+        show_progress=not args.quiet,
+    )
+    stream = decoder.stream(prompt, params, chat=args.chat)
+    if args.json:
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        json.dump(stream.result.to_dict(), sys.stdout, ensure_ascii=False)
+        sys.stdout.write("\n")
+        return 0
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if not args.quiet:
+        assert stream.result is not None
+        print(stream.result.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+    except SpecDecodeError as err:
+        print(f"specdecode: error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("specdecode: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
