@@ -1,0 +1,166 @@
+"""Rebuild a Hugging Face ``tokenizer.json`` from a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+llama.cpp stores a byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``) as its token
+list, merge list, token types and the *name* of its pre-tokenizer (``tokenizer.ggml.pre``);
+the regex itself lives in llama.cpp's source. We map the names we know to the regexes and
+normalizers of the original Hugging Face tokenizers, so the rebuilt tokenizer splits text
+exactly as the model was trained to see it.
+
+SentencePiece-style vocabularies (``tokenizer.ggml.model == "llama"``: Llama 2, Mistral v0.1,
+TinyLlama) are not rebuilt yet and raise ``UnsupportedModelError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gguf import TokenType
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from ..errors import ModelLoadError, UnsupportedModelError
+
+SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+
+# Split regexes of the original HF tokenizers, by llama.cpp's `tokenizer.ggml.pre` name.
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Llama 3 differs from Qwen2 only in grouping digits by up to three.
+_LLAMA3_REGEX = _QWEN2_REGEX.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def _pre_tokenizer_spec(pre: str) -> tuple[str, bool, bool]:
+    """(split regex, NFC-normalize?, ignore_merges?) for a llama.cpp pre-tokenizer name."""
+    if pre == "qwen2":
+        return _QWEN2_REGEX, True, False  # Qwen2's HF tokenizer normalizes to NFC
+    if pre in ("llama-bpe", "llama3", "llama-v3"):
+        return _LLAMA3_REGEX, False, True  # Llama 3 looks whole words up before merging
+    if pre == "gpt-2":
+        return _GPT2_REGEX, False, False
+    raise UnsupportedModelError(
+        f"The GGUF's pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; supported: "
+        "qwen2, llama-bpe (Llama 3), gpt-2. Use a Hugging Face model folder for this model instead."
+    )
+
+
+def build_hf_tokenizer(metadata: Mapping[str, Any], source: Path) -> tuple[Tokenizer, dict[str, Any]]:
+    """The ``tokenizers.Tokenizer`` and the ``tokenizer_config.json`` contents for GGUF metadata.
+
+    ``metadata`` maps GGUF keys to their values (strings, numbers, lists); ``source`` names the
+    file in error messages.
+    """
+    tokenizer_model = metadata.get("tokenizer.ggml.model")
+    if tokenizer_model not in SUPPORTED_TOKENIZER_MODELS:
+        raise UnsupportedModelError(
+            f"{source}: tokenizer type {tokenizer_model!r} (tokenizer.ggml.model) is not supported; "
+            f"supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE, as in Qwen2 and "
+            "Llama 3). SentencePiece ('llama') vocabularies need the model's Hugging Face folder."
+        )
+    try:
+        tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+        merges: list[str] = list(metadata["tokenizer.ggml.merges"])
+    except KeyError as err:
+        raise ModelLoadError(f"{source} has no {err.args[0]} metadata, so its tokenizer cannot be rebuilt.") from err
+    token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens)))
+    if len(token_types) != len(tokens):
+        raise ModelLoadError(f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens.")
+    regex, nfc, ignore_merges = _pre_tokenizer_spec(str(metadata.get("tokenizer.ggml.pre", "<missing>")))
+
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    merge_pairs = []
+    for merge in merges:
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise ModelLoadError(f"{source}: malformed merge {merge!r} in tokenizer.ggml.merges.")
+        merge_pairs.append((left, right))
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merge_pairs, ignore_merges=ignore_merges, fuse_unk=False, byte_fallback=False)
+    except Exception as err:  # tokenizers raises a bare Exception for merges of unknown tokens
+        raise ModelLoadError(f"{source}: the GGUF's tokenizer vocabulary is inconsistent ({err}).") from err
+
+    tokenizer = Tokenizer(bpe)
+    if nfc:
+        tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, <|endoftext|>) are special: matched whole, never merged into,
+    # and skipped by decode(skip_special_tokens=True). User-defined ones (<tool_call>) are matched
+    # whole but are ordinary text. Unused padding tokens ([PAD151665]) stay plain vocabulary
+    # entries that no text produces.
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, token_types) if kind == TokenType.CONTROL]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, token_types) if kind == TokenType.USER_DEFINED]
+    )
+
+    def token_at(key: str) -> str | None:
+        token_id = metadata.get(key)
+        if token_id is None:
+            return None
+        if not 0 <= int(token_id) < len(tokens):
+            raise ModelLoadError(f"{source}: {key} = {token_id} is outside the vocabulary of {len(tokens)} tokens.")
+        return tokens[int(token_id)]
+
+    bos_token = token_at("tokenizer.ggml.bos_token_id")
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    eos_token = token_at("tokenizer.ggml.eos_token_id")
+    if (add_bos and bos_token is None) or (add_eos and eos_token is None):
+        raise ModelLoadError(f"{source} asks to add a bos/eos token to every prompt but does not name it.")
+    tokenizer.post_processor = _post_processor(
+        bos_token if add_bos else None, eos_token if add_eos else None, vocab
+    )
+
+    tokenizer_config: dict[str, Any] = {
+        # The generic fast tokenizer uses tokenizer.json as is; a model-specific class (such
+        # as Qwen2Tokenizer) could rebuild parts of it from its own defaults.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+        "pad_token": token_at("tokenizer.ggml.padding_token_id"),
+        "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+    }
+    context_length = metadata.get(f"{metadata.get('general.architecture')}.context_length")
+    if context_length is not None:
+        tokenizer_config["model_max_length"] = int(context_length)
+    chat_template = metadata.get("tokenizer.chat_template")
+    if chat_template is not None:
+        tokenizer_config["chat_template"] = chat_template
+    return tokenizer, tokenizer_config
+
+
+def _post_processor(bos_token: str | None, eos_token: str | None, vocab: Mapping[str, int]) -> Any:
+    """Adds bos/eos around each sequence when the GGUF asks for it; otherwise only fixes offsets."""
+    if bos_token is None and eos_token is None:
+        return processors.ByteLevel(trim_offsets=False)
+    prefix = [f"{bos_token}:0"] if bos_token else []
+    suffix = [f"{eos_token}:0"] if eos_token else []
+    pair_prefix = [f"{bos_token}:1"] if bos_token else []
+    pair_suffix = [f"{eos_token}:1"] if eos_token else []
+    specials = [(t, vocab[t]) for t in dict.fromkeys(t for t in (bos_token, eos_token) if t)]
+    return processors.TemplateProcessing(
+        single=" ".join(prefix + ["$A:0"] + suffix),
+        pair=" ".join(prefix + ["$A:0"] + suffix + pair_prefix + ["$B:1"] + pair_suffix),
+        special_tokens=specials,
+    )
+
+
+def write_hf_tokenizer(metadata: Mapping[str, Any], out_dir: Path, source: Path) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` for the GGUF's tokenizer into out_dir."""
+    tokenizer, tokenizer_config = build_hf_tokenizer(metadata, source)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
