@@ -96,6 +96,8 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype, show_
         raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ModelLoadError(f"{out_dir} already exists and is not empty; remove it or choose another folder.")
+    if show_progress:  # parsing a 150k-token vocabulary takes seconds before the bar appears
+        tqdm.write(f"Reading {gguf_path.name} ...")
     reader = _open_gguf(gguf_path)
     metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     arch = _architecture(metadata, gguf_path)
