@@ -30,3 +30,38 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer LlamaForCausalLM (fp32, untied, seed 0) with the tiny tokenizer."""
     return tiny_models.make_tiny_hf_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An unrelated random 1-layer Qwen2 draft (seed 1) sharing the tiny tokenizer: rarely agrees."""
+    return tiny_models.make_tiny_hf_model(
+        tmp_path_factory.mktemp("tiny_draft"), arch="qwen2", seed=1, num_layers=1, hidden_size=128
+    )
+
+
+def _noisy_copy(source: Path, out: Path, relative_noise: float) -> Path:
+    """``source`` with Gaussian noise (``relative_noise`` x each tensor's std) on every weight."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            param.add_(relative_noise * param.std() * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(out, safe_serialization=True)
+    tiny_models.make_tiny_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_close_draft_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 target plus 2% weight noise: a draft that agrees often (~60% greedy), not always."""
+    return _noisy_copy(tiny_qwen2_dir, tmp_path_factory.mktemp("tiny_close_draft"), 0.02)
+
+
+@pytest.fixture(scope="session")
+def tiny_far_draft_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 target plus 10% weight noise: q differs from p enough that the residual matters."""
+    return _noisy_copy(tiny_qwen2_dir, tmp_path_factory.mktemp("tiny_far_draft"), 0.10)

@@ -1,0 +1,210 @@
+"""End-to-end decoding on tiny random models: greedy equality and sampled distributions."""
+
+import itertools
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import decoder
+from transformers import AutoModelForCausalLM
+
+import specdecode.engine
+from specdecode import SamplingParams
+from specdecode.sampling import LogitsProcessor
+
+PROMPTS = [
+    "def quicksort(arr):",
+    "The quick brown fox",
+    "import numpy as np\n\nclass Counter:",
+    "Once upon a time, in a land far away, there lived",
+    "x",
+    "for i in range(10):\n    print(i)\n",
+    "Summarize: the meeting covered budgets, hiring and the road map.",
+    "1, 2, 3, 4, 5,",
+]
+
+
+def plain_tokens(target: Path, prompt: str, max_new_tokens: int = 24) -> list[int]:
+    return decoder(target, None, "none").generate(prompt, SamplingParams(max_new_tokens=max_new_tokens)).token_ids
+
+
+def test_plain_greedy_matches_transformers_generate(tiny_qwen2_dir: Path) -> None:
+    dec = decoder(tiny_qwen2_dir, None, "none")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    for prompt in PROMPTS[:4]:
+        ids = dec.encode(prompt)
+        expected = hf.generate(
+            torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=dec.eos_token_ids, pad_token_id=0
+        )[0, len(ids) :].tolist()
+        assert dec.generate(ids, SamplingParams(max_new_tokens=24)).token_ids == expected
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "unrelated", "close"])
+def test_greedy_speculative_equals_plain_for_every_k(
+    draft_kind: str, tiny_qwen2_dir: Path, tiny_draft_dir: Path, tiny_close_draft_dir: Path
+) -> None:
+    draft = {"self": tiny_qwen2_dir, "unrelated": tiny_draft_dir, "close": tiny_close_draft_dir}[draft_kind]
+    dec = decoder(tiny_qwen2_dir, draft)
+    accepted = proposed = 0
+    for prompt in PROMPTS:
+        expected = plain_tokens(tiny_qwen2_dir, prompt)
+        for k in range(1, 9):
+            result = dec.generate(prompt, SamplingParams(max_new_tokens=24), k=k)
+            assert result.token_ids == expected, f"k={k} prompt={prompt!r}"
+            accepted += result.stats.draft_tokens_accepted
+            proposed += result.stats.draft_tokens_proposed
+    rate = accepted / proposed
+    # The three drafts must cover the paths: always accepted, mostly rejected, mixed.
+    if draft_kind == "self":
+        assert rate == 1.0
+    elif draft_kind == "unrelated":
+        assert rate < 0.2
+    else:
+        assert 0.2 < rate < 0.95
+
+
+def test_greedy_equality_llama_target(tiny_llama_dir: Path) -> None:
+    dec = decoder(tiny_llama_dir, tiny_llama_dir)
+    for prompt in PROMPTS[:4]:
+        expected = plain_tokens(tiny_llama_dir, prompt)
+        assert dec.generate(prompt, SamplingParams(max_new_tokens=24), k=4).token_ids == expected
+
+
+def test_self_draft_tau_counts_bonus_token(tiny_qwen2_dir: Path) -> None:
+    dec = decoder(tiny_qwen2_dir, tiny_qwen2_dir)
+    stats = dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=31, ignore_eos=True), k=5).stats
+    # 31 tokens = 5 full steps of 6 (5 accepted + bonus) + 1 step with k=0.
+    assert stats.new_tokens == 31
+    assert stats.acceptance_rate == 1.0
+    assert stats.acceptance_per_position == [1.0] * 5
+    assert stats.tau == pytest.approx(31 / 6)
+    assert stats.target_forward_passes == 6 + 1  # prefill included
+
+
+def test_plain_decoding_has_tau_one(tiny_qwen2_dir: Path) -> None:
+    stats = decoder(tiny_qwen2_dir, None, "none").generate("x", SamplingParams(max_new_tokens=10, ignore_eos=True)).stats
+    assert stats.tau == 1.0 and stats.acceptance_rate is None and stats.new_tokens == 10
+
+
+def test_stop_string_truncates_text(tiny_qwen2_dir: Path) -> None:
+    dec = decoder(tiny_qwen2_dir, None, "none")
+    full = dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=24)).text
+    stop = full[5:8]
+    assert stop and stop in full
+    result = dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=24, stop=(stop,)))
+    assert result.text == full[: full.index(stop)]
+    assert result.stats.stop_reason == "stop_string"
+    streamed = "".join(dec.stream(PROMPTS[0], SamplingParams(max_new_tokens=24, stop=(stop,))))
+    assert streamed == result.text
+
+
+def test_streaming_concatenates_to_the_full_text(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+    stream = dec.stream(PROMPTS[2], SamplingParams(max_new_tokens=30))
+    chunks = list(stream)
+    assert len(chunks) > 1
+    assert "".join(chunks) == stream.result.text
+
+
+def test_eos_stops_generation(tiny_qwen2_dir: Path) -> None:
+    dec = decoder(tiny_qwen2_dir, tiny_qwen2_dir)
+    eos = dec.eos_token_ids[0]
+    free = dec.generate("x", SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    # Make the target's 4th greedy token an end-of-generation token for this one run.
+    dec.engine.eos_token_ids = frozenset({free[3]})
+    try:
+        result = dec.generate("x", SamplingParams(max_new_tokens=12), k=5)
+    finally:
+        dec.engine.eos_token_ids = frozenset(dec.eos_token_ids)
+    assert result.token_ids == free[: free.index(free[3]) + 1]
+    assert result.stats.stop_reason == "eos"
+    assert eos in dec.eos_token_ids
+
+
+@pytest.mark.parametrize("method", ["none", "draft"])
+def test_seeded_sampling_is_reproducible(method: str, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir, method)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=20, seed=1234)
+    first = dec.generate(PROMPTS[1], params).token_ids
+    assert dec.generate(PROMPTS[1], params).token_ids == first
+    other = dec.generate(PROMPTS[1], SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=20, seed=99)).token_ids
+    assert other != first
+
+
+# --- distribution test, end to end -------------------------------------------------------
+# Statistic: Pearson chi-square of the empirical distribution of the first three generated
+# tokens (temperature 1, top-k 3: 27 possible sequences) against the exact target
+# distribution computed by enumeration. Draws: 1,500 seeded generations, k = 2 (so a step
+# exercises acceptance, recovery from the residual and the bonus token). Threshold: the
+# chi-square critical value for p = 0.001 (df = cells - 1), so a correct sampler fails 1 run
+# in 1,000; a sampler whose recovery step draws from p instead of the residual fails it.
+
+DRAWS = 1500
+TOP_K = 3
+NEW_TOKENS = 3
+CHI2_CRITICAL_P001 = {26: 54.05, 25: 52.62, 24: 51.18, 23: 49.73, 22: 48.27, 21: 46.80, 20: 45.31}
+
+
+def exact_sequence_distribution(dec, prompt_ids: list[int]) -> dict[tuple[int, ...], float]:
+    processor = LogitsProcessor(temperature=1.0, top_k=TOP_K, top_p=1.0)
+    model = dec.target.model
+    dist: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(NEW_TOKENS):
+        grown = {}
+        for seq, prob in dist.items():
+            ids = torch.tensor([prompt_ids + list(seq)])
+            with torch.inference_mode():
+                logits = model(ids, torch.arange(ids.shape[1])[None]).logits[0, -1]
+            probs = processor.probs(logits)
+            for token in torch.nonzero(probs > 0).flatten().tolist():
+                grown[seq + (token,)] = prob * probs[token].item()
+        dist = grown
+    return dist
+
+
+def chi_square(dec, prompt_ids: list[int], method: str) -> tuple[float, int]:
+    exact = exact_sequence_distribution(dec, prompt_ids)
+    counts: Counter = Counter()
+    for seed in range(DRAWS):
+        params = SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=NEW_TOKENS, seed=seed, ignore_eos=True)
+        counts[tuple(dec.generate(prompt_ids, params, method=method, k=2).token_ids)] += 1
+    assert set(counts) <= set(exact), "sampled a sequence the target cannot produce"
+    cells = [seq for seq, p in exact.items() if p * DRAWS >= 5]  # chi-square needs expected >= 5
+    other_p = 1.0 - sum(exact[s] for s in cells)
+    stat = sum((counts[s] - DRAWS * exact[s]) ** 2 / (DRAWS * exact[s]) for s in cells)
+    other_count = DRAWS - sum(counts[s] for s in cells)
+    if other_p * DRAWS >= 5:
+        stat += (other_count - DRAWS * other_p) ** 2 / (DRAWS * other_p)
+        return stat, len(cells)
+    return stat, len(cells) - 1
+
+
+@pytest.fixture(scope="module")
+def sampling_setup(tiny_qwen2_dir: Path, tiny_far_draft_dir: Path):
+    dec = decoder(tiny_qwen2_dir, tiny_far_draft_dir)
+    return dec, dec.encode("def quicksort(arr):")
+
+
+def test_speculative_sampling_matches_target_distribution(sampling_setup) -> None:
+    dec, prompt_ids = sampling_setup
+    stat, df = chi_square(dec, prompt_ids, "draft")
+    assert stat < CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}"
+
+
+def test_distribution_test_catches_wrong_residual(sampling_setup, monkeypatch) -> None:
+    dec, prompt_ids = sampling_setup
+    real = specdecode.engine.rejection_verify
+
+    def recover_from_p(draft_tokens, draft_probs, target_probs, generator):
+        # Same acceptance, but rejected tokens are replaced by a draw from p (wrong).
+        result = real(draft_tokens, draft_probs, target_probs, generator)
+        rejected = (result.accepted_len < draft_tokens.shape[1]).nonzero().flatten()
+        for row in rejected.tolist():
+            n = result.accepted_len[row]
+            result.tokens[row, n] = torch.multinomial(target_probs[row, n], 1, generator=generator)
+        return result
+
+    monkeypatch.setattr(specdecode.engine, "rejection_verify", recover_from_p)
+    stat, df = chi_square(dec, prompt_ids, "draft")
+    assert stat > CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}: the test has no power"
