@@ -63,8 +63,10 @@ def _rewrite_gguf(
     target: Path,
     metadata: dict[str, Any] | None = None,
     tensor_data: Callable[[Any], tuple[np.ndarray, gguf.GGMLQuantizationType] | None] | None = None,
+    add_metadata: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> None:
-    """Copy a GGUF, replacing metadata values and (where ``tensor_data`` returns one) tensors."""
+    """Copy a GGUF, replacing metadata values (None deletes the key), adding keys through
+    ``add_metadata``, and replacing tensors where ``tensor_data`` returns new data."""
     metadata = metadata or {}
     reader = gguf.GGUFReader(source)
     arch = metadata.get("general.architecture", reader.fields["general.architecture"].contents())
@@ -73,8 +75,12 @@ def _rewrite_gguf(
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         value = metadata.get(name, field.contents())
+        if value is None:
+            continue
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+    if add_metadata:
+        add_metadata(writer)
     for tensor in reader.tensors:
         replaced = tensor_data(tensor) if tensor_data else None
         data, qtype = replaced if replaced else (np.array(tensor.data), tensor.tensor_type)
@@ -174,6 +180,63 @@ def test_add_bos_token_prepends_bos_once(gguf_models: dict, tmp_path: Path) -> N
     assert converted.encode("hello world") == [converted.convert_tokens_to_ids(tiny_models.ENDOFTEXT)] + plain
 
 
+def _llama_cpp_spm_encode(text: str, tokens: list[str], scores: list[float], types: list[int]) -> list[int]:
+    """SentencePiece BPE as llama.cpp does it, as a slow reference: prefix a space, write spaces
+    as U+2581, then keep joining the adjacent pair whose union is the highest-scoring piece
+    (leftmost on ties); characters outside the vocabulary become byte pieces."""
+    ids = {token: i for i, token in enumerate(tokens)}
+    symbols = list(tiny_models.SPM_SPACE + text.replace(" ", tiny_models.SPM_SPACE))
+    while True:
+        candidates = [
+            (scores[ids[a + b]], -i) for i, (a, b) in enumerate(zip(symbols, symbols[1:]))
+            if a + b in ids and types[ids[a + b]] == gguf.TokenType.NORMAL
+        ]
+        if not candidates:
+            break
+        i = -max(candidates)[1]
+        symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+    out: list[int] = []
+    for symbol in symbols:
+        out.extend([ids[symbol]] if symbol in ids else [ids[f"<0x{b:02X}>"] for b in symbol.encode()])
+    return out
+
+
+def test_sentencepiece_vocabulary_tokenizes_like_llama_cpp(gguf_models: dict, tmp_path: Path) -> None:
+    tokens, scores, types = tiny_models.make_spm_vocab()
+    # Shuffle the learned pieces' scores: then score order is unrelated to length and training
+    # order, so only a converter that ranks merges by score matches llama.cpp.
+    learned = [i for i, token in enumerate(tokens) if types[i] == gguf.TokenType.NORMAL and len(token) > 1]
+    shuffled = np.random.default_rng(0).permutation([scores[i] for i in learned])
+    scores = list(scores)
+    for i, score in zip(learned, shuffled):
+        scores[i] = float(score)
+    unk, bos, eos = (tokens.index(t) for t in (tiny_models.SPM_UNK, tiny_models.SPM_BOS, tiny_models.SPM_EOS))
+
+    def spm_metadata(writer: gguf.GGUFWriter) -> None:
+        writer.add_token_scores(scores)
+        writer.add_unk_token_id(unk)
+
+    spm_fields = {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": bos, "tokenizer.ggml.eos_token_id": eos,
+        "tokenizer.ggml.merges": None, "tokenizer.ggml.pre": None, "tokenizer.ggml.padding_token_id": None,
+        "tokenizer.ggml.add_bos_token": None,  # absent: llama.cpp's default for SentencePiece is to add bos
+    }
+    _rewrite_gguf(gguf_models["llama"]["gguf"], tmp_path / "spm.gguf", metadata=spm_fields, add_metadata=spm_metadata)
+    folder = convert_gguf_to_hf(tmp_path / "spm.gguf", tmp_path / "converted", torch.float32, show_progress=False)
+    converted = AutoTokenizer.from_pretrained(folder)
+
+    # Scrambled letters make pieces compete for the same characters, where merge order matters.
+    scrambled = "".join(np.random.default_rng(0).choice(list("aeinorst ()_"), size=300))
+    probes = [text for text in TOKENIZER_PROBES if "<|" not in text] + [tiny_models.TRAINING_TEXT, scrambled, "x"]
+    for text in probes:
+        expected = [bos] + _llama_cpp_spm_encode(text, tokens, scores, types)
+        assert converted.encode(text) == expected, text
+        assert converted.decode(expected, skip_special_tokens=True) == text
+    assert converted.encode("stop</s>")[-1] == eos
+    assert converted.eos_token == tiny_models.SPM_EOS and converted.bos_token == tiny_models.SPM_BOS
+
+
 # ------------------------------------------------------------------------------ cache
 
 
@@ -250,7 +313,7 @@ def test_unsupported_tensor_type_is_named(gguf_models: dict, tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     ("key", "value", "named"),
-    [("tokenizer.ggml.model", "llama", "'llama'"), ("tokenizer.ggml.pre", "deepseek-coder", "'deepseek-coder'")],
+    [("tokenizer.ggml.model", "bert", "'bert'"), ("tokenizer.ggml.pre", "deepseek-coder", "'deepseek-coder'")],
 )
 def test_unsupported_tokenizer_is_named(gguf_models: dict, tmp_path: Path, key: str, value: str, named: str) -> None:
     _rewrite_gguf(gguf_models["qwen2"]["gguf"], tmp_path / "tok.gguf", metadata={key: value})

@@ -517,3 +517,45 @@ def _write_reference_folder(hf_dir: Path, reference_dir: Path, weights: dict[str
     shutil.copytree(hf_dir, reference_dir, dirs_exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(reference_dir / "model.safetensors"),
               metadata={"format": "pt"})
+
+
+# --------------------------------------------------------------------------------------------
+# SentencePiece-style vocabulary (Llama 2 / Mistral GGUFs)
+# --------------------------------------------------------------------------------------------
+
+SPM_SPACE = "\u2581"  # SentencePiece's visible space
+SPM_UNK, SPM_BOS, SPM_EOS = "<unk>", "<s>", "</s>"
+
+
+def make_spm_vocab(num_merges: int = 150) -> tuple[list[str], list[float], list[int]]:
+    """A tiny SentencePiece-BPE vocabulary as a GGUF stores it: (tokens, scores, token types).
+
+    Laid out like Llama 2's: <unk>, <s>, </s>, the 256 byte pieces <0x00>..<0xFF>, then pieces
+    learned by plain BPE on TRAINING_TEXT (score = minus the merge step, so earlier merges win),
+    then the single characters (lowest scores). Deterministic.
+    """
+    words = [SPM_SPACE + word for word in TRAINING_TEXT.split()]  # SentencePiece marks word starts
+    symbols = [list(word) for word in words]
+    learned: list[str] = []
+    for _ in range(num_merges):
+        pair_counts: dict[tuple[str, str], int] = {}
+        for word in symbols:
+            for pair in zip(word, word[1:]):
+                pair_counts[pair] = pair_counts.get(pair, 0) + 1
+        if not pair_counts:
+            break
+        best = max(sorted(pair_counts), key=lambda pair: pair_counts[pair])  # ties: first in sort order
+        learned.append(best[0] + best[1])
+        for word in symbols:
+            i = 0
+            while i < len(word) - 1:
+                if (word[i], word[i + 1]) == best:
+                    word[i : i + 2] = [best[0] + best[1]]
+                i += 1
+    chars = sorted({char for word in words for char in word})
+    tokens = [SPM_UNK, SPM_BOS, SPM_EOS] + [f"<0x{byte:02X}>" for byte in range(256)] + learned + chars
+    scores = [0.0] * (3 + 256) + [-float(step) for step in range(len(learned))]
+    scores += [-1e4 - i for i in range(len(chars))]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    types += [gguf.TokenType.NORMAL] * (len(learned) + len(chars))
+    return tokens, scores, [int(t) for t in types]

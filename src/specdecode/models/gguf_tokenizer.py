@@ -6,8 +6,8 @@ the regex itself lives in llama.cpp's source. We map the names we know to the re
 normalizers of the original Hugging Face tokenizers, so the rebuilt tokenizer splits text
 exactly as the model was trained to see it.
 
-SentencePiece-style vocabularies (``tokenizer.ggml.model == "llama"``: Llama 2, Mistral v0.1,
-TinyLlama) are not rebuilt yet and raise ``UnsupportedModelError``.
+SentencePiece vocabularies (``tokenizer.ggml.model == "llama"``: Llama 2, Mistral, TinyLlama)
+store pieces and scores instead of merges; we derive the merges from the scores.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from ..errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
+_SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
 # Split regexes of the original HF tokenizers, by llama.cpp's `tokenizer.ggml.pre` name.
 _QWEN2_REGEX = (
@@ -58,47 +59,26 @@ def build_hf_tokenizer(metadata: Mapping[str, Any], source: Path) -> tuple[Token
     if tokenizer_model not in SUPPORTED_TOKENIZER_MODELS:
         raise UnsupportedModelError(
             f"{source}: tokenizer type {tokenizer_model!r} (tokenizer.ggml.model) is not supported; "
-            f"supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE, as in Qwen2 and "
-            "Llama 3). SentencePiece ('llama') vocabularies need the model's Hugging Face folder."
+            f"supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE as in Qwen2 and Llama 3, "
+            "SentencePiece as in Llama 2 and Mistral). Use the model's Hugging Face folder instead."
         )
-    try:
-        tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-        merges: list[str] = list(metadata["tokenizer.ggml.merges"])
-    except KeyError as err:
-        raise ModelLoadError(f"{source} has no {err.args[0]} metadata, so its tokenizer cannot be rebuilt.") from err
+    if "tokenizer.ggml.tokens" not in metadata:
+        raise ModelLoadError(f"{source} has no tokenizer.ggml.tokens metadata, so its tokenizer cannot be rebuilt.")
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens)))
     if len(token_types) != len(tokens):
         raise ModelLoadError(f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens.")
-    regex, nfc, ignore_merges = _pre_tokenizer_spec(str(metadata.get("tokenizer.ggml.pre", "<missing>")))
-
-    vocab = {token: token_id for token_id, token in enumerate(tokens)}
-    merge_pairs = []
-    for merge in merges:
-        left, sep, right = merge.partition(" ")
-        if not sep:
-            raise ModelLoadError(f"{source}: malformed merge {merge!r} in tokenizer.ggml.merges.")
-        merge_pairs.append((left, right))
-    try:
-        bpe = models.BPE(vocab=vocab, merges=merge_pairs, ignore_merges=ignore_merges, fuse_unk=False, byte_fallback=False)
-    except Exception as err:  # tokenizers raises a bare Exception for merges of unknown tokens
-        raise ModelLoadError(f"{source}: the GGUF's tokenizer vocabulary is inconsistent ({err}).") from err
-
-    tokenizer = Tokenizer(bpe)
-    if nfc:
-        tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, <|endoftext|>) are special: matched whole, never merged into,
-    # and skipped by decode(skip_special_tokens=True). User-defined ones (<tool_call>) are matched
-    # whole but are ordinary text. Unused padding tokens ([PAD151665]) stay plain vocabulary
-    # entries that no text produces.
+    if tokenizer_model == "gpt2":
+        tokenizer = _byte_level_bpe(metadata, tokens, source)
+    else:
+        tokenizer = _sentencepiece_bpe(metadata, tokens, token_types, source)
+    # Control tokens (<|im_start|>, <s>) and the unknown token are special: matched whole, never
+    # merged into, and skipped by decode(skip_special_tokens=True). User-defined ones (<tool_call>)
+    # are matched whole but are ordinary text. Unused padding tokens ([PAD151665]) stay plain
+    # vocabulary entries that no text produces.
+    special_kinds = (TokenType.CONTROL, TokenType.UNKNOWN)
     tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, token_types) if kind == TokenType.CONTROL]
+        [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, token_types) if kind in special_kinds]
     )
     tokenizer.add_tokens(
         [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, token_types) if kind == TokenType.USER_DEFINED]
@@ -113,13 +93,14 @@ def build_hf_tokenizer(metadata: Mapping[str, Any], source: Path) -> tuple[Token
         return tokens[int(token_id)]
 
     bos_token = token_at("tokenizer.ggml.bos_token_id")
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    # llama.cpp adds bos by default for SentencePiece vocabularies, not for byte-level BPE ones.
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama"))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     eos_token = token_at("tokenizer.ggml.eos_token_id")
     if (add_bos and bos_token is None) or (add_eos and eos_token is None):
         raise ModelLoadError(f"{source} asks to add a bos/eos token to every prompt but does not name it.")
     tokenizer.post_processor = _post_processor(
-        bos_token if add_bos else None, eos_token if add_eos else None, vocab
+        bos_token if add_bos else None, eos_token if add_eos else None, tokenizer
     )
 
     tokenizer_config: dict[str, Any] = {
@@ -143,7 +124,79 @@ def build_hf_tokenizer(metadata: Mapping[str, Any], source: Path) -> tuple[Token
     return tokenizer, tokenizer_config
 
 
-def _post_processor(bos_token: str | None, eos_token: str | None, vocab: Mapping[str, int]) -> Any:
+def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], source: Path) -> Tokenizer:
+    """GPT-2-style BPE over bytes mapped to printable characters, with a named split regex."""
+    if "tokenizer.ggml.merges" not in metadata:
+        raise ModelLoadError(f"{source} has no tokenizer.ggml.merges metadata, so its tokenizer cannot be rebuilt.")
+    regex, nfc, ignore_merges = _pre_tokenizer_spec(str(metadata.get("tokenizer.ggml.pre", "<missing>")))
+    merge_pairs = []
+    for merge in metadata["tokenizer.ggml.merges"]:
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise ModelLoadError(f"{source}: malformed merge {merge!r} in tokenizer.ggml.merges.")
+        merge_pairs.append((left, right))
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merge_pairs, ignore_merges=ignore_merges, fuse_unk=False, byte_fallback=False)
+    except Exception as err:  # tokenizers raises a bare Exception for merges of unknown tokens
+        raise ModelLoadError(f"{source}: the GGUF's tokenizer vocabulary is inconsistent ({err}).") from err
+    tokenizer = Tokenizer(bpe)
+    if nfc:
+        tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str], token_types: list[int], source: Path) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (pieces + scores, no merge list) as a tokenizers BPE model.
+
+    SentencePiece (and llama.cpp) encode by repeatedly joining the adjacent pair of pieces whose
+    union has the highest score. BPE joins the pair with the lowest merge rank, so listing every
+    (left, right) split of every piece, ranked by the piece's score, gives the same result.
+    Characters outside the vocabulary fall back to byte pieces <0xAB>.
+    """
+    if "tokenizer.ggml.scores" not in metadata:
+        raise ModelLoadError(f"{source} has no tokenizer.ggml.scores metadata, so its tokenizer cannot be rebuilt.")
+    scores: list[float] = list(metadata["tokenizer.ggml.scores"])
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    mergeable = {t for t, kind in zip(tokens, token_types) if kind in (TokenType.NORMAL, TokenType.USER_DEFINED)}
+    merges = []
+    for token_id in sorted(range(len(tokens)), key=lambda i: (-scores[i], i)):
+        piece = tokens[token_id]
+        if piece not in mergeable:
+            continue
+        merges.extend((piece[:cut], piece[cut:]) for cut in range(1, len(piece)) if piece[:cut] in mergeable and piece[cut:] in mergeable)
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=tokens[int(unk_id)] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    # SentencePiece writes spaces as U+2581 and, by default, starts the text with one. llama.cpp
+    # prefixes every run of text (also after a special token, and even if it starts with a space);
+    # a normalizer runs on each text run between added tokens, so Prepend does exactly that,
+    # where a Metaspace pre-tokenizer would skip texts that already start with a space.
+    add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend(_SPM_SPACE)] if add_space_prefix else []
+    tokenizer.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", _SPM_SPACE)])
+    steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+def _post_processor(bos_token: str | None, eos_token: str | None, tokenizer: Tokenizer) -> Any:
     """Adds bos/eos around each sequence when the GGUF asks for it; otherwise only fixes offsets."""
     if bos_token is None and eos_token is None:
         return processors.ByteLevel(trim_offsets=False)
@@ -151,7 +204,7 @@ def _post_processor(bos_token: str | None, eos_token: str | None, vocab: Mapping
     suffix = [f"{eos_token}:0"] if eos_token else []
     pair_prefix = [f"{bos_token}:1"] if bos_token else []
     pair_suffix = [f"{eos_token}:1"] if eos_token else []
-    specials = [(t, vocab[t]) for t in dict.fromkeys(t for t in (bos_token, eos_token) if t)]
+    specials = [(t, tokenizer.token_to_id(t)) for t in dict.fromkeys(t for t in (bos_token, eos_token) if t)]
     return processors.TemplateProcessing(
         single=" ".join(prefix + ["$A:0"] + suffix),
         pair=" ".join(prefix + ["$A:0"] + suffix + pair_prefix + ["$B:1"] + pair_suffix),
