@@ -117,6 +117,28 @@ def test_converted_model_matches_dequantized_reference(gguf_models: dict, arch: 
     torch.testing.assert_close(_logits(folder), expected, atol=LOGITS_ATOL, rtol=0)
 
 
+def test_llama3_rope_factors_become_rope_scaling(tmp_path: Path) -> None:
+    hf_dir = tiny_models.make_tiny_hf_model(
+        tmp_path / "hf", arch="llama", rope_scaling=tiny_models.LLAMA3_ROPE_SCALING, max_position_embeddings=256
+    )
+    tiny_models.write_gguf_from_hf(hf_dir, tmp_path / "m.gguf", "F32")
+    assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    folder = convert_gguf_to_hf(tmp_path / "m.gguf", tmp_path / "converted", torch.float32, show_progress=False)
+
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_parameters"] == {**tiny_models.LLAMA3_ROPE_SCALING, "rope_theta": 10_000.0}
+    # Long enough that the slow, scaled frequencies turn noticeably.
+    ids = torch.arange(96).remainder(tiny_models.TINY_VOCAB_SIZE).unsqueeze(0)
+    models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (hf_dir, folder)]
+    with torch.no_grad():
+        expected, converted = (model(ids).logits for model in models)
+        models[1].config.rope_parameters = {"rope_type": "default", "rope_theta": 10_000.0}
+        unscaled = type(models[1])(models[1].config)
+        unscaled.load_state_dict(models[1].state_dict())
+        assert not torch.allclose(unscaled(ids).logits, expected, atol=1e-3)
+    torch.testing.assert_close(converted, expected, atol=LOGITS_ATOL, rtol=0)
+
+
 def test_unpermute_inverts_llama_cpp_row_order() -> None:
     weight = torch.arange(4 * 8 * 3, dtype=torch.float32).reshape(4 * 8, 3)  # 4 heads of dim 8
     permuted = tiny_models.permute_rows_for_ggml(weight, num_heads=4)

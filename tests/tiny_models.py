@@ -184,6 +184,16 @@ WEIGHT_INIT_STD = 0.08
 BIAS_INIT_STD = 0.05
 NORM_GAIN_NOISE_STD = 0.1
 DEFAULT_ROPE_THETA = {"qwen2": 1_000_000.0, "llama": 10_000.0}
+# Llama 3.1's RoPE scaling. With head_dim 64 and theta 1e4, frequencies fall in all three bands
+# (kept, smoothed, divided by `factor`). transformers warns that the original context exceeds
+# a tiny model's max_position_embeddings; that is harmless.
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def make_tiny_hf_model(
@@ -201,13 +211,15 @@ def make_tiny_hf_model(
     rope_theta: float | None = None,
     rms_norm_eps: float = 1e-6,
     tokenizer_pre: str = "qwen2",
+    rope_scaling: dict | None = None,
 ) -> Path:
     """Save a random-weight fp32 ``Qwen2ForCausalLM`` (q/k/v bias) or ``LlamaForCausalLM`` to out_dir.
 
     The vocabulary is the tiny tokenizer's (``TINY_VOCAB_SIZE``) plus ``vocab_pad`` extra
     embedding rows that no token maps to, as real checkpoints pad their vocabularies; two models
     that differ only in ``vocab_pad`` share a tokenizer. The same ``seed`` and shape arguments
-    always give the same weights. Returns ``out_dir``.
+    always give the same weights. ``rope_scaling`` is passed to the config as is (for example
+    ``LLAMA3_ROPE_SCALING``). Returns ``out_dir``.
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -229,6 +241,8 @@ def make_tiny_hf_model(
         eos_token_id=special_ids[IM_END],
         pad_token_id=special_ids[ENDOFTEXT],
     )
+    if rope_scaling is not None:
+        common["rope_scaling"] = rope_scaling
     if arch == "qwen2":
         config = Qwen2Config(**common)
     elif arch == "llama":
@@ -447,6 +461,9 @@ def write_gguf_from_hf(
     if arch == "llama":
         writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
     _add_tokenizer_metadata(writer, hf_dir, config["vocab_size"])
+    if rope.get("rope_type") == "llama3":
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
 
     reference: dict[str, torch.Tensor] = {}
     for hf_name in sorted(state):
@@ -476,6 +493,24 @@ def write_gguf_from_hf(
     if reference_dir is not None:
         _write_reference_folder(hf_dir, Path(reference_dir), reference)
     return reference
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """(head_dim / 2,) float32: what llama.cpp stores as rope_freqs.weight for Llama 3.1 scaling,
+    the number each RoPE inverse frequency is divided by."""
+    inv_freq = rope["rope_theta"] ** (-np.arange(0, head_dim, 2) / head_dim)
+    wavelength = 2 * np.pi / inv_freq
+    original = rope["original_max_position_embeddings"]
+    factors = []
+    for wl in wavelength:
+        if wl < original / rope["high_freq_factor"]:
+            factors.append(1.0)
+        elif wl > original / rope["low_freq_factor"]:
+            factors.append(rope["factor"])
+        else:
+            smooth = (original / wl - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
