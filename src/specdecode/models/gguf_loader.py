@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +98,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype, show_
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ModelLoadError(f"{out_dir} already exists and is not empty; remove it or choose another folder.")
     if show_progress:  # parsing a 150k-token vocabulary takes seconds before the bar appears
-        tqdm.write(f"Reading {gguf_path.name} ...")
+        tqdm.write(f"Reading {gguf_path.name} ...", file=sys.stderr)  # stdout is for generated text
     reader = _open_gguf(gguf_path)
     metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     arch = _architecture(metadata, gguf_path)
@@ -203,20 +204,25 @@ def _architecture(metadata: dict[str, Any], source: Path) -> str:
 def _hf_config(
     metadata: dict[str, Any], arch: str, tensors: dict[str, Any], dtype: torch.dtype, source: Path
 ) -> dict[str, Any]:
-    def required(key: str) -> Any:
-        value = metadata.get(f"{arch}.{key}")
-        if value is None:
-            raise ModelLoadError(f"{source} lacks the metadata key {arch}.{key}; the file is incomplete.")
+    def optional(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
         if isinstance(value, list):
             raise UnsupportedModelError(f"{source}: per-layer {arch}.{key} values are not supported.")
+        return value
+
+    def required(key: str) -> Any:
+        value = optional(key)
+        if value is None:
+            raise ModelLoadError(f"{source} lacks the metadata key {arch}.{key}; the file is incomplete.")
         return value
 
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{source} has no token_embd.weight tensor; it is not a complete model.")
     num_heads = int(required("attention.head_count"))
-    num_kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv") or num_heads)
+    num_kv_heads = int(optional("attention.head_count_kv") or num_heads)
     hidden_size = int(required("embedding_length"))
-    head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden_size // num_heads)
+    key_length = optional("attention.key_length")
+    head_dim = int(key_length or hidden_size // num_heads)
     eos_token_id = metadata.get("tokenizer.ggml.eos_token_id")
     config: dict[str, Any] = {
         "architectures": [_HF_ARCHITECTURE[arch]],
@@ -239,7 +245,7 @@ def _hf_config(
         "dtype": _DTYPE_NAMES[dtype],  # transformers >= 5 this one
         "use_cache": True,
     }
-    if metadata.get(f"{arch}.attention.key_length") is not None:
+    if key_length is not None:
         config["head_dim"] = head_dim
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
