@@ -262,7 +262,9 @@ def test_sentencepiece_vocabulary_tokenizes_like_llama_cpp(gguf_models: dict, tm
 # ------------------------------------------------------------------------------ cache
 
 
-def test_cache_converts_once_per_file_and_dtype(gguf_models: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_converts_once_per_file_and_dtype(
+    gguf_models: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     gguf_path = tmp_path / "model.gguf"
     gguf_path.write_bytes(gguf_models["qwen2"]["gguf"].read_bytes())

@@ -288,11 +288,12 @@ def _llama3_rope_parameters(
     factor = float(stored.max())
     inv_freq = theta ** (-np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)  # (rope_dims / 2,)
     wavelength = 2 * math.pi / inv_freq
-    smooth = (original_context / wavelength - _LLAMA3_LOW_FREQ_FACTOR) / (_LLAMA3_HIGH_FREQ_FACTOR - _LLAMA3_LOW_FREQ_FACTOR)
+    low, high = _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
+    smooth = (original_context / wavelength - low) / (high - low)
     expected = np.where(
-        wavelength < original_context / _LLAMA3_HIGH_FREQ_FACTOR,
+        wavelength < original_context / high,
         1.0,
-        np.where(wavelength > original_context / _LLAMA3_LOW_FREQ_FACTOR, factor, 1 / ((1 - smooth) / factor + smooth)),
+        np.where(wavelength > original_context / low, factor, 1 / ((1 - smooth) / factor + smooth)),
     )
     if stored.shape != expected.shape or not np.allclose(stored, expected, rtol=1e-3):
         raise UnsupportedModelError(
@@ -367,7 +368,9 @@ def _plan_tensors(tensors: dict[str, Any], config: dict[str, Any], arch: str, so
         plan.append(_PlannedTensor(hf_name, shape, tensor, heads))
 
     required = [f"blk.{i}.{key}" for i in range(num_layers) for key in _REQUIRED_LAYER_TENSORS]
-    required += ["output_norm.weight"] + ([f"blk.{i}.{key}" for i in range(num_layers) for key in _QWEN2_BIASES] if arch == "qwen2" else [])
+    required.append("output_norm.weight")
+    if arch == "qwen2":
+        required += [f"blk.{i}.{key}" for i in range(num_layers) for key in _QWEN2_BIASES]
     missing = [name for name in required if name not in tensors]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
@@ -425,7 +428,9 @@ def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor
     return weight.reshape(num_heads, half_head, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _write_weights(path: Path, plan: list[_PlannedTensor], dtype: torch.dtype, source: Path, show_progress: bool) -> None:
+def _write_weights(
+    path: Path, plan: list[_PlannedTensor], dtype: torch.dtype, source: Path, show_progress: bool
+) -> None:
     """Write a safetensors file one tensor at a time, so peak memory is one float32 tensor.
 
     safetensors' own ``save_file`` needs every tensor in memory at once, about the size of the

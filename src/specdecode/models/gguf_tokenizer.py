@@ -67,7 +67,9 @@ def build_hf_tokenizer(metadata: Mapping[str, Any], source: Path) -> tuple[Token
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens)))
     if len(token_types) != len(tokens):
-        raise ModelLoadError(f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens.")
+        raise ModelLoadError(
+            f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens."
+        )
     if tokenizer_model == "gpt2":
         tokenizer = _byte_level_bpe(metadata, tokens, source)
     else:
@@ -77,12 +79,10 @@ def build_hf_tokenizer(metadata: Mapping[str, Any], source: Path) -> tuple[Token
     # are matched whole but are ordinary text. Unused padding tokens ([PAD151665]) stay plain
     # vocabulary entries that no text produces.
     special_kinds = (TokenType.CONTROL, TokenType.UNKNOWN)
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, token_types) if kind in special_kinds]
-    )
-    tokenizer.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, token_types) if kind == TokenType.USER_DEFINED]
-    )
+    typed = list(zip(tokens, token_types))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k in special_kinds])
+    user_defined = [t for t, k in typed if k == TokenType.USER_DEFINED]
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
 
     def token_at(key: str) -> str | None:
         token_id = metadata.get(key)
@@ -137,7 +137,9 @@ def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], source: Path
         merge_pairs.append((left, right))
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
     try:
-        bpe = models.BPE(vocab=vocab, merges=merge_pairs, ignore_merges=ignore_merges, fuse_unk=False, byte_fallback=False)
+        bpe = models.BPE(
+            vocab=vocab, merges=merge_pairs, ignore_merges=ignore_merges, fuse_unk=False, byte_fallback=False
+        )
     except Exception as err:  # tokenizers raises a bare Exception for merges of unknown tokens
         raise ModelLoadError(f"{source}: the GGUF's tokenizer vocabulary is inconsistent ({err}).") from err
     tokenizer = Tokenizer(bpe)
@@ -153,7 +155,9 @@ def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], source: Path
     return tokenizer
 
 
-def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str], token_types: list[int], source: Path) -> Tokenizer:
+def _sentencepiece_bpe(
+    metadata: Mapping[str, Any], tokens: list[str], token_types: list[int], source: Path
+) -> Tokenizer:
     """A SentencePiece BPE vocabulary (pieces + scores, no merge list) as a tokenizers BPE model.
 
     SentencePiece (and llama.cpp) encode by repeatedly joining the adjacent pair of pieces whose
@@ -171,7 +175,8 @@ def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str], token_typ
         piece = tokens[token_id]
         if piece not in mergeable:
             continue
-        merges.extend((piece[:cut], piece[cut:]) for cut in range(1, len(piece)) if piece[:cut] in mergeable and piece[cut:] in mergeable)
+        splits = ((piece[:cut], piece[cut:]) for cut in range(1, len(piece)))
+        merges.extend((left, right) for left, right in splits if left in mergeable and right in mergeable)
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     tokenizer = Tokenizer(
         models.BPE(
