@@ -106,8 +106,13 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
-    """Build the transformer on the meta device and fill it from safetensors, checking every name."""
+def load_weights(
+    folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, pack: bool = True
+) -> Transformer:
+    """Build the transformer on the meta device and fill it from safetensors, checking every name.
+
+    ``pack`` prepacks bf16 weights for the CPU's matmul kernels where that is faster.
+    """
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {name for name, _ in model.named_parameters()}
@@ -140,7 +145,10 @@ def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: tor
         model.tie_weights()
     # Buffers (RoPE frequencies) were built on meta; rebuild them for real.
     model.inv_freq = _real_inv_freq(cfg, device)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if pack:
+        model.pack_weights_for_cpu()
+    return model
 
 
 def _real_inv_freq(cfg: ModelConfig, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""A linear layer that can prepack its weight for the CPU's bf16 matmul kernels.
+
+Decoding on a CPU is bound by how fast matmuls stream weights. oneDNN's bf16 matmul reads a
+weight faster once it is reordered into its blocked layout: measured on the demo 0.5B draft
+(2-core AVX-512-BF16 CPU), a 1-token forward went from ~100 ms to ~75 ms and a 6-token
+verify-sized forward from ~127 ms to ~88 ms, with bit-identical logits. The reordered weight is
+an opaque oneDNN tensor, so the dense copy is dropped to keep memory flat. fp32 is slower
+packed, and other devices have their own kernels, so only CPU bf16 weights are packed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..runtime import cpu_supports_bf16
+
+# Expected rows per call for oneDNN's reorder heuristics: decoding feeds 1 to ~9 rows.
+PACK_BATCH_HINT = 1
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` plus an optional prepacked CPU weight."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in_features)
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def pack_for_cpu(self) -> bool:
+        """Reorder the weight for oneDNN when that is the faster path; True if packed."""
+        weight = self.weight
+        if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+            return False
+        if not cpu_supports_bf16():
+            return False
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        # Drop this module's reference to the dense weight (a tied embedding keeps its own).
+        del self.weight
+        self.weight = None  # type: ignore[assignment]
+        return True

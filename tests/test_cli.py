@@ -1,0 +1,127 @@
+"""The command line: output formats, and a clear error (no traceback) for each bad input."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specdecode import cli
+
+
+def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def common(target: Path, draft: Path | None = None) -> list[str]:
+    args = ["--target", str(target), "--dtype", "fp32", "--device", "cpu", "--quiet", "--max-new-tokens", "12"]
+    return args + (["--draft", str(draft)] if draft else [])
+
+
+def test_json_output_has_text_tokens_and_stats(capsys, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    code, out, err = run_cli(capsys, "generate", "def quicksort(arr):", *common(tiny_qwen2_dir, tiny_close_draft_dir), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert set(data) == {"text", "token_ids", "stats"}
+    assert len(data["token_ids"]) == data["stats"]["new_tokens"] <= 12
+    for key in ("tau", "acceptance_rate", "acceptance_per_position", "draft_seconds", "verify_seconds",
+                "total_seconds", "tokens_per_second", "target_forward_passes"):
+        assert key in data["stats"]
+
+
+def test_plain_and_speculative_cli_print_the_same_text(capsys, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    _, plain, _ = run_cli(capsys, "generate", "Once upon a time", *common(tiny_qwen2_dir), "--method", "none")
+    _, spec, _ = run_cli(capsys, "generate", "Once upon a time", *common(tiny_qwen2_dir, tiny_close_draft_dir), "--k", "3")
+    assert plain == spec and plain.strip()
+
+
+def test_chat_mode_and_metrics_on_stderr(capsys, tiny_qwen2_dir: Path) -> None:
+    args = ["--target", str(tiny_qwen2_dir), "--dtype", "fp32", "--method", "none", "--max-new-tokens", "5"]
+    code, out, err = run_cli(capsys, "generate", "hello", *args, "--chat")
+    assert code == 0
+    assert "tau=1.00" in err and "tokens/s=" in err
+
+
+def expect_error(capsys, argv: list[str], pattern: str) -> None:
+    code, out, err = run_cli(capsys, *argv)
+    assert code == cli.EXIT_USER_ERROR
+    assert "Traceback" not in err
+    assert pattern.lower() in err.lower(), err
+
+
+def test_missing_model_file(capsys, tmp_path: Path) -> None:
+    expect_error(capsys, ["generate", "hi", "--target", str(tmp_path / "nope.gguf"), "--method", "none"], "does not exist")
+
+
+def test_corrupt_gguf(capsys, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    expect_error(capsys, ["generate", "hi", "--target", str(bad), "--method", "none"], "bad.gguf")
+
+
+def test_unsupported_architecture(capsys, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}')
+    expect_error(capsys, ["generate", "hi", "--target", str(tmp_path), "--method", "none"], "MambaForCausalLM")
+
+
+def test_draft_with_another_tokenizer(capsys, tiny_qwen2_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(tiny_qwen2_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    expect_error(capsys, ["generate", "hi", *common(tiny_qwen2_dir, other)], "different tokenizers")
+
+
+def test_draft_whose_vocab_differs_only_by_padding_is_fine(capsys, tiny_qwen2_dir: Path, tmp_path: Path) -> None:
+    import tiny_models
+
+    padded = tiny_models.make_tiny_hf_model(tmp_path / "padded", arch="qwen2", seed=0, vocab_pad=64)
+    _, plain, _ = run_cli(capsys, "generate", "x = 1", *common(tiny_qwen2_dir), "--method", "none")
+    code, spec, err = run_cli(capsys, "generate", "x = 1", *common(tiny_qwen2_dir, padded))
+    assert code == 0, err
+    assert spec == plain
+
+
+def test_prompt_longer_than_context(capsys, tiny_qwen2_dir: Path) -> None:
+    long_prompt = "word " * 2000
+    expect_error(capsys, ["generate", long_prompt, *common(tiny_qwen2_dir), "--method", "none"], "context")
+
+
+@pytest.mark.parametrize(
+    "flags, pattern",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-k", "-3"], "top_k"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+    ],
+)
+def test_invalid_sampling_parameters(capsys, tiny_qwen2_dir: Path, flags: list[str], pattern: str) -> None:
+    expect_error(capsys, ["generate", "hi", *common(tiny_qwen2_dir), "--method", "none", *flags], pattern)
+
+
+def test_k_below_one_is_rejected(capsys, tiny_qwen2_dir: Path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "hi", *common(tiny_qwen2_dir, tiny_qwen2_dir), "--k", "0"])
+    assert exit_info.value.code == 2
+    assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_draft_method_without_draft_model(capsys, tiny_qwen2_dir: Path) -> None:
+    expect_error(capsys, ["generate", "hi", *common(tiny_qwen2_dir)], "--draft")
+
+
+def test_demo_models_not_installed(capsys, monkeypatch) -> None:
+    from specdecode.errors import DemoModelsNotInstalledError
+    from specdecode.models import demo
+
+    def missing(name: str, show_progress: bool = True):
+        raise DemoModelsNotInstalledError('The demo models are not installed: pip install "specdecode[demo]"')
+
+    monkeypatch.setattr(demo, "demo_model_path", missing)
+    expect_error(capsys, ["generate", "hi", "--quiet"], "specdecode[demo]")
