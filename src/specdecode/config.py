@@ -158,7 +158,7 @@ class SamplingParams:
 
 
 METHODS: tuple[str, ...] = ("draft", "none")
-DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
 @dataclass(slots=True)
