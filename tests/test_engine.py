@@ -64,6 +64,20 @@ def test_greedy_speculative_equals_plain_for_every_k(
         assert 0.2 < rate < 0.95
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_confidence_cutoff_shortens_drafts_and_keeps_output(
+    temperature: float, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path
+) -> None:
+    eager = decoder(tiny_qwen2_dir, tiny_close_draft_dir, draft_confidence=0.0)
+    cautious = decoder(tiny_qwen2_dir, tiny_close_draft_dir, draft_confidence=0.9)
+    params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=5)
+    full = eager.generate(PROMPTS[0], params, k=6)
+    short = cautious.generate(PROMPTS[0], params, k=6)
+    assert short.stats.draft_tokens_proposed < full.stats.draft_tokens_proposed
+    if temperature == 0.0:
+        assert short.token_ids == full.token_ids == plain_tokens(tiny_qwen2_dir, PROMPTS[0])
+
+
 def test_greedy_equality_llama_target(tiny_llama_dir: Path) -> None:
     dec = decoder(tiny_llama_dir, tiny_llama_dir)
     for prompt in PROMPTS[:4]:
@@ -186,8 +200,14 @@ def sampling_setup(tiny_qwen2_dir: Path, tiny_far_draft_dir: Path):
     return dec, dec.encode("def quicksort(arr):")
 
 
-def test_speculative_sampling_matches_target_distribution(sampling_setup) -> None:
-    dec, prompt_ids = sampling_setup
+@pytest.mark.parametrize("draft_confidence", [0.0, 0.5])
+def test_speculative_sampling_matches_target_distribution(
+    draft_confidence: float, tiny_qwen2_dir: Path, tiny_far_draft_dir: Path
+) -> None:
+    # 0.5: the draft stops early when unsure, so the draft length depends on the draft's own
+    # samples; verification must stay exact.
+    dec = decoder(tiny_qwen2_dir, tiny_far_draft_dir, draft_confidence=draft_confidence)
+    prompt_ids = dec.encode("def quicksort(arr):")
     stat, df = chi_square(dec, prompt_ids, "draft")
     assert stat < CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}"
 

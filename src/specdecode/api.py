@@ -67,7 +67,9 @@ class SpecDecoder:
         self.spec = spec
         self.tokenizer = target.tokenizer
         self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
-        drafter = DraftModelDrafter(draft.model, target.config.vocab_size) if draft is not None else None
+        drafter = None
+        if draft is not None:
+            drafter = DraftModelDrafter(draft.model, target.config.vocab_size, spec.draft_confidence)
         self.engine = SpecEngine(target.model, drafter, self.eos_token_ids)
 
     @classmethod
@@ -78,6 +80,7 @@ class SpecDecoder:
         *,
         method: str = "draft",
         k: int | None = None,
+        draft_confidence: float | None = None,
         dtype: str = "auto",
         device: str = "auto",
         show_progress: bool = True,
@@ -89,7 +92,8 @@ class SpecDecoder:
         """
         from .models import demo
 
-        spec = SpecConfig(method=method) if k is None else SpecConfig(method=method, num_speculative_tokens=k)
+        overrides = {"num_speculative_tokens": k, "draft_confidence": draft_confidence}
+        spec = SpecConfig(method=method, **{key: v for key, v in overrides.items() if v is not None})
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         if target is None:

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .config import DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS
+from .config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS
 from .errors import SpecDecodeError
 from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
 
@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", help="the small draft model (default: demo 0.5B with the demo target)")
     gen.add_argument("--method", choices=METHODS, default="draft", help="draft: speculative; none: plain decoding")
     gen.add_argument("--k", type=_positive_int, default=DEFAULT_NUM_SPECULATIVE_TOKENS, help="tokens drafted per step")
+    gen.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=DEFAULT_DRAFT_CONFIDENCE,
+        help="stop drafting once the draft's probability for its token is below this (0 = always draft k)",
+    )
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -76,6 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.draft,
         method=args.method,
         k=args.k,
+        draft_confidence=args.draft_confidence,
         dtype=args.dtype,
         device=args.device,
         show_progress=not args.quiet,

@@ -17,9 +17,14 @@ from .base import DraftProposal
 
 
 class DraftModelDrafter:
-    def __init__(self, model: Transformer, target_vocab_size: int) -> None:
+    def __init__(self, model: Transformer, target_vocab_size: int, confidence_threshold: float = 0.0) -> None:
         self.model = model
         self.target_vocab_size = target_vocab_size
+        # Stop drafting early once the draft's probability for the token it just proposed falls
+        # below this (0 disables): a token the draft itself doubts is likely rejected, and the
+        # forward passes after it are wasted. Deciding from draft-side information only keeps
+        # verification lossless. Each check reads one scalar on the host (a device sync on GPUs).
+        self.confidence_threshold = confidence_threshold
         self.cache: KVCache | None = None
         self._cached_len = 0  # committed tokens whose K/V sit in the draft cache
         self._proposed_base = 0  # committed length when the last proposal was made
@@ -76,19 +81,35 @@ class DraftModelDrafter:
         for step in range(num_tokens):
             if processor.greedy:
                 next_token = logits.argmax(dim=-1)
+                q = None
             else:
                 q = processor.probs(logits)
                 next_token = sample(q, generator)
                 probs.append(q)
             tokens.append(next_token)
-            if step + 1 < num_tokens:
-                logits = self._forward(next_token[:, None], committed_len + step)
+            if step + 1 == num_tokens or self._doubts(logits, q, next_token):
+                break
+            logits = self._forward(next_token[:, None], committed_len + step)
         self._proposed_base = committed_len
-        self._proposed_count = num_tokens
+        self._proposed_count = len(tokens)
         return DraftProposal(
             tokens=torch.stack(tokens, dim=1),
             probs=torch.stack(probs, dim=1) if probs else None,
         )
+
+    def _doubts(
+        self,
+        logits: torch.Tensor,  # (1, V)
+        q: torch.Tensor | None,  # (1, V) sampling distribution, None when greedy
+        token: torch.Tensor,  # (1,)
+    ) -> bool:
+        if self.confidence_threshold <= 0:
+            return False
+        if q is None:
+            confidence = torch.softmax(logits.float(), dim=-1).max()
+        else:
+            confidence = q[0, token[0]]
+        return confidence.item() < self.confidence_threshold
 
     def on_verified(self, num_accepted: int) -> None:
         # Drafted tokens 1..k-1 were fed; of those, the accepted ones stay valid.
