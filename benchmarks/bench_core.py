@@ -78,8 +78,10 @@ def main() -> None:
                 "tau": stats.tau,
                 "acceptance_rate": stats.acceptance_rate,
                 "acceptance_per_position": stats.acceptance_per_position,
+                "prefill_seconds": stats.prefill_seconds,
                 "draft_seconds": stats.draft_seconds,
                 "verify_seconds": stats.verify_seconds,
+                "decode_tokens_per_second": stats.decode_tokens_per_second,
             }
         kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
         if method == "hf-assisted":
