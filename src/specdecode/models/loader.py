@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,6 +171,8 @@ def load_model(
     name: str, dtype: torch.dtype, device: torch.device, show_progress: bool = True
 ) -> LoadedModel:
     folder = resolve_model_folder(name, dtype, show_progress=show_progress)
+    if show_progress:
+        print(f"specdecode: loading {name} ({str(dtype).removeprefix('torch.')}, {device})", file=sys.stderr, flush=True)
     cfg = read_model_config(folder)
     model = load_weights(folder, cfg, dtype, device)
     tokenizer = load_tokenizer(folder)
