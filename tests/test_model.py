@@ -129,8 +129,8 @@ def test_causal_view_masks_future_and_window() -> None:
 def test_prepacked_bf16_weights_give_identical_logits(tiny_qwen2_dir: Path) -> None:
     packed = ours(tiny_qwen2_dir, torch.bfloat16, pack=True)
     dense = ours(tiny_qwen2_dir, torch.bfloat16, pack=False)
-    assert packed.layers[0].mlp.up_proj.packed_weight is not None
-    assert dense.layers[0].mlp.up_proj.packed_weight is None
+    assert packed.layers[0].mlp.gate_up_proj.packed_weight is not None
+    assert dense.layers[0].mlp.gate_up_proj.packed_weight is None
     ids = prompt_ids(packed.config.vocab_size)
     with torch.inference_mode():
         for rows in (1, 5):

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
-from .llama import Transformer
+from .llama import FUSED_PROJECTIONS, Transformer
 
 # Files a model folder needs; hub downloads fetch only these (no .bin / .pth duplicates).
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -107,6 +107,17 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def _component_names(name: str) -> tuple[str, ...] | None:
+    """For a fused parameter (``layers.3.self_attn.qkv_proj.weight``), the checkpoint tensors
+    stacked to make it (``layers.3.self_attn.q_proj.weight``, ...); None for any other."""
+    for fused, parts in FUSED_PROJECTIONS.items():
+        marker = f".{fused}."
+        if marker in name:
+            head, tail = name.split(marker)
+            return tuple(f"{head}.{part}.{tail}" for part in parts)
+    return None
+
+
 def load_weights(
     folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, pack: bool = True
 ) -> Transformer:
@@ -117,24 +128,33 @@ def load_weights(
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {name for name, _ in model.named_parameters()}
-    state: dict[str, torch.Tensor] = {}
+    # Our parameter -> the checkpoint tensors (names without "model.") it is made of.
+    sources = {name: _component_names(name) or (name,) for name in expected}
+    wanted = {part for parts in sources.values() for part in parts}
+    loaded: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(folder):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for key in handle.keys():
                     name = key.removeprefix("model.")
-                    if name in expected:
-                        state[name] = handle.get_tensor(key).to(device=device, dtype=dtype)
+                    if name in wanted:
+                        loaded[name] = handle.get_tensor(key).to(device=device, dtype=dtype)
         except Exception as err:
             raise ModelLoadError(f"Cannot read weights from {file}: {err}") from err
-    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-        state.pop("lm_head.weight", None)
-        tied = True
-    else:
-        tied = False
-    missing = sorted(expected - set(state) - ({"lm_head.weight"} if tied else set()))
+    tied = cfg.tie_word_embeddings or "lm_head.weight" not in loaded
+    if tied:
+        loaded.pop("lm_head.weight", None)
+        del sources["lm_head.weight"]
+    missing = sorted(part for parts in sources.values() for part in parts if part not in loaded)
     if missing:
         raise ModelLoadError(f"{folder} is missing weights: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    try:
+        state = {
+            name: loaded[parts[0]] if len(parts) == 1 else torch.cat([loaded.pop(p) for p in parts], dim=0)
+            for name, parts in sources.items()
+        }
+    except RuntimeError as err:  # q/k/v or gate/up with disagreeing input sizes
+        raise ModelLoadError(f"Weights in {folder} do not fit together: {err}") from err
     for name, tensor in state.items():
         expected_shape = model.get_parameter(name).shape
         if tensor.shape != expected_shape:
