@@ -158,11 +158,11 @@ class SamplingParams:
 
 
 METHODS: tuple[str, ...] = ("draft", "none")
-# Measured on the demo pair (bench_core.py and a 5-prompt sweep): the target's bf16 forward
-# costs ~1.15x one token for up to 6 rows and ~1.5-1.9x for 7-9 rows on this CPU's kernels,
-# so k = 5 (6 rows) is the largest cheap verify; a confidence cut-off of 0.3 stops drafting
-# early on prompts where the draft is unsure (chat prompts went from 0.63-0.91x to 0.87-0.99x
-# of plain, code prompts stayed ~1.6x).
+# Measured on the demo pair (benchmarks/bench_forward.py, bench_core.py and a 5-prompt sweep):
+# the target's bf16 forward over 6 tokens costs 1.5x one token and over 9 tokens 1.8x; k from
+# 3 to 6 performed within noise on code prompts. The confidence cut-off of 0.3 stops drafting
+# early where the draft is unsure (chat prompts went from 0.63-0.91x to 0.87-0.99x of plain,
+# code prompts stayed ~1.6x).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 DEFAULT_DRAFT_CONFIDENCE = 0.3
 

@@ -1,9 +1,9 @@
 """A linear layer that can prepack its weight for the CPU's bf16 matmul kernels.
 
 Decoding on a CPU is bound by how fast matmuls stream weights. oneDNN's bf16 matmul reads a
-weight faster once it is reordered into its blocked layout: measured on the demo 0.5B draft
-(2-core AVX-512-BF16 CPU), a 1-token forward went from ~100 ms to ~75 ms and a 6-token
-verify-sized forward from ~127 ms to ~88 ms, with bit-identical logits. The reordered weight is
+weight faster once it is reordered into its blocked layout: on the demo pair (2-core
+AVX-512-BF16 CPU, ``benchmarks/bench_forward.py``) a 1-token forward went from 191 to 138 ms
+(1.5B target) and from 71 to 51 ms (0.5B draft), with identical logits. The reordered weight is
 an opaque oneDNN tensor, so the dense copy is dropped to keep memory flat. fp32 is slower
 packed, and other devices have their own kernels, so only CPU bf16 weights are packed.
 """
