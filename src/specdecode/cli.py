@@ -116,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specdecode: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of our output went away (`specdecode generate ... | head`): not an error.
+        sys.stderr.close()
+        return 0
     return EXIT_USER_ERROR
 
 
