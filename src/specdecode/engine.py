@@ -23,7 +23,7 @@ from .drafters.base import Drafter
 from .metrics import GenerationStats, Stopwatch
 from .models.llama import Transformer
 from .sampling import LogitsProcessor, make_generator
-from .verify import greedy_verify, rejection_verify
+from .verify import PAD_TOKEN, greedy_verify, rejection_verify
 
 
 class SpecEngine:
@@ -126,7 +126,9 @@ class SpecEngine:
                     emitted_row = result.tokens[0].tolist()  # the one host sync of the step
                 stats.verify_seconds += verify_watch.elapsed
 
-                accepted = emitted_row.index(-1) - 1 if -1 in emitted_row else len(emitted_row) - 1
+                # Read the accepted count off the same row: a second tensor read would be a second sync.
+                emitted_count = emitted_row.index(PAD_TOKEN) if PAD_TOKEN in emitted_row else len(emitted_row)
+                accepted = emitted_count - 1
                 stats.record_step(k, accepted)
                 if speculate and k > 0:
                     self.drafter.on_verified(accepted)
