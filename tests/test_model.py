@@ -158,3 +158,28 @@ def test_missing_and_corrupt_weights_are_reported(tiny_qwen2_dir: Path, tmp_path
     weights.unlink()
     with pytest.raises(ModelLoadError, match="No \\*.safetensors"):
         ours(broken)
+
+
+def test_hub_ids_download_only_model_files_and_errors_are_clear(tiny_qwen2_dir: Path, monkeypatch) -> None:
+    import huggingface_hub
+
+    from specdecode.models.loader import HUB_ALLOW_PATTERNS, resolve_model_folder
+
+    calls = []
+
+    def fake_download(repo_id: str, allow_patterns: list[str]) -> str:
+        calls.append((repo_id, allow_patterns))
+        return str(tiny_qwen2_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert resolve_model_folder("someone/tiny-model", torch.float32) == tiny_qwen2_dir
+    assert calls == [("someone/tiny-model", HUB_ALLOW_PATTERNS)]
+
+    def offline(repo_id: str, allow_patterns: list[str]) -> str:
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ModelLoadError, match="someone/tiny-model.*network unreachable"):
+        resolve_model_folder("someone/tiny-model", torch.float32)
+    with pytest.raises(ModelLoadError, match="neither a local file"):
+        resolve_model_folder("not-a-model-anywhere", torch.float32)
