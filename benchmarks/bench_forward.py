@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from specdecode.cache import KVCache, causal_view
+from specdecode.cache import KVCache
 from specdecode.models import demo
 from specdecode.models.loader import load_weights, read_model_config, resolve_model_folder
 from specdecode.runtime import resolve_dtype
@@ -31,14 +31,11 @@ def time_forward(model, rows: int) -> float:
     cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, PREFILL_TOKENS + 32, model.dtype, model.device)
     ids = (torch.arange(PREFILL_TOKENS + rows)[None] * 7) % cfg.vocab_size
     with torch.inference_mode():
-        pos = torch.arange(PREFILL_TOKENS)[None]
-        model(ids[:, :PREFILL_TOKENS], pos, cache, causal_view(pos, pos.tolist()), contiguous_start=0, compute_logits=False)
-        pos = torch.arange(PREFILL_TOKENS, PREFILL_TOKENS + rows)[None]
-        view = causal_view(pos, pos.tolist())
+        model.extend(cache, ids[:, :PREFILL_TOKENS], 0, compute_logits=False)
         times = []
         for repeat in range(REPEATS + 2):
             started = time.perf_counter()
-            model(ids[:, PREFILL_TOKENS:], pos, cache, view, contiguous_start=PREFILL_TOKENS)
+            model.extend(cache, ids[:, PREFILL_TOKENS:], PREFILL_TOKENS)
             if repeat >= 2:  # the first calls create kernels for the new shape
                 times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3

@@ -23,10 +23,9 @@ def prompt_ids(vocab: int, length: int = 24, seed: int = 0) -> torch.Tensor:
 
 
 def cached_forward(model, cache: KVCache, ids: torch.Tensor, start: int) -> torch.Tensor:
-    positions = torch.arange(start, start + ids.shape[1])[None]
-    out = model(ids, positions, cache, causal_view(positions, positions.tolist()), contiguous_start=start)
+    logits = model.extend(cache, ids, start).logits
     cache.commit(0, start + ids.shape[1])
-    return out.logits
+    return logits
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -115,7 +115,7 @@ class SpecDecoder:
     def encode(self, prompt: str | Messages, chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)
 
-    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         context = self.target.config.max_position_embeddings
         if self.draft is not None:
             context = min(context, self.draft.config.max_position_embeddings)
@@ -130,7 +130,6 @@ class SpecDecoder:
                 f"exceeds the model's context of {context} tokens; lower max_new_tokens to at most "
                 f"{context - len(prompt_ids)}."
             )
-        return params
 
     def stream(
         self,

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import ModelConfig
+
 
 @dataclass(slots=True)
 class KVView:
@@ -114,6 +116,17 @@ class KVCache:
     def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots [0, kv_len): two (B, H_kv, kv_len, D) views."""
         return self.keys[layer][:, :, :kv_len], self.values[layer][:, :, :kv_len]
+
+
+def reusable_cache(
+    cache: KVCache | None, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device
+) -> KVCache:
+    """``cache`` emptied if it can hold a batch-1 request of ``capacity`` tokens, else a new one."""
+    if cache is not None and cache.fits(1, capacity, dtype, device):
+        cache.reset()
+        return cache
+    del cache  # drop our reference before allocating the replacement
+    return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, capacity, dtype, device)
 
 
 def causal_view(

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .cache import KVCache, causal_view
+from .cache import KVCache, reusable_cache
 from .config import SamplingParams
 from .drafters.base import Drafter
 from .metrics import GenerationStats, Stopwatch
@@ -45,25 +45,6 @@ class SpecEngine:
     def device(self) -> torch.device:
         return self.target.device
 
-    def _target_cache(self, capacity: int) -> KVCache:
-        cfg = self.target.config
-        if self._cache is None or not self._cache.fits(1, capacity, self.target.dtype, self.device):
-            self._cache = None  # free the old one before allocating
-            self._cache = KVCache(
-                cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, capacity, self.target.dtype, self.device
-            )
-        self._cache.reset()
-        return self._cache
-
-    def _forward(self, cache: KVCache, tokens: torch.Tensor, start: int, compute_logits: bool = True):
-        """Feed tokens (1, T) at positions start .. start + T - 1 through the target."""
-        length = tokens.shape[1]
-        positions = torch.arange(start, start + length, device=self.device)[None]
-        view = causal_view(positions, [list(range(start, start + length))], self.target.config.sliding_window)
-        return self.target(
-            tokens, positions, cache, view, compute_logits=compute_logits, contiguous_start=start
-        )
-
     @torch.inference_mode()
     def decode(
         self,
@@ -83,7 +64,7 @@ class SpecEngine:
         max_new = params.max_new_tokens
         speculate = self.drafter is not None and num_speculative_tokens > 0
         capacity = prompt_len + max_new + 1
-        cache = self._target_cache(capacity)
+        cache = self._cache = reusable_cache(self._cache, self.target.config, capacity, self.target.dtype, device)
         processor = LogitsProcessor.from_params(params)
         generator = None if processor.greedy else make_generator(params.seed, device)
         committed = torch.empty((1, capacity), dtype=torch.long, device=device)
@@ -96,7 +77,7 @@ class SpecEngine:
             # the first draft, so even the first new token can be speculated.
             with Stopwatch(device, self.sync_timing) as prefill_watch:
                 if prompt_len > 1:
-                    self._forward(cache, committed[:, : prompt_len - 1], 0, compute_logits=False)
+                    self.target.extend(cache, committed[:, : prompt_len - 1], 0, compute_logits=False)
                     stats.target_forward_passes += 1
                 cache.commit(0, prompt_len - 1)
                 if speculate:
@@ -118,7 +99,7 @@ class SpecEngine:
                     k = proposal.num_tokens
                 with verify_watch:
                     inputs = torch.cat([committed[:, length - 1 : length], draft_tokens], dim=1)
-                    logits = self._forward(cache, inputs, length - 1).logits  # (1, k + 1, V)
+                    logits = self.target.extend(cache, inputs, length - 1).logits  # (1, k + 1, V)
                     if processor.greedy:
                         result = greedy_verify(draft_tokens, logits)
                     else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache, causal_view
+from ..cache import KVCache, reusable_cache
 from ..models.llama import Transformer
 from ..sampling import LogitsProcessor, sample
 from .base import DraftProposal
@@ -31,12 +31,7 @@ class DraftModelDrafter:
         self._proposed_count = 0
 
     def start(self, prompt_len: int, capacity: int) -> None:
-        cfg = self.model.config
-        if self.cache is None or not self.cache.fits(1, capacity, self.model.dtype, self.model.device):
-            self.cache = KVCache(
-                cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, capacity, self.model.dtype, self.model.device
-            )
-        self.cache.reset()
+        self.cache = reusable_cache(self.cache, self.model.config, capacity, self.model.dtype, self.model.device)
         self._cached_len = 0
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # (B, V_draft) -> (B, V_target)
@@ -52,18 +47,8 @@ class DraftModelDrafter:
 
     def _forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:  # (1, T) -> (1, V_target)
         assert self.cache is not None
-        length = tokens.shape[1]
-        host_positions = [list(range(start, start + length))]
-        positions = torch.arange(start, start + length, device=tokens.device)[None]
-        out = self.model(
-            tokens,
-            positions,
-            self.cache,
-            causal_view(positions, host_positions, self.model.config.sliding_window),
-            logits_last=1,
-            contiguous_start=start,
-        )
-        self.cache.commit(0, start + length)
+        out = self.model.extend(self.cache, tokens, start, logits_last=1)
+        self.cache.commit(0, start + tokens.shape[1])
         return self._to_target_vocab(out.logits[:, -1])
 
     def propose(

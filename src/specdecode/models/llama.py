@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import KVCache, KVView
+from ..cache import KVCache, KVView, causal_view
 from ..config import ModelConfig, RopeScaling
 from .layers import Linear
 
@@ -226,3 +226,16 @@ class Transformer(nn.Module):
             head_in = hidden if logits_last is None else hidden[:, -logits_last:]
             logits = self.lm_head(head_in).float()
         return ModelOutput(logits=logits, hidden=hidden, layer_hidden=layer_hidden)
+
+    def extend(self, cache: KVCache, tokens: torch.Tensor, start: int, **kwargs) -> ModelOutput:
+        """Feed tokens (1, T) at positions start .. start + T - 1, appending to ``cache``.
+
+        The common case of decoding one sequence: positions, the causal view and the cache
+        write all follow from ``start``. Keyword arguments go to ``forward``. The caller still
+        owns the cache's length bookkeeping.
+        """
+        length = tokens.shape[1]
+        host_positions = [list(range(start, start + length))]
+        positions = torch.arange(start, start + length, device=tokens.device)[None]
+        view = causal_view(positions, host_positions, self.config.sliding_window)
+        return self(tokens, positions, cache, view, contiguous_start=start, **kwargs)
