@@ -62,7 +62,96 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     gen.add_argument("--quiet", action="store_true", help="no progress bars or metrics on stderr")
+    _add_bench_parser(sub)
     return parser
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from .bench.methods import DEFAULT_HF_LOOKUP_TOKENS, available_methods
+    from .bench.prompts import CATEGORIES
+    from .bench.runner import DEFAULT_METHODS
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark methods against plain decoding and Hugging Face, in one run",
+        description=(
+            "Run every method on the same prompts, interleaved per prompt, and report tokens/s, "
+            "speedups, tau, acceptance (overall and per draft position), the time split, peak RSS, "
+            "greedy output equality and the memory-bandwidth ceiling. Writes results.json, "
+            "report.md, speedup.png and acceptance.png into --out."
+        ),
+    )
+    bench.add_argument("--target", help="target model (default: demo 1.5B)")
+    bench.add_argument("--draft", help="draft model for draft / hf-assisted (default: demo 0.5B with the demo target)")
+    bench.add_argument(
+        "--methods", type=_csv, default=DEFAULT_METHODS,
+        help=f"comma-separated, from: {', '.join(available_methods())} (default: %(default)s)".replace("%(default)s", ",".join(DEFAULT_METHODS)),
+    )
+    bench.add_argument(
+        "--prompts", type=_csv, default=("default",),
+        help="comma-separated sources: default (Spec-Bench dev subset + HumanEval), spec_bench, humaneval, "
+        "a Spec-Bench .jsonl file, or a text file with one prompt per line",
+    )
+    bench.add_argument(
+        "--categories", type=_csv, default=("all",),
+        help=f"comma-separated categories or 'all' (default set: {', '.join(CATEGORIES)})",
+    )
+    bench.add_argument("--max-prompts-per-category", type=_positive_int, default=3, help="first N of each category's fixed order")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per turn")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); equality is checked only then")
+    bench.add_argument("--top-k", type=int, default=0)
+    bench.add_argument("--top-p", type=float, default=1.0)
+    bench.add_argument("--seed", type=int, default=0, help="sampling seed (each generation restarts from it)")
+    bench.add_argument("--k", type=_positive_int, default=None, help=f"draft tokens per step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})")
+    bench.add_argument("--draft-confidence", type=float, default=None, help=f"draft confidence cut-off (default {DEFAULT_DRAFT_CONFIDENCE})")
+    bench.add_argument("--hf-lookup-tokens", type=_positive_int, default=DEFAULT_HF_LOOKUP_TOKENS, help="prompt_lookup_num_tokens for hf-lookup")
+    bench.add_argument("--repeats", type=_positive_int, default=1, help="runs per prompt and method; the median-time run counts")
+    bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up prompt")
+    bench.add_argument("--chat", choices=("auto", "yes", "no"), default="auto", help="use the chat template (auto: when the tokenizer has one)")
+    bench.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
+    bench.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    bench.add_argument("--bandwidth-probe-mib", type=int, default=1024, help="size of the copy-bandwidth probe (0 = skip it and the ceilings)")
+    bench.add_argument("--out", default="results", help="output folder (default: %(default)s)")
+    bench.add_argument("--no-plots", action="store_true")
+    bench.add_argument("--quiet", action="store_true", help="no progress or tables")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bench import BenchConfig, run_bench
+
+    config = BenchConfig(
+        target=args.target,
+        draft=args.draft,
+        methods=args.methods,
+        prompts=args.prompts,
+        categories=args.categories,
+        max_prompts_per_category=args.max_prompts_per_category,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        k=args.k,
+        draft_confidence=args.draft_confidence,
+        hf_lookup_tokens=args.hf_lookup_tokens,
+        repeats=args.repeats,
+        warmup=not args.no_warmup,
+        chat={"auto": None, "yes": True, "no": False}[args.chat],
+        dtype=args.dtype,
+        device=args.device,
+        bandwidth_probe_bytes=max(0, args.bandwidth_probe_mib) << 20,
+        out=Path(args.out),
+        plots=not args.no_plots,
+        quiet=args.quiet,
+    )
+    results = run_bench(config)
+    return 0 if results["complete"] else EXIT_INTERRUPTED
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -110,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "bench":
+            return cmd_bench(args)
     except SpecDecodeError as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -96,6 +96,7 @@ class SpecEngine:
                         proposal = self.drafter.propose(committed[:, :length], k, processor, generator)
                     stats.draft_seconds += draft_watch.elapsed
                     draft_tokens, draft_probs = proposal.tokens, proposal.probs
+                    stats.draft_forward_passes += proposal.forward_passes
                     k = proposal.num_tokens
                 with verify_watch:
                     inputs = torch.cat([committed[:, length - 1 : length], draft_tokens], dim=1)

@@ -22,6 +22,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     target_forward_passes: int = 0  # prefill included
+    draft_forward_passes: int = 0  # forward passes of a draft model (0 for model-free drafters)
     verify_steps: int = 0  # decode passes of the target (each emits accepted + 1 tokens)
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0

@@ -20,6 +20,9 @@ from ..sampling import LogitsProcessor
 class DraftProposal:
     tokens: torch.Tensor  # (B, k) long; k may be smaller than asked for, even 0
     probs: torch.Tensor | None  # (B, k, V_target) float: the q each token was sampled from; None = deterministic
+    # Forward passes of a draft model spent on this proposal (0 for model-free drafters): the
+    # benchmark's bandwidth ceiling counts the weight bytes they read.
+    forward_passes: int = 0
 
     @property
     def num_tokens(self) -> int:

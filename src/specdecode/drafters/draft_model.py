@@ -63,6 +63,7 @@ class DraftModelDrafter:
         probs: list[torch.Tensor] = []
         # Catch up on committed tokens the draft has not seen, then draft one token per pass.
         logits = self._forward(committed[:, self._cached_len :], self._cached_len)
+        forward_passes = 1
         for step in range(num_tokens):
             if processor.greedy:
                 next_token = logits.argmax(dim=-1)
@@ -75,11 +76,13 @@ class DraftModelDrafter:
             if step + 1 == num_tokens or self._doubts(logits, q, next_token):
                 break
             logits = self._forward(next_token[:, None], committed_len + step)
+            forward_passes += 1
         self._proposed_base = committed_len
         self._proposed_count = len(tokens)
         return DraftProposal(
             tokens=torch.stack(tokens, dim=1),
             probs=torch.stack(probs, dim=1) if probs else None,
+            forward_passes=forward_passes,
         )
 
     def _doubts(

@@ -1,0 +1,230 @@
+"""The methods a benchmark compares, behind one interface: run one turn, return its figures.
+
+specdecode's own methods are every name in ``config.METHODS`` (a new drafter that registers
+its method name there is benchmarked without changes here). The peers are Hugging Face
+transformers' ``generate`` on the same weights, dtype and device:
+
+- ``hf``: plain ``generate``;
+- ``hf-assisted``: ``generate(assistant_model=draft)`` with transformers' default schedule;
+- ``hf-lookup``: ``generate(prompt_lookup_num_tokens=N)`` (n-gram prompt lookup).
+
+transformers exposes no acceptance counts, so for its methods we count forward passes with
+module hooks: tau is new tokens per target pass (1.0 exactly for ``hf``), the first target
+pass is reported as prefill, later ones as verify, assistant passes as draft; the acceptance
+rate is left empty rather than guessed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..config import METHODS, SamplingParams
+from ..errors import InvalidRequestError
+
+HF_METHODS = ("hf", "hf-assisted", "hf-lookup")
+PLAIN_METHOD = "none"  # specdecode's plain decoding: the baseline of its own methods
+HF_PLAIN_METHOD = "hf"
+DEFAULT_HF_LOOKUP_TOKENS = 10  # transformers' documented example value
+
+
+def available_methods() -> tuple[str, ...]:
+    """specdecode's methods (plain first), then the Hugging Face peers."""
+    own = (PLAIN_METHOD,) + tuple(m for m in METHODS if m != PLAIN_METHOD)
+    return own + HF_METHODS
+
+
+def plain_counterpart(method: str) -> str:
+    """The plain decoding whose output a method must reproduce under greedy."""
+    return HF_PLAIN_METHOD if method in HF_METHODS else PLAIN_METHOD
+
+
+def uses_draft_model(method: str) -> bool:
+    return method in ("draft", "hf-assisted")
+
+
+@dataclass(slots=True)
+class TurnResult:
+    """One generation (one turn of one prompt) by one method."""
+
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    seconds: float
+    prefill_seconds: float
+    draft_seconds: float
+    verify_seconds: float
+    target_passes: int  # prefill included
+    draft_passes: int
+    verify_steps: int  # target passes that emitted tokens
+    emitted_by_steps: int  # tokens those passes emitted (before truncation at max_new_tokens)
+    draft_tokens_proposed: int | None = None  # None: the method does not expose it
+    draft_tokens_accepted: int | None = None
+    proposed_at_position: list[int] = field(default_factory=list)
+    accepted_at_position: list[int] = field(default_factory=list)
+    peak_rss_bytes: int | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class BenchMethod(Protocol):
+    name: str
+
+    def run_turn(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
+        """Generate for ``prompt_ids`` and measure it."""
+
+
+class SpecDecodeMethod:
+    """One of specdecode's methods through the public ``SpecDecoder`` API."""
+
+    def __init__(self, name: str, decoder: Any, k: int | None = None) -> None:
+        self.name = name
+        self.decoder = decoder
+        self.k = k
+
+    def run_turn(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
+        result = self.decoder.generate(prompt_ids, params, method=self.name, k=self.k)
+        stats = result.stats
+        return TurnResult(
+            tokens=result.token_ids,
+            text=result.text,
+            prompt_tokens=stats.prompt_tokens,
+            seconds=stats.total_seconds,
+            prefill_seconds=stats.prefill_seconds,
+            draft_seconds=stats.draft_seconds,
+            verify_seconds=stats.verify_seconds,
+            target_passes=stats.target_forward_passes,
+            draft_passes=stats.draft_forward_passes,
+            verify_steps=stats.verify_steps,
+            emitted_by_steps=stats.emitted_by_steps,
+            draft_tokens_proposed=stats.draft_tokens_proposed,
+            draft_tokens_accepted=stats.draft_tokens_accepted,
+            proposed_at_position=list(stats.proposed_at_position),
+            accepted_at_position=list(stats.accepted_at_position),
+        )
+
+
+class _PassTimer:
+    """Counts and times a module's forward calls through hooks, removed on exit."""
+
+    def __init__(self, module: torch.nn.Module | None, sync_cuda: bool) -> None:
+        self.module = module
+        self.sync_cuda = sync_cuda
+        self.durations: list[float] = []
+        self._started = 0.0
+        self._handles: list[Any] = []
+
+    def _sync(self) -> None:
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+
+    def _pre(self, *_: Any) -> None:
+        self._sync()
+        self._started = time.perf_counter()
+
+    def _post(self, *_: Any) -> None:
+        self._sync()
+        self.durations.append(time.perf_counter() - self._started)
+
+    def __enter__(self) -> _PassTimer:
+        if self.module is not None:
+            self._handles = [
+                self.module.register_forward_pre_hook(self._pre),
+                self.module.register_forward_hook(self._post),
+            ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class HFMethod:
+    """transformers ``generate`` with the same decoding rule as specdecode's SamplingParams."""
+
+    def __init__(
+        self,
+        name: str,
+        target: Any,
+        eos_token_ids: list[int],
+        draft: Any = None,
+        lookup_tokens: int = DEFAULT_HF_LOOKUP_TOKENS,
+    ) -> None:
+        if name not in HF_METHODS:
+            raise InvalidRequestError(f"Unknown Hugging Face method {name!r}; choose one of: {', '.join(HF_METHODS)}.")
+        if name == "hf-assisted" and draft is None:
+            raise InvalidRequestError("hf-assisted needs a draft model (--draft).")
+        import transformers
+
+        # Its per-call deprecation notices would bury the benchmark's own output.
+        transformers.logging.set_verbosity_error()
+        self.name = name
+        self.target = target
+        self.draft = draft if name == "hf-assisted" else None
+        self.eos_token_ids = eos_token_ids
+        self.lookup_tokens = lookup_tokens
+
+    def _generate_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.eos_token_ids[0],
+            # transformers fills unset fields from the checkpoint's generation_config.json,
+            # which may carry a repetition penalty or top-k: pin every one that changes the
+            # distribution so both libraries decode by the same rule.
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+        )
+        if params.temperature > 0:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=0.0, typical_p=1.0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        if self.name == "hf-assisted":
+            kwargs["assistant_model"] = self.draft
+        elif self.name == "hf-lookup":
+            kwargs["prompt_lookup_num_tokens"] = self.lookup_tokens
+        return kwargs
+
+    @torch.inference_mode()
+    def run_turn(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
+        device = self.target.device
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        sync = device.type == "cuda"
+        with _PassTimer(self.target, sync) as target_timer, _PassTimer(self.draft, sync) as draft_timer:
+            started = time.perf_counter()
+            out = self.target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **self._generate_kwargs(params))
+            new = out[0, len(prompt_ids) :].tolist()  # syncs the device
+            seconds = time.perf_counter() - started
+        tokens = _cut_at_eos(new, self.eos_token_ids)
+        passes = len(target_timer.durations)
+        return TurnResult(
+            tokens=tokens,
+            text="",
+            prompt_tokens=len(prompt_ids),
+            seconds=seconds,
+            prefill_seconds=target_timer.durations[0] if passes else 0.0,
+            draft_seconds=sum(draft_timer.durations),
+            verify_seconds=sum(target_timer.durations[1:]),
+            target_passes=passes,
+            draft_passes=len(draft_timer.durations),
+            verify_steps=passes,  # every target pass, the first included, emits tokens
+            emitted_by_steps=len(tokens),
+        )
+
+
+def _cut_at_eos(tokens: list[int], eos_token_ids: list[int]) -> list[int]:
+    """generate() pads after the end token; keep up to and including the first end token."""
+    for i, token in enumerate(tokens):
+        if token in eos_token_ids:
+            return tokens[: i + 1]
+    return tokens

@@ -1,0 +1,164 @@
+"""What a benchmark run leaves behind: terminal tables, results.json, report.md, PNG plots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .report import ALL
+
+GIB = 1 << 30
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def overall_rows(summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[list[str]], list[list[str]]]:
+    """Two tables over all prompts, one row per method: speed and agreement; cost and limits."""
+    speed, cost = [], []
+    for method, groups in summary.items():
+        e = groups.get(ALL, {})
+        split = e.get("time_split") or {}
+        eq = e.get("equality") or {}
+        speed.append(
+            [
+                method,
+                str(e.get("prompts", 0)) + (f" ({e['failed']} failed)" if e.get("failed") else ""),
+                _fmt(e.get("tokens_per_second"), ".2f"),
+                _fmt(e.get("speedup_vs_none"), ".2f", "x"),
+                _fmt(e.get("speedup_vs_hf"), ".2f", "x"),
+                _fmt(e.get("tau"), ".2f"),
+                _fmt(e.get("acceptance_rate"), ".0%"),
+                (f"{eq['equal_fraction']:.0%} vs {eq['reference']}" if eq.get("equal_fraction") is not None else "-"),
+            ]
+        )
+        cost.append(
+            [
+                method,
+                _fmt(e.get("ceiling_tokens_per_second"), ".1f"),
+                _fmt(e.get("fraction_of_ceiling"), ".0%"),
+                _fmt(e.get("draft_passes_per_step"), ".2f"),
+                " / ".join(f"{split.get(k, 0):.0%}" for k in ("prefill", "draft", "verify", "other")) if split else "-",
+                _fmt(e["peak_rss_bytes"] / GIB if e.get("peak_rss_bytes") else None, ".2f"),
+            ]
+        )
+    return speed, cost
+
+
+SPEED_HEADER = ["method", "prompts", "tok/s", "vs none", "vs hf", "tau", "accept", "greedy equal"]
+COST_HEADER = ["method", "ceiling tok/s", "of ceiling", "draft passes/step", "prefill / draft / verify / other", "peak RSS GiB"]
+SPEED_TITLE = "All prompts: tokens/s = total new tokens / total seconds; speedups on the same prompts"
+COST_TITLE = "Where the time goes, against the memory-bandwidth ceiling"
+
+
+def category_rows(summary: dict[str, dict[str, dict[str, Any]]], key: str) -> tuple[list[str], list[list[str]]]:
+    """Methods x categories of one figure (e.g. speedup_vs_none)."""
+    categories = [c for c in next(iter(summary.values()), {}) if c != ALL] + [ALL]
+    rows = []
+    for method, groups in summary.items():
+        spec = ".2f"
+        rows.append([method] + [_fmt(groups.get(c, {}).get(key), spec, "x" if key.startswith("speedup") else "") for c in categories])
+    return ["method"] + categories, rows
+
+
+def print_tables(summary: dict[str, dict[str, dict[str, Any]]], console: Any) -> None:
+    from rich.table import Table
+
+    for title, header, rows in zip((SPEED_TITLE, COST_TITLE), (SPEED_HEADER, COST_HEADER), overall_rows(summary)):
+        table = Table(title=title)
+        for column in header:
+            table.add_column(column, justify="left" if column == "method" else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    for key, title in (("speedup_vs_none", "Speedup over specdecode plain decoding (none)"), ("speedup_vs_hf", "Speedup over Hugging Face generate (hf)"), ("tau", "tau (tokens per target pass, bonus token counted)")):
+        header, rows = category_rows(summary, key)
+        if all(cell == "-" for row in rows for cell in row[1:]):
+            continue
+        table = Table(title=title)
+        for column in header:
+            table.add_column(column, justify="left" if column == "method" else "right")
+        for row in rows:
+            # A method slower than its baseline in a category is what the reader must see.
+            styled = [row[0]] + [f"[red]{c}[/red]" if key.startswith("speedup") and c.endswith("x") and float(c[:-1]) < 1.0 else c for c in row[1:]]
+            table.add_row(*styled)
+        console.print(table)
+
+
+def markdown_report(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
+    def md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+
+    speed, cost = overall_rows(summary)
+    parts = [f"{SPEED_TITLE}:\n\n" + md(SPEED_HEADER, speed), f"{COST_TITLE}:\n\n" + md(COST_HEADER, cost)]
+    for key, title in (("speedup_vs_none", "Speedup over `none` per category"), ("speedup_vs_hf", "Speedup over `hf` per category"), ("tau", "tau per category")):
+        header, rows = category_rows(summary, key)
+        parts.append(f"{title}:\n\n" + md(header, rows))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_plots(summary: dict[str, dict[str, dict[str, Any]]], out_dir: Path) -> list[Path]:
+    """speedup.png (per category per method, over none and over hf) and acceptance.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    written = []
+    methods = list(summary)
+    categories = [c for c in next(iter(summary.values()), {}) if c != ALL] + [ALL]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), sharey=False)
+    width = 0.8 / max(1, len(methods))
+    for ax, key, title in ((axes[0], "speedup_vs_none", "speedup over none"), (axes[1], "speedup_vs_hf", "speedup over hf")):
+        for i, method in enumerate(methods):
+            values = [summary[method].get(c, {}).get(key) or 0.0 for c in categories]
+            ax.bar([x + i * width for x in range(len(categories))], values, width, label=method)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))], categories, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.set_ylabel("x (tokens/s ratio, same prompts)")
+    axes[0].legend(fontsize="small")
+    fig.tight_layout()
+    path = out_dir / "speedup.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plotted = False
+    for method in methods:
+        for category in categories:
+            per_pos = summary[method].get(category, {}).get("acceptance_per_position") or []
+            if not per_pos:
+                continue
+            overall = category == ALL
+            ax.plot(
+                range(1, len(per_pos) + 1), per_pos, marker="o" if overall else None,
+                linewidth=2.2 if overall else 0.9, alpha=1.0 if overall else 0.6,
+                label=f"{method} ({category})",
+            )
+            plotted = True
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | proposed)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("acceptance per draft position")
+    if plotted:
+        ax.legend(fontsize="x-small", ncol=2)
+    fig.tight_layout()
+    path = out_dir / "acceptance.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(path)  # a Ctrl-C while writing never leaves half a file

@@ -1,0 +1,72 @@
+"""The physical limit: bytes of weights read per forward pass, and memory bandwidth.
+
+Decoding one token reads every weight of the model once, so on a bandwidth-bound machine
+plain decoding cannot beat ``bandwidth / weight_bytes`` tokens/s. A speculative step reads
+the target once and the draft once per drafted token, and emits tau tokens, which gives the
+ceiling ``tau * bandwidth / (target_bytes + k * draft_bytes)``. We evaluate it with the
+counts each run measured (target and draft forward passes, new tokens), which is the same
+formula with k the measured draft passes per step; the prefill pass counts as one more
+weight read. The ceiling ignores KV-cache and activation traffic and compute, so real runs
+sit below it; long prompts (compute-bound prefill) sit further below.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..config import ModelConfig
+
+DEFAULT_PROBE_BYTES = 1 << 30  # well past any last-level cache
+PROBE_REPEATS = 5
+
+
+def weight_bytes_per_forward(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of weights one forward pass reads (the embedding table contributes one row,
+    except that a tied LM head reads it whole)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_dim = config.num_heads * config.head_dim
+    kv_dim = config.num_kv_heads * config.head_dim
+    per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter + 2 * hidden
+    if config.attention_bias:
+        per_layer += q_dim + 2 * kv_dim
+    params = config.num_layers * per_layer + hidden + config.vocab_size * hidden
+    return params * torch.empty((), dtype=dtype).element_size()
+
+
+def measure_copy_bandwidth(
+    device: torch.device, num_bytes: int = DEFAULT_PROBE_BYTES, repeats: int = PROBE_REPEATS
+) -> float:
+    """Median bytes/s of a large tensor copy, counting the bytes read plus the bytes written."""
+    elements = num_bytes // 2
+    src = torch.ones(elements, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # page in both buffers
+    seconds = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    del src, dst
+    return 2 * elements * 2 / statistics.median(seconds)
+
+
+def ceiling_tokens_per_second(
+    new_tokens: int,
+    target_passes: int,
+    draft_passes: int,
+    target_bytes: int,
+    draft_bytes: int,
+    bandwidth: float,  # bytes/s
+) -> float | None:
+    """Tokens/s if every weight byte were read at ``bandwidth`` and nothing else cost time."""
+    bytes_read = target_passes * target_bytes + draft_passes * draft_bytes
+    if bytes_read <= 0 or new_tokens <= 0:
+        return None
+    return new_tokens * bandwidth / bytes_read

@@ -1,0 +1,316 @@
+"""``specdecode bench``: every method on the same prompts, interleaved, in one process.
+
+For each prompt, for each repeat, every method runs in turn (A B C A B C ...) so that drift
+(thermal state, other load) hits all methods alike. A warm-up prompt runs first for every
+method (first-shape kernels, page-ins). A method that raises on a prompt is recorded as
+failed with its error and the run goes on; Ctrl-C stops the run and what was measured so far
+is still summarised and written.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import SamplingParams
+from ..errors import InvalidRequestError
+from ..runtime import dtype_name
+from . import output
+from .methods import (
+    DEFAULT_HF_LOOKUP_TOKENS,
+    HF_METHODS,
+    BenchMethod,
+    HFMethod,
+    SpecDecodeMethod,
+    available_methods,
+    uses_draft_model,
+)
+from .prompts import BenchPrompt, load_prompts, select_prompts
+from .report import summarize
+from .roofline import DEFAULT_PROBE_BYTES, measure_copy_bandwidth, weight_bytes_per_forward
+
+SCHEMA = "specdecode.bench/1"
+WARMUP_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+WARMUP_MAX_NEW_TOKENS = 24
+DEFAULT_METHODS = ("none", "draft", "hf", "hf-assisted", "hf-lookup")
+TABLE_WIDTH = 140
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    target: str | None = None
+    draft: str | None = None
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    prompts: tuple[str, ...] = ("default",)
+    categories: tuple[str, ...] = ("all",)
+    max_prompts_per_category: int | None = 3
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = 0
+    k: int | None = None
+    draft_confidence: float | None = None
+    hf_lookup_tokens: int = DEFAULT_HF_LOOKUP_TOKENS
+    repeats: int = 1
+    warmup: bool = True
+    chat: bool | None = None  # None: use the chat template when the tokenizer has one
+    dtype: str = "auto"
+    device: str = "auto"
+    bandwidth_probe_bytes: int = DEFAULT_PROBE_BYTES  # 0 skips the probe (and the ceilings)
+    out: Path = Path("results")
+    plots: bool = True
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        known = available_methods()
+        unknown = [m for m in self.methods if m not in known]
+        if unknown or not self.methods:
+            raise InvalidRequestError(f"Unknown method(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(known)}.")
+        if len(set(self.methods)) != len(self.methods):
+            raise InvalidRequestError("Each method may be listed once.")
+        if self.repeats < 1:
+            raise InvalidRequestError(f"--repeats must be >= 1, got {self.repeats}.")
+        if self.max_prompts_per_category is not None and self.max_prompts_per_category < 1:
+            raise InvalidRequestError("--max-prompts-per-category must be >= 1.")
+        if self.hf_lookup_tokens < 1:
+            raise InvalidRequestError("--hf-lookup-tokens must be >= 1.")
+        self.sampling()  # validates temperature, top-k, top-p, max_new_tokens
+
+    def sampling(self, max_new_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            max_new_tokens=max_new_tokens or self.max_new_tokens, seed=self.seed,
+        )
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    import transformers
+
+    from .. import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        here = Path(__file__).parent
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=here).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5, cwd=here).stdout.strip()) if commit else None
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "specdecode": __version__,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "dtype": dtype_name(dtype),
+    }
+
+
+def _reset_peak_rss() -> None:
+    """Linux resets VmHWM (the peak resident set) on writing 5 to clear_refs."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's lifetime peak
+
+
+class Bench:
+    """Loaded models and methods; ``run`` measures the prompts and returns the results dict."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        from ..api import SpecDecoder
+
+        self.config = config
+        needs_draft = any(uses_draft_model(m) for m in config.methods)
+        self.decoder = SpecDecoder.from_pretrained(
+            config.target, config.draft, method="draft" if needs_draft else "none",
+            k=config.k, draft_confidence=config.draft_confidence,
+            dtype=config.dtype, device=config.device, show_progress=not config.quiet,
+        )
+        self.device = self.decoder.target.model.device
+        self.dtype = self.decoder.target.model.dtype
+        self.tokenizer = self.decoder.tokenizer
+        self.chat = bool(getattr(self.tokenizer, "chat_template", None)) if config.chat is None else config.chat
+        self.methods: dict[str, BenchMethod] = {}
+        hf_target = hf_draft = None
+        if any(m in HF_METHODS for m in config.methods):
+            hf_target = self._load_hf(self.decoder.target.folder)
+            if "hf-assisted" in config.methods:
+                hf_draft = self._load_hf(self.decoder.draft.folder)
+        for name in config.methods:
+            if name in HF_METHODS:
+                self.methods[name] = HFMethod(name, hf_target, list(self.decoder.eos_token_ids), hf_draft, config.hf_lookup_tokens)
+            else:
+                self.methods[name] = SpecDecodeMethod(name, self.decoder, config.k)
+        draft = self.decoder.draft
+        self.target_bytes = weight_bytes_per_forward(self.decoder.target.config, self.dtype)
+        self.draft_bytes = weight_bytes_per_forward(draft.config, self.dtype) if draft is not None else 0
+
+    def _load_hf(self, folder: Path) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
+
+    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.chat:
+            return self.decoder.encode(messages, chat=True)
+        # Without a chat template a conversation is its messages joined by blank lines.
+        return self.decoder.encode("\n\n".join(m["content"] for m in messages))
+
+    def run_conversation(self, method: BenchMethod, turns: tuple[str, ...], params: SamplingParams) -> list[dict[str, Any]]:
+        """All turns of one prompt, each answer going into the next turn's history."""
+        messages: list[dict[str, str]] = []
+        results = []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            prompt_ids = self.encode(messages)
+            _reset_peak_rss()
+            result = method.run_turn(prompt_ids, params)
+            result.peak_rss_bytes = _peak_rss_bytes()
+            result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": result.text})
+            results.append(result.to_dict())
+        return results
+
+    def run(self, prompts: list[BenchPrompt], console: Any = None) -> dict[str, Any]:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        config = self.config
+        console = console or Console(stderr=True, quiet=config.quiet)
+        params = config.sampling()
+        env = environment(self.device, self.dtype)
+        bandwidth = None
+        if config.bandwidth_probe_bytes > 0:
+            console.print("measuring copy bandwidth ...")
+            bandwidth = measure_copy_bandwidth(self.device, config.bandwidth_probe_bytes)
+        records: list[dict[str, Any]] = []
+        interrupted = False
+        started = time.perf_counter()
+        warmup_errors: dict[str, str] = {}
+        total = sum(len(p.turns) for p in prompts) * len(self.methods) * config.repeats
+        progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("left"), TimeRemainingColumn(), console=console, disable=config.quiet,
+        )
+        try:
+            with progress:
+                if config.warmup:
+                    warm = progress.add_task("warm-up", total=len(self.methods))
+                    for name, method in self.methods.items():
+                        try:
+                            self.run_conversation(method, (WARMUP_PROMPT,), config.sampling(min(WARMUP_MAX_NEW_TOKENS, config.max_new_tokens)))
+                        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+                            warmup_errors[name] = f"{type(exc).__name__}: {exc}"
+                        progress.advance(warm)
+                task = progress.add_task("bench", total=total)
+                for index, prompt in enumerate(prompts):
+                    row = {name: {"prompt_id": prompt.prompt_id, "category": prompt.category, "subcategory": prompt.subcategory,
+                                  "method": name, "turns": len(prompt.turns), "repeats": [], "error": None} for name in self.methods}
+                    for _ in range(config.repeats):
+                        for name, method in self.methods.items():
+                            progress.update(task, description=f"[{index + 1}/{len(prompts)}] {prompt.prompt_id} {name}")
+                            record = row[name]
+                            if record["error"] is None:
+                                try:
+                                    turns = self.run_conversation(method, prompt.turns, params)
+                                    record["repeats"].append(turns)
+                                    tokens = sum(len(t["tokens"]) for t in turns)
+                                    seconds = sum(t["seconds"] for t in turns)
+                                    console.print(f"{prompt.prompt_id:24s} {name:12s} {tokens:5d} tokens {tokens / seconds:8.2f} tok/s")
+                                except (KeyboardInterrupt, MemoryError):
+                                    raise
+                                except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+                                    record["error"] = f"{type(exc).__name__}: {exc}"
+                                    record["traceback"] = traceback.format_exc(limit=4)
+                                    console.print(f"[red]{name} failed on {prompt.prompt_id}: {record['error']}[/red]")
+                            progress.advance(task, len(prompt.turns))
+                    records.extend(row.values())
+        except KeyboardInterrupt:
+            interrupted = True  # the prompt in flight is dropped; everything before it is kept
+            console.print("[yellow]interrupted: writing what was measured so far[/yellow]")
+        summary = summarize(records, list(self.methods), params.greedy, self.target_bytes, self.draft_bytes, bandwidth)
+        return {
+            "schema": SCHEMA,
+            "complete": not interrupted,
+            "env": env,
+            "config": {key: (str(v) if isinstance(v, Path) else v) for key, v in asdict(config).items()},
+            "chat_template": self.chat,
+            "num_speculative_tokens": self.decoder.spec.num_speculative_tokens,
+            "draft_confidence": self.decoder.spec.draft_confidence,
+            "models": {
+                "target": {"name": self.decoder.target.name, "weight_bytes_per_forward": self.target_bytes},
+                "draft": {"name": self.decoder.draft.name, "weight_bytes_per_forward": self.draft_bytes} if self.decoder.draft else None,
+            },
+            "bandwidth": {
+                "copy_bytes_per_second": bandwidth,
+                "probe_bytes": config.bandwidth_probe_bytes,
+                "plain_ceiling_tokens_per_second": bandwidth / self.target_bytes if bandwidth else None,
+            },
+            "wall_seconds": time.perf_counter() - started,
+            "warmup_errors": warmup_errors,
+            "prompts": [asdict(p) for p in prompts],
+            "summary": summary,
+            "failures": [{"prompt_id": r["prompt_id"], "method": r["method"], "error": r["error"]} for r in records if r["error"]],
+            "records": records,
+        }
+
+
+def write_results(results: dict[str, Any], out_dir: Path, plots: bool, console: Any) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "results.json", out_dir / "report.md"]
+    output.write_json(results, written[0])
+    written[1].write_text(output.markdown_report(results["summary"]))
+    if plots and any(r["repeats"] for r in results["records"]):
+        written += output.write_plots(results["summary"], out_dir)
+    output.print_tables(results["summary"], console)
+    return written
+
+
+def run_bench(config: BenchConfig, console: Any = None) -> dict[str, Any]:
+    """Load, measure, write ``results.json``, ``report.md`` and the plots into ``config.out``."""
+    from rich.console import Console
+
+    console = console or Console(stderr=True, quiet=config.quiet)
+    prompts = select_prompts(load_prompts(config.prompts), config.categories, config.max_prompts_per_category)
+    if not prompts:
+        raise InvalidRequestError("No prompts selected.")
+    bench = Bench(config)
+    results = bench.run(prompts, console)
+    # Tables go to stdout; when that is a file or pipe, rich would wrap them at 80 columns.
+    table_console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else TABLE_WIDTH)
+    written = write_results(results, config.out, config.plots, console if config.quiet else table_console)
+    console.print("wrote " + ", ".join(str(p) for p in written))
+    return results
