@@ -14,9 +14,9 @@ category prompts keep the file's order (ascending ``question_id``; HumanEval/0, 
 except ``mt_bench``, whose rows are taken round-robin over its eight sub-categories
 (writing, roleplay, reasoning, math, coding, extraction, stem, humanities) so that a small
 subset still spans them. ``--max-prompts-per-category N`` keeps the first N of that order;
-with N = 3 the default set is question ids 81, 91, 101 (mt_bench), 161-165 (translation),
-241-245 (summarization), 321-325 (qa), 401-405 (math_reasoning), 481-485 (rag) and
-HumanEval/0-2.
+with N = 3 the default set is Spec-Bench question ids 81, 91, 101 (mt_bench: writing, roleplay,
+reasoning), 161, 163, 165 (translation), 241, 243, 245 (summarization), 321, 323, 325 (qa),
+401, 403, 405 (math_reasoning), 481, 483, 485 (rag), and HumanEval/0, /1, /2.
 """
 
 from __future__ import annotations

@@ -142,6 +142,7 @@ def summarize(
         for group, group_runs in groups.items():
             failed = sum(failures[method].values()) if group == ALL else failures[method].get(group, 0)
             entry = aggregate(group_runs, failed, target_bytes, draft_bytes if _reads_draft(group_runs) else 0, bandwidth)
+            entry.update(speedup_vs_none=None, speedup_vs_hf=None, equality=None)
             for baseline, key in ((PLAIN_METHOD, "speedup_vs_none"), (HF_PLAIN_METHOD, "speedup_vs_hf")):
                 if baseline in runs:
                     base_runs = {c: runs[baseline].get(c, {}) for c in categories}
