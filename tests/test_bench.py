@@ -246,7 +246,7 @@ DOCUMENTED_TOP = {"schema", "complete", "env", "config", "chat_template", "num_s
                   "models", "bandwidth", "wall_seconds", "warmup_errors", "prompts", "summary", "failures", "records"}
 DOCUMENTED_ENTRY = {"prompts", "failed", "new_tokens", "seconds", "tokens_per_second", "tokens_per_second_median", "tau",
                     "acceptance_rate", "acceptance_per_position", "draft_passes_per_step", "target_passes", "draft_passes",
-                    "time_split", "peak_rss_bytes", "ceiling_tokens_per_second", "fraction_of_ceiling",
+                    "time_split", "peak_rss_bytes", "run_rss_bytes", "ceiling_tokens_per_second", "fraction_of_ceiling",
                     "speedup_vs_none", "speedup_vs_hf", "equality"}
 
 

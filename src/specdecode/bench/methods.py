@@ -65,7 +65,11 @@ class TurnResult:
     draft_tokens_accepted: int | None = None
     proposed_at_position: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)
+    # Peak resident memory of the whole process during the turn (every loaded model, and the
+    # memory-mapped weight files, included) and how far it rose above the turn's start (the
+    # memory the method itself needed: KV caches, activations, draft state).
     peak_rss_bytes: int | None = None
+    run_rss_bytes: int | None = None
 
     @property
     def new_tokens(self) -> int:

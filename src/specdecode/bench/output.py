@@ -10,6 +10,7 @@ from typing import Any
 from .report import ALL
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -43,24 +44,35 @@ def overall_rows(summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[li
                 _fmt(e.get("draft_passes_per_step"), ".2f"),
                 " / ".join(f"{split.get(k, 0):.0%}" for k in ("prefill", "draft", "verify", "other")) if split else "-",
                 _fmt(e["peak_rss_bytes"] / GIB if e.get("peak_rss_bytes") else None, ".2f"),
+                _fmt(e["run_rss_bytes"] / MIB if e.get("run_rss_bytes") is not None else None, ".0f"),
             ]
         )
     return speed, cost
 
 
 SPEED_HEADER = ["method", "prompts", "tok/s", "vs none", "vs hf", "tau", "accept", "greedy equal"]
-COST_HEADER = ["method", "ceiling tok/s", "of ceiling", "draft passes/step", "prefill / draft / verify / other", "peak RSS GiB"]
+COST_HEADER = ["method", "ceiling tok/s", "of ceiling", "draft passes/step", "prefill / draft / verify / other", "peak RSS GiB", "run +RSS MiB"]
 SPEED_TITLE = "All prompts: tokens/s = total new tokens / total seconds; speedups on the same prompts"
 COST_TITLE = "Where the time goes, against the memory-bandwidth ceiling"
 
 
-def category_rows(summary: dict[str, dict[str, dict[str, Any]]], key: str) -> tuple[list[str], list[list[str]]]:
-    """Methods x categories of one figure (e.g. speedup_vs_none)."""
+def category_rows(
+    summary: dict[str, dict[str, dict[str, Any]]], key: str, slower: str = "{}"
+) -> tuple[list[str], list[list[str]]]:
+    """Methods x categories of one figure (e.g. speedup_vs_none); a speedup below 1 (slower
+    than the baseline) is written through the ``slower`` format so that it stands out."""
     categories = [c for c in next(iter(summary.values()), {}) if c != ALL] + [ALL]
     rows = []
     for method, groups in summary.items():
-        spec = ".2f"
-        rows.append([method] + [_fmt(groups.get(c, {}).get(key), spec, "x" if key.startswith("speedup") else "") for c in categories])
+        cells = []
+        for category in categories:
+            value = groups.get(category, {}).get(key)
+            if key.startswith("speedup"):
+                cell = _fmt(value, ".2f", "x")
+                cells.append(slower.format(cell) if value is not None and value < 1.0 else cell)
+            else:
+                cells.append(_fmt(value, ".2f"))
+        rows.append([method] + cells)
     return ["method"] + categories, rows
 
 
@@ -75,16 +87,15 @@ def print_tables(summary: dict[str, dict[str, dict[str, Any]]], console: Any) ->
             table.add_row(*row)
         console.print(table)
     for key, title in (("speedup_vs_none", "Speedup over specdecode plain decoding (none)"), ("speedup_vs_hf", "Speedup over Hugging Face generate (hf)"), ("tau", "tau (tokens per target pass, bonus token counted)")):
-        header, rows = category_rows(summary, key)
+        # A method slower than its baseline in a category is what the reader must see.
+        header, rows = category_rows(summary, key, slower="[red]{}[/red]")
         if all(cell == "-" for row in rows for cell in row[1:]):
             continue
         table = Table(title=title)
         for column in header:
             table.add_column(column, justify="left" if column == "method" else "right")
         for row in rows:
-            # A method slower than its baseline in a category is what the reader must see.
-            styled = [row[0]] + [f"[red]{c}[/red]" if key.startswith("speedup") and c.endswith("x") and float(c[:-1]) < 1.0 else c for c in row[1:]]
-            table.add_row(*styled)
+            table.add_row(*row)
         console.print(table)
 
 
@@ -97,8 +108,8 @@ def markdown_report(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
     speed, cost = overall_rows(summary)
     parts = [f"{SPEED_TITLE}:\n\n" + md(SPEED_HEADER, speed), f"{COST_TITLE}:\n\n" + md(COST_HEADER, cost)]
     for key, title in (("speedup_vs_none", "Speedup over `none` per category"), ("speedup_vs_hf", "Speedup over `hf` per category"), ("tau", "tau per category")):
-        header, rows = category_rows(summary, key)
-        parts.append(f"{title}:\n\n" + md(header, rows))
+        header, rows = category_rows(summary, key, slower="**{}**")
+        parts.append(f"{title} (bold: slower than the baseline):\n\n" + md(header, rows) if key.startswith("speedup") else f"{title}:\n\n" + md(header, rows))
     return "\n\n".join(parts) + "\n"
 
 
@@ -108,6 +119,7 @@ def write_plots(summary: dict[str, dict[str, dict[str, Any]]], out_dir: Path) ->
 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     written = []
     methods = list(summary)
@@ -143,8 +155,9 @@ def write_plots(summary: dict[str, dict[str, dict[str, Any]]], out_dir: Path) ->
                 label=f"{method} ({category})",
             )
             plotted = True
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("P(accepted | proposed)")
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("P(first i drafts accepted | at least i proposed)")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylim(0, 1.02)
     ax.set_title("acceptance per draft position")
     if plotted:

@@ -94,6 +94,7 @@ def aggregate(
     target_passes = sum(t["target_passes"] for t in turns)
     draft_passes = sum(t["draft_passes"] for t in turns)
     rss = [t["peak_rss_bytes"] for t in turns if t.get("peak_rss_bytes")]
+    run_rss = [t["run_rss_bytes"] for t in turns if t.get("run_rss_bytes") is not None]
     entry.update(
         tokens_per_second=new_tokens / seconds if seconds > 0 else None,
         tokens_per_second_median=statistics.median(per_prompt) if per_prompt else None,
@@ -105,6 +106,7 @@ def aggregate(
         draft_passes=draft_passes,
         time_split={name: value / seconds if seconds > 0 else 0.0 for name, value in split.items()},
         peak_rss_bytes=max(rss) if rss else None,
+        run_rss_bytes=max(run_rss) if run_rss else None,
     )
     if bandwidth:
         ceiling = ceiling_tokens_per_second(new_tokens, target_passes, draft_passes, target_bytes, draft_bytes, bandwidth)

@@ -136,14 +136,19 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _peak_rss_bytes() -> int:
+def _status_bytes(field: str) -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's lifetime peak
+    return None
+
+
+def _peak_rss_bytes() -> int:
+    peak = _status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class Bench:
@@ -197,8 +202,11 @@ class Bench:
             messages.append({"role": "user", "content": turn})
             prompt_ids = self.encode(messages)
             _reset_peak_rss()
+            rss_before = _status_bytes("VmRSS")
             result = method.run_turn(prompt_ids, params)
             result.peak_rss_bytes = _peak_rss_bytes()
+            if rss_before is not None:
+                result.run_rss_bytes = max(0, result.peak_rss_bytes - rss_before)
             result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": result.text})
             results.append(result.to_dict())
