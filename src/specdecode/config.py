@@ -158,7 +158,7 @@ class SamplingParams:
 
 
 METHODS: tuple[str, ...] = ("draft", "none")
-# Measured on the demo pair (benchmarks/bench_forward.py, bench_core.py and a 5-prompt sweep):
+# Measured on the demo pair (benchmarks/bench_forward.py, a HumanEval run and a 5-prompt sweep):
 # the target's bf16 forward over 6 tokens costs 1.5x one token and over 9 tokens 1.8x; k from
 # 3 to 6 performed within noise on code prompts. The confidence cut-off of 0.3 stops drafting
 # early where the draft is unsure (chat prompts went from 0.63-0.91x to 0.87-0.99x of plain,

@@ -76,40 +76,78 @@ def category_rows(
     return ["method"] + categories, rows
 
 
-def print_tables(summary: dict[str, dict[str, dict[str, Any]]], console: Any) -> None:
+CATEGORY_TABLES = (
+    ("speedup_vs_none", "Speedup over specdecode plain decoding (none) per category"),
+    ("speedup_vs_hf", "Speedup over Hugging Face generate (hf) per category"),
+    ("tau", "tau per category (tokens per target pass, bonus token counted)"),
+)
+
+
+def _rich_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Any:
     from rich.table import Table
 
+    table = Table(title=title)
+    for column in header:
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def limits_line(results: dict[str, Any]) -> str:
+    """The physical limit in one line: bandwidth, bytes per forward pass, plain ceiling."""
+    models, bw = results["models"], results["bandwidth"]
+    weights = f"target {models['target']['weight_bytes_per_forward'] / 1e9:.2f} GB"
+    if models.get("draft"):
+        weights += f", draft {models['draft']['weight_bytes_per_forward'] / 1e9:.2f} GB"
+    if not bw.get("copy_bytes_per_second"):
+        return f"Weights read per forward pass: {weights}; bandwidth probe skipped, so no ceilings."
+    return (
+        f"Copy bandwidth {bw['copy_bytes_per_second'] / 1e9:.1f} GB/s (read + written); weights read per forward "
+        f"pass: {weights}; plain-decoding ceiling {bw['plain_ceiling_tokens_per_second']:.1f} tokens/s."
+    )
+
+
+def position_rows(summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]]:
+    """Acceptance per draft position over all prompts, for the methods that report it."""
+    per_method = {m: g.get(ALL, {}).get("acceptance_per_position") or [] for m, g in summary.items()}
+    depth = max((len(v) for v in per_method.values()), default=0)
+    rows = [[m] + [f"{v[i]:.2f}" if i < len(v) else "-" for i in range(depth)] for m, v in per_method.items() if v]
+    return ["method"] + [f"pos {i + 1}" for i in range(depth)], rows
+
+
+POSITION_TITLE = "Acceptance per draft position, all prompts (first i drafts accepted | at least i proposed)"
+
+
+def print_tables(results: dict[str, Any], console: Any) -> None:
+    summary = results["summary"]
+    console.print(limits_line(results))
     for title, header, rows in zip((SPEED_TITLE, COST_TITLE), (SPEED_HEADER, COST_HEADER), overall_rows(summary)):
-        table = Table(title=title)
-        for column in header:
-            table.add_column(column, justify="left" if column == "method" else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-    for key, title in (("speedup_vs_none", "Speedup over specdecode plain decoding (none)"), ("speedup_vs_hf", "Speedup over Hugging Face generate (hf)"), ("tau", "tau (tokens per target pass, bonus token counted)")):
+        console.print(_rich_table(title, header, rows))
+    for key, title in CATEGORY_TABLES:
         # A method slower than its baseline in a category is what the reader must see.
         header, rows = category_rows(summary, key, slower="[red]{}[/red]")
-        if all(cell == "-" for row in rows for cell in row[1:]):
-            continue
-        table = Table(title=title)
-        for column in header:
-            table.add_column(column, justify="left" if column == "method" else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+        if any(cell != "-" for row in rows for cell in row[1:]):
+            console.print(_rich_table(title, header, rows))
+    header, rows = position_rows(summary)
+    if rows:
+        console.print(_rich_table(POSITION_TITLE, header, rows))
 
 
-def markdown_report(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
-    def md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(lines)
+def markdown_report(results: dict[str, Any]) -> str:
+    def md(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+        lines = [f"{title}:", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
+    summary = results["summary"]
     speed, cost = overall_rows(summary)
-    parts = [f"{SPEED_TITLE}:\n\n" + md(SPEED_HEADER, speed), f"{COST_TITLE}:\n\n" + md(COST_HEADER, cost)]
-    for key, title in (("speedup_vs_none", "Speedup over `none` per category"), ("speedup_vs_hf", "Speedup over `hf` per category"), ("tau", "tau per category")):
+    parts = [limits_line(results), md(SPEED_TITLE, SPEED_HEADER, speed), md(COST_TITLE, COST_HEADER, cost)]
+    for key, title in CATEGORY_TABLES:
         header, rows = category_rows(summary, key, slower="**{}**")
-        parts.append(f"{title} (bold: slower than the baseline):\n\n" + md(header, rows) if key.startswith("speedup") else f"{title}:\n\n" + md(header, rows))
+        parts.append(md(title + (" (bold: slower than the baseline)" if key.startswith("speedup") else ""), header, rows))
+    header, rows = position_rows(summary)
+    if rows:
+        parts.append(md(POSITION_TITLE, header, rows))
     return "\n\n".join(parts) + "\n"
 
 

@@ -220,10 +220,10 @@ class Bench:
         console = console or Console(stderr=True, quiet=config.quiet)
         params = config.sampling()
         env = environment(self.device, self.dtype)
-        bandwidth = None
+        probes: list[float] = []  # before and after the run: drift shows as a difference
         if config.bandwidth_probe_bytes > 0:
             console.print("measuring copy bandwidth ...")
-            bandwidth = measure_copy_bandwidth(self.device, config.bandwidth_probe_bytes)
+            probes.append(measure_copy_bandwidth(self.device, config.bandwidth_probe_bytes))
         records: list[dict[str, Any]] = []
         interrupted = False
         started = time.perf_counter()
@@ -269,6 +269,9 @@ class Bench:
         except KeyboardInterrupt:
             interrupted = True  # the prompt in flight is dropped; everything before it is kept
             console.print("[yellow]interrupted: writing what was measured so far[/yellow]")
+        if probes and not interrupted:
+            probes.append(measure_copy_bandwidth(self.device, config.bandwidth_probe_bytes))
+        bandwidth = max(probes) if probes else None
         summary = summarize(records, list(self.methods), params.greedy, self.target_bytes, self.draft_bytes, bandwidth)
         return {
             "schema": SCHEMA,
@@ -284,6 +287,7 @@ class Bench:
             },
             "bandwidth": {
                 "copy_bytes_per_second": bandwidth,
+                "probes_bytes_per_second": probes,
                 "probe_bytes": config.bandwidth_probe_bytes,
                 "plain_ceiling_tokens_per_second": bandwidth / self.target_bytes if bandwidth else None,
             },
@@ -300,10 +304,10 @@ def write_results(results: dict[str, Any], out_dir: Path, plots: bool, console: 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "results.json", out_dir / "report.md"]
     output.write_json(results, written[0])
-    written[1].write_text(output.markdown_report(results["summary"]))
+    written[1].write_text(output.markdown_report(results))
     if plots and any(r["repeats"] for r in results["records"]):
         written += output.write_plots(results["summary"], out_dir)
-    output.print_tables(results["summary"], console)
+    output.print_tables(results, console)
     return written
 
 
