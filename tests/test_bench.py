@@ -311,3 +311,25 @@ def test_cli_bench_runs_and_rejects_bad_input(capsys, tiny_qwen2_dir: Path, tmp_
     assert "does not exist" in capsys.readouterr().err
     assert cli.main(base + ["--methods", "none", "--temperature", "-1"]) == cli.EXIT_USER_ERROR
     assert "temperature" in capsys.readouterr().err
+
+
+def test_hf_peers_ignore_checkpoint_sampling_defaults_and_sampling_runs(tiny_qwen2_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint whose generation_config.json asks for a repetition penalty and top-k must
+    still be decoded by the same rule in both libraries, or the comparison is meaningless."""
+    import shutil
+
+    folder = tmp_path / "with_defaults"
+    shutil.copytree(tiny_qwen2_dir, folder)
+    gen_cfg = json.loads((folder / "generation_config.json").read_text()) if (folder / "generation_config.json").exists() else {}
+    gen_cfg.update(repetition_penalty=3.0, top_k=2, temperature=0.5, do_sample=True)
+    (folder / "generation_config.json").write_text(json.dumps(gen_cfg))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def fibonacci(n):\nclass Counter:\n")
+    common = dict(target=str(folder), methods=("none", "hf"), prompts=(str(prompts),), max_new_tokens=24,
+                  dtype="fp32", device="cpu", bandwidth_probe_bytes=0, quiet=True, warmup=False)
+    bench = Bench(BenchConfig(**common))
+    greedy = bench.run(select_prompts(load_prompts((str(prompts),)), None, None))
+    assert greedy["summary"]["hf"][ALL]["equality"]["equal_fraction"] == 1.0
+    sampled = Bench(BenchConfig(**common, temperature=0.8, seed=3)).run(select_prompts(load_prompts((str(prompts),)), None, None))
+    assert not sampled["failures"] and sampled["summary"]["hf"][ALL]["equality"] is None  # only checked under greedy
+    assert sampled["summary"]["none"][ALL]["new_tokens"] > 0
