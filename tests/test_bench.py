@@ -333,3 +333,14 @@ def test_hf_peers_ignore_checkpoint_sampling_defaults_and_sampling_runs(tiny_qwe
     sampled = Bench(BenchConfig(**common, temperature=0.8, seed=3)).run(select_prompts(load_prompts((str(prompts),)), None, None))
     assert not sampled["failures"] and sampled["summary"]["hf"][ALL]["equality"] is None  # only checked under greedy
     assert sampled["summary"]["none"][ALL]["new_tokens"] > 0
+
+
+def test_missing_optional_dependency_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from specdecode.bench import runner
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(InvalidRequestError, match=r"matplotlib.*specdecode\[bench\].*--no-plots"):
+        runner.run_bench(BenchConfig(quiet=True))

@@ -311,8 +311,21 @@ def write_results(results: dict[str, Any], out_dir: Path, plots: bool, console: 
     return written
 
 
+def _check_optional_dependencies(plots: bool) -> None:
+    import importlib.util
+
+    needed = ["rich"] + (["matplotlib"] if plots else [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise InvalidRequestError(
+            f"specdecode bench needs {' and '.join(missing)}: pip install 'specdecode[bench]'"
+            + (" (or pass --no-plots to skip matplotlib)" if missing == ["matplotlib"] else "") + "."
+        )
+
+
 def run_bench(config: BenchConfig, console: Any = None) -> dict[str, Any]:
     """Load, measure, write ``results.json``, ``report.md`` and the plots into ``config.out``."""
+    _check_optional_dependencies(config.plots)
     from rich.console import Console
 
     console = console or Console(stderr=True, quiet=config.quiet)
