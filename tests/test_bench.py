@@ -25,7 +25,7 @@ from specdecode.config import ModelConfig, SamplingParams
 from specdecode.errors import InvalidRequestError
 from specdecode.metrics import GenerationStats
 
-ALL_METHODS = ("none", "draft", "hf", "hf-assisted", "hf-lookup")
+ALL_METHODS = ("none", "draft", "ngram", "hf", "hf-assisted", "hf-lookup")
 MAX_NEW = 10
 
 # ---------------------------------------------------------------- prompt sets
@@ -221,6 +221,7 @@ def test_every_method_runs_through_the_harness(bench_run: tuple[dict, Path]) -> 
 def test_greedy_outputs_equal_their_plain_decoding(bench_run: tuple[dict, Path]) -> None:
     summary = bench_run[0]["summary"]
     assert summary["draft"][ALL]["equality"]["equal_fraction"] == 1.0  # lossless
+    assert summary["ngram"][ALL]["equality"]["equal_fraction"] == 1.0
     assert summary["none"][ALL]["equality"]["reference"] == "hf"
     assert summary["none"][ALL]["equality"]["equal_fraction"] == 1.0  # same model code as transformers
 

@@ -9,7 +9,9 @@ from typing import Any
 import torch
 
 from .config import METHODS, SamplingParams, SpecConfig
+from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.ngram import NgramDrafter
 from .engine import SpecEngine
 from .errors import InvalidRequestError
 from .metrics import GenerationStats
@@ -67,10 +69,11 @@ class SpecDecoder:
         self.spec = spec
         self.tokenizer = target.tokenizer
         self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
-        drafter = None
+        # One drafter per method this decoder can run; a call picks one by name.
+        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter(spec.ngram_max, spec.ngram_min)}
         if draft is not None:
-            drafter = DraftModelDrafter(draft.model, target.config.vocab_size, spec.draft_confidence)
-        self.engine = SpecEngine(target.model, drafter, self.eos_token_ids)
+            self.drafters["draft"] = DraftModelDrafter(draft.model, target.config.vocab_size, spec.draft_confidence)
+        self.engine = SpecEngine(target.model, self.eos_token_ids)
 
     @classmethod
     def from_pretrained(
@@ -81,6 +84,8 @@ class SpecDecoder:
         method: str = "draft",
         k: int | None = None,
         draft_confidence: float | None = None,
+        ngram_max: int | None = None,
+        ngram_min: int | None = None,
         dtype: str = "auto",
         device: str = "auto",
         show_progress: bool = True,
@@ -92,7 +97,10 @@ class SpecDecoder:
         """
         from .models import demo
 
-        overrides = {"num_speculative_tokens": k, "draft_confidence": draft_confidence}
+        overrides = {
+            "num_speculative_tokens": k, "draft_confidence": draft_confidence,
+            "ngram_max": ngram_max, "ngram_min": ngram_min,
+        }
         spec = SpecConfig(method=method, **{key: v for key, v in overrides.items() if v is not None})
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
@@ -152,7 +160,7 @@ class SpecDecoder:
         if method == "draft" and self.draft is None:
             raise InvalidRequestError("This decoder was loaded without a draft model; use method='none'.")
         num_spec = k if k is not None else self.spec.num_speculative_tokens
-        if method == "draft" and num_spec < 1:
+        if method != "none" and num_spec < 1:
             raise InvalidRequestError(f"k (tokens drafted per step) must be >= 1, got {num_spec}.")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             prompt_ids = list(prompt)
@@ -165,7 +173,8 @@ class SpecDecoder:
             raise InvalidRequestError("The prompt is empty.")
         self._check_request(prompt_ids, params)
         stats = GenerationStats(method=method)
-        chunks = self.engine.decode(prompt_ids, params, num_spec if method == "draft" else 0, stats)
+        drafter = self.drafters.get(method)
+        chunks = self.engine.decode(prompt_ids, params, drafter, num_spec if drafter is not None else 0, stats)
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
 
     def generate(

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS
+from .config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS
 from .errors import SpecDecodeError
 from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
 
@@ -43,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
     gen.add_argument("--target", help="the model whose output is reproduced (default: demo 1.5B)")
     gen.add_argument("--draft", help="the small draft model (default: demo 0.5B with the demo target)")
-    gen.add_argument("--method", choices=METHODS, default="draft", help="draft: speculative; none: plain decoding")
+    gen.add_argument(
+        "--method", choices=METHODS, default="draft",
+        help="draft: a draft model proposes; ngram: prompt lookup proposes (no draft model); none: plain decoding",
+    )
     gen.add_argument("--k", type=_positive_int, default=DEFAULT_NUM_SPECULATIVE_TOKENS, help="tokens drafted per step")
     gen.add_argument(
         "--draft-confidence",
@@ -51,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_DRAFT_CONFIDENCE,
         help="stop drafting once the draft's probability for its token is below this (0 = always draft k)",
     )
+    _add_ngram_arguments(gen)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -64,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bars or metrics on stderr")
     _add_bench_parser(sub)
     return parser
+
+
+def _add_ngram_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ngram-max", type=_positive_int, default=DEFAULT_NGRAM_MAX, help="ngram: longest n-gram matched")
+    parser.add_argument("--ngram-min", type=_positive_int, default=DEFAULT_NGRAM_MIN, help="ngram: shortest n-gram matched")
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -108,6 +117,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--seed", type=int, default=0, help="sampling seed (each generation restarts from it)")
     bench.add_argument("--k", type=_positive_int, default=None, help=f"draft tokens per step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})")
     bench.add_argument("--draft-confidence", type=float, default=None, help=f"draft confidence cut-off (default {DEFAULT_DRAFT_CONFIDENCE})")
+    _add_ngram_arguments(bench)
     bench.add_argument("--hf-lookup-tokens", type=_positive_int, default=DEFAULT_HF_LOOKUP_TOKENS, help="prompt_lookup_num_tokens for hf-lookup")
     bench.add_argument("--repeats", type=_positive_int, default=1, help="runs per prompt and method; the median-time run counts")
     bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up prompt")
@@ -139,6 +149,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         k=args.k,
         draft_confidence=args.draft_confidence,
+        ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
         hf_lookup_tokens=args.hf_lookup_tokens,
         repeats=args.repeats,
         warmup=not args.no_warmup,
@@ -172,6 +184,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         method=args.method,
         k=args.k,
         draft_confidence=args.draft_confidence,
+        ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
         dtype=args.dtype,
         device=args.device,
         show_progress=not args.quiet,

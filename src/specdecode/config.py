@@ -157,7 +157,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-METHODS: tuple[str, ...] = ("draft", "none")
+# none: plain decoding; draft: a draft model proposes; ngram: prompt lookup proposes.
+METHODS: tuple[str, ...] = ("draft", "none", "ngram")
 # Measured on the demo pair (benchmarks/bench_forward.py, a HumanEval run and a 5-prompt sweep):
 # the target's bf16 forward over 6 tokens costs 1.5x one token and over 9 tokens 1.8x; k from
 # 3 to 6 performed within noise on code prompts. The confidence cut-off of 0.3 stops drafting
@@ -165,6 +166,9 @@ METHODS: tuple[str, ...] = ("draft", "none")
 # code prompts stayed ~1.6x).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 DEFAULT_DRAFT_CONFIDENCE = 0.3
+# Prompt lookup tries the last 3 tokens, then 2, then 1 (see drafters/ngram.py).
+DEFAULT_NGRAM_MAX = 3
+DEFAULT_NGRAM_MIN = 1
 
 
 @dataclass(slots=True)
@@ -175,6 +179,9 @@ class SpecConfig:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     # The draft model stops proposing once its probability for a drafted token is below this.
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
+    # Prompt lookup (method ngram): the longest and shortest n-gram it matches.
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    ngram_min: int = DEFAULT_NGRAM_MIN
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -188,4 +195,8 @@ class SpecConfig:
         if not 0.0 <= self.draft_confidence < 1.0:
             raise InvalidRequestError(
                 f"draft confidence threshold must be in [0, 1), got {self.draft_confidence}."
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidRequestError(
+                f"n-gram sizes need 1 <= ngram_min <= ngram_max, got min {self.ngram_min} and max {self.ngram_max}."
             )

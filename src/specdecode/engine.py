@@ -30,13 +30,11 @@ class SpecEngine:
     def __init__(
         self,
         target: Transformer,
-        drafter: Drafter | None,
         eos_token_ids: Sequence[int],
         *,
         sync_timing: bool = False,
     ) -> None:
         self.target = target
-        self.drafter = drafter
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sync_timing = sync_timing
         self._cache: KVCache | None = None
@@ -50,19 +48,21 @@ class SpecEngine:
         self,
         prompt_ids: Sequence[int],
         params: SamplingParams,
+        drafter: Drafter | None,
         num_speculative_tokens: int,
         stats: GenerationStats,
     ) -> Iterator[list[int]]:
         """Yield the newly committed tokens after each step; fill ``stats`` as it goes.
 
-        ``num_speculative_tokens`` = 0 (or no drafter) is plain autoregressive decoding.
+        ``num_speculative_tokens`` = 0 (or no drafter) is plain autoregressive decoding. A
+        drafter may propose fewer tokens than asked, even none: that step decodes plainly.
         Closing the iterator early (a stop string) still leaves ``stats`` complete.
         """
         started = time.perf_counter()
         device = self.device
         prompt_len = len(prompt_ids)
         max_new = params.max_new_tokens
-        speculate = self.drafter is not None and num_speculative_tokens > 0
+        speculate = drafter is not None and num_speculative_tokens > 0
         capacity = prompt_len + max_new + 1
         cache = self._cache = reusable_cache(self._cache, self.target.config, capacity, self.target.dtype, device)
         processor = LogitsProcessor.from_params(params)
@@ -81,7 +81,7 @@ class SpecEngine:
                     stats.target_forward_passes += 1
                 cache.commit(0, prompt_len - 1)
                 if speculate:
-                    self.drafter.start(prompt_len, capacity)
+                    drafter.start(prompt_len, capacity)
             stats.prefill_seconds = prefill_watch.elapsed
 
             length = prompt_len
@@ -93,7 +93,7 @@ class SpecEngine:
                 draft_probs = None
                 if k > 0:
                     with draft_watch:
-                        proposal = self.drafter.propose(committed[:, :length], k, processor, generator)
+                        proposal = drafter.propose(committed[:, :length], k, processor, generator)
                     stats.draft_seconds += draft_watch.elapsed
                     draft_tokens, draft_probs = proposal.tokens, proposal.probs
                     stats.draft_forward_passes += proposal.forward_passes
@@ -113,7 +113,7 @@ class SpecEngine:
                 accepted = emitted_count - 1
                 stats.record_step(k, accepted)
                 if speculate and k > 0:
-                    self.drafter.on_verified(accepted)
+                    drafter.on_verified(accepted)
                 new_tokens = emitted_row[: accepted + 1][:remaining]
                 stop_reason = ""
                 if not params.ignore_eos:

@@ -61,6 +61,8 @@ class BenchConfig:
     seed: int | None = 0
     k: int | None = None
     draft_confidence: float | None = None
+    ngram_max: int | None = None
+    ngram_min: int | None = None
     hf_lookup_tokens: int = DEFAULT_HF_LOOKUP_TOKENS
     repeats: int = 1
     warmup: bool = True
@@ -162,6 +164,7 @@ class Bench:
         self.decoder = SpecDecoder.from_pretrained(
             config.target, config.draft, method="draft" if needs_draft else "none",
             k=config.k, draft_confidence=config.draft_confidence,
+            ngram_max=config.ngram_max, ngram_min=config.ngram_min,
             dtype=config.dtype, device=config.device, show_progress=not config.quiet,
         )
         self.device = self.decoder.target.model.device
