@@ -42,7 +42,7 @@ from .roofline import DEFAULT_PROBE_BYTES, measure_copy_bandwidth, weight_bytes_
 SCHEMA = "specdecode.bench/1"
 WARMUP_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 WARMUP_MAX_NEW_TOKENS = 24
-DEFAULT_METHODS = ("none", "draft", "hf", "hf-assisted", "hf-lookup")
+DEFAULT_METHODS = available_methods()  # every specdecode method, then the transformers peers
 TABLE_WIDTH = 140
 
 
