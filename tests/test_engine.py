@@ -212,12 +212,12 @@ def test_speculative_sampling_matches_target_distribution(
     assert stat < CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}"
 
 
-def test_distribution_test_catches_wrong_residual(sampling_setup, monkeypatch) -> None:
-    dec, prompt_ids = sampling_setup
+def install_wrong_residual(monkeypatch) -> None:
+    """Make the engine recover rejected tokens from p instead of the residual (a wrong sampler
+    whose acceptance is unchanged), for power checks of the distribution tests."""
     real = specdecode.engine.rejection_verify
 
     def recover_from_p(draft_tokens, draft_probs, target_probs, generator):
-        # Same acceptance, but rejected tokens are replaced by a draw from p (wrong).
         result = real(draft_tokens, draft_probs, target_probs, generator)
         rejected = (result.accepted_len < draft_tokens.shape[1]).nonzero().flatten()
         for row in rejected.tolist():
@@ -226,5 +226,10 @@ def test_distribution_test_catches_wrong_residual(sampling_setup, monkeypatch) -
         return result
 
     monkeypatch.setattr(specdecode.engine, "rejection_verify", recover_from_p)
+
+
+def test_distribution_test_catches_wrong_residual(sampling_setup, monkeypatch) -> None:
+    dec, prompt_ids = sampling_setup
+    install_wrong_residual(monkeypatch)
     stat, df = chi_square(dec, prompt_ids, "draft")
     assert stat > CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}: the test has no power"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import decoder
-from test_engine import CHI2_CRITICAL_P001, PROMPTS, chi_square
+from test_engine import CHI2_CRITICAL_P001, PROMPTS, chi_square, install_wrong_residual
 
 from specdecode import SamplingParams, cli
 from specdecode.drafters.ngram import NgramDrafter
@@ -122,19 +122,8 @@ def test_ngram_sampling_matches_target_distribution(tiny_qwen2_dir: Path) -> Non
 def test_ngram_distribution_test_has_power(tiny_qwen2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Recovering rejected n-gram proposals from p instead of p with the proposal removed must
     fail the same test (chi-square ~430 against the critical 54 when written)."""
-    import specdecode.engine
-
     dec = decoder(tiny_qwen2_dir, None, "ngram")
     prompt_ids = copyable_prompt(dec)
-    real = specdecode.engine.rejection_verify
-
-    def recover_from_p(draft_tokens, draft_probs, target_probs, generator):
-        result = real(draft_tokens, draft_probs, target_probs, generator)
-        for row in (result.accepted_len < draft_tokens.shape[1]).nonzero().flatten().tolist():
-            n = result.accepted_len[row]
-            result.tokens[row, n] = torch.multinomial(target_probs[row, n], 1, generator=generator)
-        return result
-
-    monkeypatch.setattr(specdecode.engine, "rejection_verify", recover_from_p)
+    install_wrong_residual(monkeypatch)
     stat, df = chi_square(dec, prompt_ids, "ngram")
     assert stat > CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}: the test has no power"
