@@ -196,7 +196,11 @@ class SpecConfig:
             raise InvalidRequestError(
                 f"draft confidence threshold must be in [0, 1), got {self.draft_confidence}."
             )
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise InvalidRequestError(
-                f"n-gram sizes need 1 <= ngram_min <= ngram_max, got min {self.ngram_min} and max {self.ngram_max}."
-            )
+        check_ngram_sizes(self.ngram_max, self.ngram_min)
+
+
+def check_ngram_sizes(ngram_max: int, ngram_min: int) -> None:
+    if not 1 <= ngram_min <= ngram_max:
+        raise InvalidRequestError(
+            f"n-gram sizes need 1 <= ngram_min <= ngram_max, got min {ngram_min} and max {ngram_max}."
+        )

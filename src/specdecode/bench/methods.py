@@ -71,10 +71,6 @@ class TurnResult:
     peak_rss_bytes: int | None = None
     run_rss_bytes: int | None = None
 
-    @property
-    def new_tokens(self) -> int:
-        return len(self.tokens)
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -158,6 +154,7 @@ class HFMethod:
         self,
         name: str,
         target: Any,
+        tokenizer: Any,
         eos_token_ids: list[int],
         draft: Any = None,
         lookup_tokens: int = DEFAULT_HF_LOOKUP_TOKENS,
@@ -172,6 +169,7 @@ class HFMethod:
         transformers.logging.set_verbosity_error()
         self.name = name
         self.target = target
+        self.tokenizer = tokenizer
         self.draft = draft if name == "hf-assisted" else None
         self.eos_token_ids = eos_token_ids
         self.lookup_tokens = lookup_tokens
@@ -213,7 +211,7 @@ class HFMethod:
         passes = len(target_timer.durations)
         return TurnResult(
             tokens=tokens,
-            text="",
+            text=self.tokenizer.decode(tokens, skip_special_tokens=True),  # as specdecode's API decodes
             prompt_tokens=len(prompt_ids),
             seconds=seconds,
             prefill_seconds=target_timer.durations[0] if passes else 0.0,

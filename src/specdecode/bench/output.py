@@ -13,6 +13,11 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 
+def _groups(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The summary's groups: its categories in run order, then "all"."""
+    return list(next(iter(summary.values()), {}))
+
+
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -61,7 +66,7 @@ def category_rows(
 ) -> tuple[list[str], list[list[str]]]:
     """Methods x categories of one figure (e.g. speedup_vs_none); a speedup below 1 (slower
     than the baseline) is written through the ``slower`` format so that it stands out."""
-    categories = [c for c in next(iter(summary.values()), {}) if c != ALL] + [ALL]
+    categories = _groups(summary)
     rows = []
     for method, groups in summary.items():
         cells = []
@@ -161,7 +166,7 @@ def write_plots(summary: dict[str, dict[str, dict[str, Any]]], out_dir: Path) ->
 
     written = []
     methods = list(summary)
-    categories = [c for c in next(iter(summary.values()), {}) if c != ALL] + [ALL]
+    categories = _groups(summary)
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), sharey=False)
     width = 0.8 / max(1, len(methods))
     for ax, key, title in ((axes[0], "speedup_vs_none", "speedup over none"), (axes[1], "speedup_vs_hf", "speedup over hf")):

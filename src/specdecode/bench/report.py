@@ -53,17 +53,18 @@ def first_difference(turns: list[dict[str, Any]], reference: list[dict[str, Any]
     return None
 
 
+def _rate(turns: list[dict[str, Any]]) -> float | None:
+    """Total new tokens over total seconds."""
+    seconds = sum(t["seconds"] for t in turns)
+    return sum(len(t["tokens"]) for t in turns) / seconds if seconds > 0 else None
+
+
 def _ratio(ours: dict[str, list[dict[str, Any]]], theirs: dict[str, list[dict[str, Any]]]) -> float | None:
-    """Total-tokens-over-total-seconds of ``ours`` over that of ``theirs`` on their common prompts."""
+    """The rate of ``ours`` over that of ``theirs``, both on their common prompts only."""
     common = [p for p in ours if p in theirs]
-    if not common:
-        return None
-    def rate(runs: dict[str, list[dict[str, Any]]]) -> float:
-        tokens = sum(len(t["tokens"]) for p in common for t in runs[p])
-        seconds = sum(t["seconds"] for p in common for t in runs[p])
-        return tokens / seconds if seconds > 0 else 0.0
-    base = rate(theirs)
-    return rate(ours) / base if base > 0 else None
+    ours_rate = _rate([t for p in common for t in ours[p]])
+    base_rate = _rate([t for p in common for t in theirs[p]])
+    return ours_rate / base_rate if ours_rate is not None and base_rate else None
 
 
 def aggregate(
@@ -79,9 +80,7 @@ def aggregate(
     entry: dict[str, Any] = {"prompts": len(runs), "failed": failed, "new_tokens": new_tokens, "seconds": seconds}
     if not turns:
         return entry
-    per_prompt = [
-        sum(len(t["tokens"]) for t in ts) / sum(t["seconds"] for t in ts) for ts in runs.values() if sum(t["seconds"] for t in ts) > 0
-    ]
+    per_prompt = [rate for rate in map(_rate, runs.values()) if rate is not None]
     steps = sum(t["verify_steps"] for t in turns)
     proposed = [t["draft_tokens_proposed"] for t in turns]
     accepted = [t["draft_tokens_accepted"] for t in turns]
@@ -96,7 +95,7 @@ def aggregate(
     rss = [t["peak_rss_bytes"] for t in turns if t.get("peak_rss_bytes")]
     run_rss = [t["run_rss_bytes"] for t in turns if t.get("run_rss_bytes") is not None]
     entry.update(
-        tokens_per_second=new_tokens / seconds if seconds > 0 else None,
+        tokens_per_second=_rate(turns),
         tokens_per_second_median=statistics.median(per_prompt) if per_prompt else None,
         tau=sum(t["emitted_by_steps"] for t in turns) / steps if steps else None,
         acceptance_rate=sum(accepted) / sum(proposed) if known else None,
@@ -125,34 +124,33 @@ def summarize(
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``summary[method][category]`` (plus ``"all"``) with every aggregate figure."""
     categories = list(dict.fromkeys(r["category"] for r in records))
-    # runs[method][category][prompt_id] = chosen turns
-    runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {m: {} for m in methods}
+    # grouped[method][group][prompt_id] = chosen turns, groups being the categories and "all"
+    # (prompt ids are unique across categories).
+    grouped: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {m: {c: {} for c in categories + [ALL]} for m in methods}
     failures: dict[str, dict[str, int]] = {m: {} for m in methods}
     for record in records:
         method, category = record["method"], record["category"]
-        if method not in runs:
+        if method not in grouped:
             continue
         if record.get("error") or not record["repeats"]:
             failures[method][category] = failures[method].get(category, 0) + 1
             continue
-        runs[method].setdefault(category, {})[record["prompt_id"]] = chosen_repeat(record)
+        turns = chosen_repeat(record)
+        grouped[method][category][record["prompt_id"]] = turns
+        grouped[method][ALL][record["prompt_id"]] = turns
     summary: dict[str, dict[str, dict[str, Any]]] = {}
     for method in methods:
         summary[method] = {}
-        groups = {c: runs[method].get(c, {}) for c in categories}
-        groups[ALL] = {p: ts for c in categories for p, ts in runs[method].get(c, {}).items()}
-        for group, group_runs in groups.items():
+        reference = equality_reference(method, methods)
+        for group, group_runs in grouped[method].items():
             failed = sum(failures[method].values()) if group == ALL else failures[method].get(group, 0)
-            entry = aggregate(group_runs, failed, target_bytes, draft_bytes if _reads_draft(group_runs) else 0, bandwidth)
+            entry = aggregate(group_runs, failed, target_bytes, draft_bytes, bandwidth)
             entry.update(speedup_vs_none=None, speedup_vs_hf=None, equality=None)
             for baseline, key in ((PLAIN_METHOD, "speedup_vs_none"), (HF_PLAIN_METHOD, "speedup_vs_hf")):
-                if baseline in runs:
-                    base_runs = {c: runs[baseline].get(c, {}) for c in categories}
-                    base = {p: ts for c in categories for p, ts in base_runs[c].items()} if group == ALL else base_runs[group]
-                    entry[key] = _ratio(group_runs, base)
-            reference = equality_reference(method, methods)
+                if baseline in grouped:
+                    entry[key] = _ratio(group_runs, grouped[baseline][group])
             if greedy and reference is not None and group_runs:
-                ref_runs = {p: ts for c in categories for p, ts in runs[reference].get(c, {}).items()}
+                ref_runs = grouped[reference][ALL]
                 compared = {p: first_difference(ts, ref_runs[p]) for p, ts in group_runs.items() if p in ref_runs}
                 entry["equality"] = {
                     "reference": reference,
@@ -162,7 +160,3 @@ def summarize(
                 }
             summary[method][group] = entry
     return summary
-
-
-def _reads_draft(group_runs: dict[str, list[dict[str, Any]]]) -> bool:
-    return any(t["draft_passes"] for ts in group_runs.values() for t in ts)

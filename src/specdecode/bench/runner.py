@@ -179,7 +179,7 @@ class Bench:
                 hf_draft = self._load_hf(self.decoder.draft.folder)
         for name in config.methods:
             if name in HF_METHODS:
-                self.methods[name] = HFMethod(name, hf_target, list(self.decoder.eos_token_ids), hf_draft, config.hf_lookup_tokens)
+                self.methods[name] = HFMethod(name, hf_target, self.tokenizer, list(self.decoder.eos_token_ids), hf_draft, config.hf_lookup_tokens)
             else:
                 self.methods[name] = SpecDecodeMethod(name, self.decoder, config.k)
         draft = self.decoder.draft
@@ -210,7 +210,6 @@ class Bench:
             result.peak_rss_bytes = _peak_rss_bytes()
             if rss_before is not None:
                 result.run_rss_bytes = max(0, result.peak_rss_bytes - rss_before)
-            result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": result.text})
             results.append(result.to_dict())
         return results

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+from ..config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, check_ngram_sizes
 from ..errors import InvalidRequestError
 from ..sampling import LogitsProcessor
 from .base import DraftProposal
@@ -26,10 +26,7 @@ from .base import DraftProposal
 
 class NgramDrafter:
     def __init__(self, ngram_max: int = DEFAULT_NGRAM_MAX, ngram_min: int = DEFAULT_NGRAM_MIN) -> None:
-        if not 1 <= ngram_min <= ngram_max:
-            raise InvalidRequestError(
-                f"n-gram sizes need 1 <= ngram_min <= ngram_max, got min {ngram_min} and max {ngram_max}."
-            )
+        check_ngram_sizes(ngram_max, ngram_min)
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
         self.history: list[int] = []
