@@ -144,7 +144,7 @@ def test_unpermute_inverts_llama_cpp_row_order() -> None:
     weight = torch.arange(4 * 8 * 3, dtype=torch.float32).reshape(4 * 8, 3)  # 4 heads of dim 8
     permuted = tiny_models.permute_rows_for_ggml(weight, num_heads=4)
     assert not torch.equal(permuted, weight)
-    assert torch.equal(gguf_loader._unpermute_rotary_rows(permuted, num_heads=4), weight)
+    assert torch.equal(gguf_loader.unpermute_rotary_rows(permuted, num_heads=4), weight)
 
 
 def test_tied_padded_vocab_and_bf16(tmp_path: Path) -> None:

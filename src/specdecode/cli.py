@@ -63,11 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto", help="auto: bf16 where supported, else fp32")
     gen.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    _add_quant_arguments(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     gen.add_argument("--quiet", action="store_true", help="no progress bars or metrics on stderr")
     _add_bench_parser(sub)
     return parser
+
+
+def _add_quant_arguments(parser: argparse.ArgumentParser) -> None:
+    from .cache import KV_DTYPES
+    from .quant.apply import QUANT_CHOICES
+
+    parser.add_argument(
+        "--target-quant", choices=QUANT_CHOICES, default="none",
+        help="weight-only quantization of the target (int4 keeps a Q4_K GGUF's own blocks); changes the target's output",
+    )
+    parser.add_argument("--draft-quant", choices=QUANT_CHOICES, default="none", help="weight-only quantization of the draft")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV-cache storage: auto (model dtype) or int8")
 
 
 def _add_ngram_arguments(parser: argparse.ArgumentParser) -> None:
@@ -188,6 +201,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ngram_min=args.ngram_min,
         dtype=args.dtype,
         device=args.device,
+        target_quant=args.target_quant,
+        draft_quant=args.draft_quant,
+        kv_dtype=args.kv_dtype,
         show_progress=not args.quiet,
     )
     stream = decoder.stream(prompt, params, chat=args.chat)

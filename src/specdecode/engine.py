@@ -33,10 +33,12 @@ class SpecEngine:
         eos_token_ids: Sequence[int],
         *,
         sync_timing: bool = False,
+        kv_dtype: str = "auto",
     ) -> None:
         self.target = target
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sync_timing = sync_timing
+        self.kv_dtype = kv_dtype  # "int8" stores the target's KV cache quantized (cache.Int8KVCache)
         self._cache: KVCache | None = None
 
     @property
@@ -64,7 +66,7 @@ class SpecEngine:
         max_new = params.max_new_tokens
         speculate = drafter is not None and num_speculative_tokens > 0
         capacity = prompt_len + max_new + 1
-        cache = self._cache = reusable_cache(self._cache, self.target.config, capacity, self.target.dtype, device)
+        cache = self._cache = reusable_cache(self._cache, self.target.config, capacity, self.target.dtype, device, self.kv_dtype)
         processor = LogitsProcessor.from_params(params)
         generator = None if processor.greedy else make_generator(params.seed, device)
         committed = torch.empty((1, capacity), dtype=torch.long, device=device)

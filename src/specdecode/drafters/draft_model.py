@@ -17,8 +17,11 @@ from .base import DraftProposal
 
 
 class DraftModelDrafter:
-    def __init__(self, model: Transformer, target_vocab_size: int, confidence_threshold: float = 0.0) -> None:
+    def __init__(
+        self, model: Transformer, target_vocab_size: int, confidence_threshold: float = 0.0, kv_dtype: str = "auto"
+    ) -> None:
         self.model = model
+        self.kv_dtype = kv_dtype
         self.target_vocab_size = target_vocab_size
         # Stop drafting early once the draft's probability for the token it just proposed falls
         # below this (0 disables): a token the draft itself doubts is likely rejected, and the
@@ -31,7 +34,7 @@ class DraftModelDrafter:
         self._proposed_count = 0
 
     def start(self, prompt_len: int, capacity: int) -> None:
-        self.cache = reusable_cache(self.cache, self.model.config, capacity, self.model.dtype, self.model.device)
+        self.cache = reusable_cache(self.cache, self.model.config, capacity, self.model.dtype, self.model.device, self.kv_dtype)
         self._cached_len = 0
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # (B, V_draft) -> (B, V_target)

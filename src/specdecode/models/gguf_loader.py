@@ -124,6 +124,33 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype, show_
     return out_dir
 
 
+@dataclass(slots=True)
+class StoredTensor:
+    """A weight as the GGUF file stores it, before any dequantization."""
+
+    type_name: str  # GGML type, e.g. "Q4_K", "Q6_K", "F16"
+    raw: Any  # numpy view of the stored bytes (memory-mapped)
+    shape: tuple[int, ...]  # HF order: (out_features, in_features)
+    unpermute_heads: int | None  # llama q/k: rows to reorder after decoding (see unpermute_rotary_rows)
+
+
+def stored_weights(gguf_path: Path) -> dict[str, StoredTensor]:
+    """HF parameter name (without ``model.``) -> the GGUF's stored tensor, for quantizers that
+    can take a GGUF's own quantized blocks instead of requantizing the dequantized weight."""
+    reader = _open_gguf(Path(gguf_path))
+    metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith(("GGUF.", "tokenizer."))}
+    arch = _architecture(metadata, gguf_path)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = _hf_config(metadata, arch, tensors, torch.float32, gguf_path)
+    return {
+        planned.hf_name.removeprefix("model."): StoredTensor(
+            planned.source.tensor_type.name, planned.source.data, planned.shape, planned.unpermute_heads
+        )
+        for planned in _plan_tensors(tensors, config, arch, gguf_path)
+        if planned.source is not None
+    }
+
+
 def cached_hf_folder_for_gguf(gguf_path: Path, dtype: torch.dtype, show_progress: bool = True) -> Path:
     """The HF-format folder for a GGUF file in ``dtype``, converting it into the cache on first use.
 
@@ -413,11 +440,11 @@ def _dequantize(planned: _PlannedTensor) -> torch.Tensor:
     values = np.array(values, dtype=np.float32, copy=not values.flags.writeable)  # memmap views are read-only
     weight = torch.from_numpy(values).reshape(planned.shape)
     if planned.unpermute_heads is not None:
-        weight = _unpermute_rotary_rows(weight, planned.unpermute_heads)
+        weight = unpermute_rotary_rows(weight, planned.unpermute_heads)
     return weight
 
 
-def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row order: weight (num_heads * head_dim, ...) from pair-adjacent to rotate-half.
 
     Within a head llama.cpp stores rows as (x0, y0, x1, y1, ...), each rotary pair adjacent;

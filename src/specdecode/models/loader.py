@@ -31,23 +31,34 @@ class LoadedModel:
     model: Transformer
     tokenizer: object  # a transformers PreTrainedTokenizerBase
     config: ModelConfig
+    quant: str = "none"  # weight quantization applied at load: none, int8, int4
+
+
+def gguf_source(name: str, show_progress: bool = True) -> Path | None:
+    """The GGUF file a model argument names (demo model, .gguf file, folder of one), else None."""
+    from . import demo
+
+    if demo.is_demo_model_name(name):
+        return demo.demo_model_path(name, show_progress=show_progress)
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return None
 
 
 def resolve_model_folder(name: str, dtype: torch.dtype, show_progress: bool = True) -> Path:
     """Map a model argument to a local Hugging Face-format folder, converting or downloading."""
-    from . import demo, gguf_loader
+    from . import gguf_loader
 
-    if demo.is_demo_model_name(name):
-        return gguf_loader.cached_hf_folder_for_gguf(
-            demo.demo_model_path(name, show_progress=show_progress), dtype, show_progress=show_progress
-        )
+    gguf_path = gguf_source(name, show_progress=show_progress)
+    if gguf_path is not None:
+        return gguf_loader.cached_hf_folder_for_gguf(gguf_path, dtype, show_progress=show_progress)
     path = Path(name).expanduser()
-    if path.is_file():
-        return gguf_loader.cached_hf_folder_for_gguf(path, dtype, show_progress=show_progress)
     if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if not (path / "config.json").exists() and len(ggufs) == 1:
-            return gguf_loader.cached_hf_folder_for_gguf(ggufs[0], dtype, show_progress=show_progress)
         if not (path / "config.json").exists():
             raise ModelLoadError(
                 f"{path} has no config.json: a model folder needs config.json and *.safetensors "
@@ -107,7 +118,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _component_names(name: str) -> tuple[str, ...] | None:
+def component_names(name: str) -> tuple[str, ...] | None:
     """For a fused parameter (``layers.3.self_attn.qkv_proj.weight``), the checkpoint tensors
     stacked to make it (``layers.3.self_attn.q_proj.weight``, ...); None for any other."""
     for fused, parts in FUSED_PROJECTIONS.items():
@@ -119,17 +130,25 @@ def _component_names(name: str) -> tuple[str, ...] | None:
 
 
 def load_weights(
-    folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, pack: bool = True
+    folder: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    pack: bool = True,
+    quant: str = "none",
+    gguf_path: Path | None = None,
 ) -> Transformer:
     """Build the transformer on the meta device and fill it from safetensors, checking every name.
 
-    ``pack`` prepacks bf16 weights for the CPU's matmul kernels where that is faster.
+    ``quant`` (none, int8, int4) replaces the projections by weight-only quantized ones; int4
+    takes Q4_K blocks from ``gguf_path`` exactly where it can (see ``quant.apply``). ``pack``
+    prepacks the remaining bf16 projections for the CPU's matmul kernels where that is faster.
     """
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {name for name, _ in model.named_parameters()}
     # Our parameter -> the checkpoint tensors (names without "model.") it is made of.
-    sources = {name: _component_names(name) or (name,) for name in expected}
+    sources = {name: component_names(name) or (name,) for name in expected}
     wanted = {part for parts in sources.values() for part in parts}
     loaded: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(folder):
@@ -167,6 +186,10 @@ def load_weights(
     # Buffers (RoPE frequencies) were built on meta; rebuild them for real.
     model.inv_freq = _real_inv_freq(cfg, device)
     model = model.eval().requires_grad_(False)
+    if quant != "none":
+        from ..quant.apply import quantize_model
+
+        quantize_model(model, quant, gguf_path=gguf_path)
     if pack:
         model.pack_weights_for_cpu()
     return model
@@ -188,12 +211,14 @@ def load_tokenizer(folder: Path) -> object:
 
 
 def load_model(
-    name: str, dtype: torch.dtype, device: torch.device, show_progress: bool = True
+    name: str, dtype: torch.dtype, device: torch.device, show_progress: bool = True, quant: str = "none"
 ) -> LoadedModel:
     folder = resolve_model_folder(name, dtype, show_progress=show_progress)
     if show_progress:
-        print(f"specdecode: loading {name} ({str(dtype).removeprefix('torch.')}, {device})", file=sys.stderr, flush=True)
+        weights = "" if quant == "none" else f", {quant} weights"
+        print(f"specdecode: loading {name} ({str(dtype).removeprefix('torch.')}{weights}, {device})", file=sys.stderr, flush=True)
     cfg = read_model_config(folder)
-    model = load_weights(folder, cfg, dtype, device)
+    gguf_path = gguf_source(name, show_progress=False) if quant == "int4" else None
+    model = load_weights(folder, cfg, dtype, device, quant=quant, gguf_path=gguf_path)
     tokenizer = load_tokenizer(folder)
-    return LoadedModel(name=name, folder=folder, model=model, tokenizer=tokenizer, config=cfg)
+    return LoadedModel(name=name, folder=folder, model=model, tokenizer=tokenizer, config=cfg, quant=quant)
