@@ -127,7 +127,7 @@ def test_speedups_use_the_same_prompts_and_equality_flags_a_planted_mismatch() -
     spec_b = [turn([(4, 3)], 1.0, draft_passes=4, tokens=planted)]
     records = [record("none", p, t) for p, t in plain.items()]
     records += [record("draft", "A", spec_a), record("draft", "B", spec_b), record("draft", "C", None, error="RuntimeError: boom")]
-    summary = summarize(records, ["none", "draft"], greedy=True, target_bytes=100, draft_bytes=10, bandwidth=None)
+    summary = summarize(records, ["none", "draft"], greedy=True, weight_bytes={"none": (100, 0), "draft": (100, 10)}, bandwidth=None)
     entry = summary["draft"][ALL]
     assert entry["failed"] == 1 and entry["prompts"] == 2
     # 12 tokens in 3 s against plain's 12 tokens in 12 s on A and B (C failed, so it is left out).
@@ -141,7 +141,7 @@ def test_speedups_use_the_same_prompts_and_equality_flags_a_planted_mismatch() -
 def test_repeats_contribute_their_median_time_run() -> None:
     fast, mid, slow = (turn([(0, 0)] * 4, s) for s in (1.0, 2.0, 9.0))
     rec = {"prompt_id": "A", "category": "qa", "subcategory": "qa", "method": "none", "repeats": [[slow], [fast], [mid]], "error": None}
-    summary = summarize([rec], ["none"], greedy=True, target_bytes=1, draft_bytes=1, bandwidth=None)
+    summary = summarize([rec], ["none"], greedy=True, weight_bytes={"none": (1, 1)}, bandwidth=None)
     assert summary["none"][ALL]["seconds"] == 2.0
 
 
@@ -307,7 +307,7 @@ def test_cli_bench_runs_and_rejects_bad_input(capsys, tiny_qwen2_dir: Path, tmp_
     assert not (tmp_path / "o" / "speedup.png").exists()
     capsys.readouterr()
     assert cli.main(base + ["--methods", "none,medusa"]) == cli.EXIT_USER_ERROR
-    assert "Unknown method(s) medusa" in capsys.readouterr().err
+    assert "Unknown method 'medusa'" in capsys.readouterr().err
     assert cli.main(base + ["--methods", "draft", "--prompts", str(tmp_path / "missing.txt")]) == cli.EXIT_USER_ERROR
     assert "does not exist" in capsys.readouterr().err
     assert cli.main(base + ["--methods", "none", "--temperature", "-1"]) == cli.EXIT_USER_ERROR

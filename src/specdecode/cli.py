@@ -111,7 +111,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--draft", help="draft model for draft / hf-assisted (default: demo 0.5B with the demo target)")
     bench.add_argument(
         "--methods", type=_csv, default=DEFAULT_METHODS,
-        help=f"comma-separated, from: {', '.join(available_methods())} (default: %(default)s)".replace("%(default)s", ",".join(DEFAULT_METHODS)),
+        help=f"comma-separated, from: {', '.join(available_methods())}; a specdecode method may add weight "
+        "quantizations: none@int8 (int8 target), draft@int8/int4 (int8 target, int4 draft) "
+        "(default: %(default)s)".replace("%(default)s", ",".join(DEFAULT_METHODS)),
     )
     bench.add_argument(
         "--prompts", type=_csv, default=("default",),
@@ -137,6 +139,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--chat", choices=("auto", "yes", "no"), default="auto", help="use the chat template (auto: when the tokenizer has one)")
     bench.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
     bench.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    bench.add_argument("--kv-dtype", choices=("auto", "int8"), default="auto", help="KV-cache storage of specdecode's methods")
     bench.add_argument("--bandwidth-probe-mib", type=int, default=1024, help="size of the copy-bandwidth probe (0 = skip it and the ceilings)")
     bench.add_argument("--out", default="results", help="output folder (default: %(default)s)")
     bench.add_argument("--no-plots", action="store_true")
@@ -170,6 +173,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         chat={"auto": None, "yes": True, "no": False}[args.chat],
         dtype=args.dtype,
         device=args.device,
+        kv_dtype=args.kv_dtype,
         bandwidth_probe_bytes=max(0, args.bandwidth_probe_mib) << 20,
         out=Path(args.out),
         plots=not args.no_plots,

@@ -8,6 +8,11 @@ transformers' ``generate`` on the same weights, dtype and device:
 - ``hf-assisted``: ``generate(assistant_model=draft)`` with transformers' default schedule;
 - ``hf-lookup``: ``generate(prompt_lookup_num_tokens=N)`` (n-gram prompt lookup).
 
+A specdecode method may name weight quantizations: ``none@int8`` is plain decoding of the
+int8 target, ``draft@int8/int4`` the draft method with an int8 target and an int4 draft
+(``quant.apply``). Its greedy output is checked against plain decoding of the same quantized
+target, and its speedup against ``none`` (the unquantized target).
+
 transformers exposes no acceptance counts, so for its methods we count forward passes with
 module hooks: tau is new tokens per target pass (1.0 exactly for ``hf``), the first target
 pass is reported as prefill, later ones as verify, assistant passes as draft; the acceptance
@@ -24,11 +29,15 @@ import torch
 
 from ..config import METHODS, SamplingParams
 from ..errors import InvalidRequestError
+from ..quant.apply import QUANT_CHOICES
 
 HF_METHODS = ("hf", "hf-assisted", "hf-lookup")
 PLAIN_METHOD = "none"  # specdecode's plain decoding: the baseline of its own methods
 HF_PLAIN_METHOD = "hf"
 DEFAULT_HF_LOOKUP_TOKENS = 10  # transformers' documented example value
+
+
+QUANT_MARK = "@"
 
 
 def available_methods() -> tuple[str, ...]:
@@ -37,13 +46,48 @@ def available_methods() -> tuple[str, ...]:
     return own + HF_METHODS
 
 
+@dataclass(frozen=True, slots=True)
+class MethodLabel:
+    """A benchmark method name taken apart: ``draft@int8/int4`` -> draft, int8 target, int4 draft."""
+
+    base: str
+    target_quant: str = "none"
+    draft_quant: str = "none"
+
+    @property
+    def plain(self) -> str:
+        """The plain decoding (of the same quantized target) this method must reproduce."""
+        if self.base in HF_METHODS:
+            return HF_PLAIN_METHOD
+        return PLAIN_METHOD if self.target_quant == "none" else f"{PLAIN_METHOD}{QUANT_MARK}{self.target_quant}"
+
+
+def parse_method(label: str) -> MethodLabel:
+    base, marked, quants = label.partition(QUANT_MARK)
+    known = available_methods()
+    if base not in known:
+        raise InvalidRequestError(f"Unknown method {base!r}; choose from: {', '.join(known)} (optionally with @quant).")
+    if not marked:
+        return MethodLabel(base)
+    target_quant, slash, draft_quant = quants.partition("/")
+    draft_quant = draft_quant if slash else "none"
+    if base in HF_METHODS:
+        raise InvalidRequestError(f"{label}: quantized variants exist for specdecode's methods only, not {base}.")
+    if slash and not uses_draft_model(base):
+        raise InvalidRequestError(f"{label}: only the draft method has a draft model to quantize.")
+    for quant in (target_quant, draft_quant):
+        if quant not in QUANT_CHOICES:
+            raise InvalidRequestError(f"{label}: quantization must be one of {', '.join(QUANT_CHOICES)}, got {quant!r}.")
+    return MethodLabel(base, target_quant, draft_quant)
+
+
 def plain_counterpart(method: str) -> str:
     """The plain decoding whose output a method must reproduce under greedy."""
-    return HF_PLAIN_METHOD if method in HF_METHODS else PLAIN_METHOD
+    return parse_method(method).plain
 
 
 def uses_draft_model(method: str) -> bool:
-    return method in ("draft", "hf-assisted")
+    return method.partition(QUANT_MARK)[0] in ("draft", "hf-assisted")
 
 
 @dataclass(slots=True)
@@ -86,12 +130,13 @@ class SpecDecodeMethod:
     """One of specdecode's methods through the public ``SpecDecoder`` API."""
 
     def __init__(self, name: str, decoder: Any, k: int | None = None) -> None:
-        self.name = name
-        self.decoder = decoder
+        self.name = name  # the label, quantization included
+        self.base = parse_method(name).base
+        self.decoder = decoder  # loaded with the label's quantizations
         self.k = k
 
     def run_turn(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
-        result = self.decoder.generate(prompt_ids, params, method=self.name, k=self.k)
+        result = self.decoder.generate(prompt_ids, params, method=self.base, k=self.k)
         stats = result.stats
         return TurnResult(
             tokens=result.token_ids,

@@ -17,7 +17,7 @@ A record is one (prompt, method) pair: ``{"prompt_id", "category", "subcategory"
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .methods import HF_PLAIN_METHOD, PLAIN_METHOD, plain_counterpart
@@ -27,11 +27,13 @@ ALL = "all"
 
 
 def equality_reference(method: str, methods: Sequence[str]) -> str | None:
-    """Whose greedy output a method must equal: its own library's plain decoding; the two
-    plain decodings (``none``, ``hf``) are checked against each other (library parity)."""
+    """Whose greedy output a method must equal: its own library's plain decoding (of the same
+    quantized target); the two plain decodings (``none``, ``hf``) are checked against each
+    other (library parity), and plain decoding of a quantized target against ``none`` (how
+    often quantization leaves the output unchanged)."""
     reference = plain_counterpart(method)
     if reference == method:
-        reference = HF_PLAIN_METHOD if method == PLAIN_METHOD else PLAIN_METHOD
+        reference = {PLAIN_METHOD: HF_PLAIN_METHOD, HF_PLAIN_METHOD: PLAIN_METHOD}.get(method, PLAIN_METHOD)
     return reference if reference in methods else None
 
 
@@ -118,11 +120,13 @@ def summarize(
     records: Sequence[dict[str, Any]],
     methods: Sequence[str],
     greedy: bool,
-    target_bytes: int,
-    draft_bytes: int,
+    weight_bytes: Mapping[str, tuple[int, int]],
     bandwidth: float | None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """``summary[method][category]`` (plus ``"all"``) with every aggregate figure."""
+    """``summary[method][category]`` (plus ``"all"``) with every aggregate figure.
+
+    ``weight_bytes[method]`` is (target, draft) bytes read per forward pass, for the ceiling.
+    """
     categories = list(dict.fromkeys(r["category"] for r in records))
     # grouped[method][group][prompt_id] = chosen turns, groups being the categories and "all"
     # (prompt ids are unique across categories).
@@ -144,7 +148,7 @@ def summarize(
         reference = equality_reference(method, methods)
         for group, group_runs in grouped[method].items():
             failed = sum(failures[method].values()) if group == ALL else failures[method].get(group, 0)
-            entry = aggregate(group_runs, failed, target_bytes, draft_bytes, bandwidth)
+            entry = aggregate(group_runs, failed, *weight_bytes.get(method, (0, 0)), bandwidth)
             entry.update(speedup_vs_none=None, speedup_vs_hf=None, equality=None)
             for baseline, key in ((PLAIN_METHOD, "speedup_vs_none"), (HF_PLAIN_METHOD, "speedup_vs_hf")):
                 if baseline in grouped:

@@ -22,17 +22,33 @@ DEFAULT_PROBE_BYTES = 1 << 30  # well past any last-level cache
 PROBE_REPEATS = 7
 
 
-def weight_bytes_per_forward(config: ModelConfig, dtype: torch.dtype) -> int:
+def weight_bytes_per_forward(config: ModelConfig, dtype: torch.dtype, quant: str = "none") -> int:
     """Bytes of weights one forward pass reads (the embedding table contributes one row,
-    except that a tied LM head reads it whole)."""
+    except that a tied LM head reads it whole).
+
+    With ``quant`` (``quant.apply``) the projections and the LM head count as stored: int8 one
+    byte per weight plus an fp32 scale per output row, int4 half a byte plus a (scale, zero)
+    pair in ``dtype`` per group of ``DEFAULT_INT4_GROUP``; norms and biases stay in ``dtype``.
+    """
+    from ..quant.apply import DEFAULT_INT4_GROUP
+
+    element = torch.empty((), dtype=dtype).element_size()
     hidden, inter = config.hidden_size, config.intermediate_size
     q_dim = config.num_heads * config.head_dim
     kv_dim = config.num_kv_heads * config.head_dim
-    per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter + 2 * hidden
+    # (out_features, in_features) of every projection one token reads, LM head last.
+    matrices = [(q_dim + 2 * kv_dim, hidden), (hidden, q_dim), (2 * inter, hidden), (hidden, inter)] * config.num_layers
+    matrices.append((config.vocab_size, hidden))
+    small = config.num_layers * 2 * hidden + hidden  # norms
     if config.attention_bias:
-        per_layer += q_dim + 2 * kv_dim
-    params = config.num_layers * per_layer + hidden + config.vocab_size * hidden
-    return params * torch.empty((), dtype=dtype).element_size()
+        small += config.num_layers * (q_dim + 2 * kv_dim)
+    if quant == "int8":
+        stored = sum(n * k + 4 * n for n, k in matrices)
+    elif quant == "int4":
+        stored = sum(n * k // 2 + 2 * element * n * (k // DEFAULT_INT4_GROUP) for n, k in matrices)
+    else:
+        stored = sum(n * k for n, k in matrices) * element
+    return stored + small * element
 
 
 def measure_copy_bandwidth(

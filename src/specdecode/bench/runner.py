@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from .methods import (
     HFMethod,
     SpecDecodeMethod,
     available_methods,
+    parse_method,
     uses_draft_model,
 )
 from .prompts import BenchPrompt, load_prompts, select_prompts
@@ -69,16 +70,20 @@ class BenchConfig:
     chat: bool | None = None  # None: use the chat template when the tokenizer has one
     dtype: str = "auto"
     device: str = "auto"
+    kv_dtype: str = "auto"  # KV-cache storage of specdecode's methods: auto or int8
     bandwidth_probe_bytes: int = DEFAULT_PROBE_BYTES  # 0 skips the probe (and the ceilings)
     out: Path = Path("results")
     plots: bool = True
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        known = available_methods()
-        unknown = [m for m in self.methods if m not in known]
-        if unknown or not self.methods:
-            raise InvalidRequestError(f"Unknown method(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(known)}.")
+        if not self.methods:
+            raise InvalidRequestError(f"No methods given; choose from: {', '.join(available_methods())}.")
+        for method in self.methods:
+            parse_method(method)  # raises a clear error for unknown methods or quantizations
+        from ..cache import check_kv_dtype
+
+        check_kv_dtype(self.kv_dtype)
         if len(set(self.methods)) != len(self.methods):
             raise InvalidRequestError("Each method may be listed once.")
         if self.repeats < 1:
@@ -161,12 +166,34 @@ class Bench:
 
         self.config = config
         needs_draft = any(uses_draft_model(m) for m in config.methods)
+        labels = {name: parse_method(name) for name in config.methods}
         self.decoder = SpecDecoder.from_pretrained(
             config.target, config.draft, method="draft" if needs_draft else "none",
             k=config.k, draft_confidence=config.draft_confidence,
             ngram_max=config.ngram_max, ngram_min=config.ngram_min,
-            dtype=config.dtype, device=config.device, show_progress=not config.quiet,
+            dtype=config.dtype, device=config.device, kv_dtype=config.kv_dtype, show_progress=not config.quiet,
         )
+        # Quantized variants share one loaded model per (role, quantization) and get a decoder
+        # per (target quant, draft quant) pair.
+        loaded = {("target", "none"): self.decoder.target, ("draft", "none"): self.decoder.draft}
+        decoders = {("none", "none"): self.decoder}
+
+        def model(role: str, quant: str) -> Any:
+            if (role, quant) not in loaded:
+                from ..models.loader import load_model
+
+                source = self.decoder.target if role == "target" else self.decoder.draft
+                loaded[role, quant] = load_model(source.name, source.model.dtype, source.model.device, not config.quiet, quant)
+            return loaded[role, quant]
+
+        def decoder_for(target_quant: str, draft_quant: str, with_draft: bool) -> Any:
+            key = (target_quant, draft_quant if with_draft else "none")
+            if key not in decoders:
+                draft = model("draft", key[1]) if with_draft else None
+                spec = self.decoder.spec if with_draft else replace(self.decoder.spec, method="none")
+                decoders[key] = SpecDecoder(model("target", key[0]), draft, spec, kv_dtype=config.kv_dtype)
+            return decoders[key]
+
         self.device = self.decoder.target.model.device
         self.dtype = self.decoder.target.model.dtype
         self.tokenizer = self.decoder.tokenizer
@@ -181,10 +208,20 @@ class Bench:
             if name in HF_METHODS:
                 self.methods[name] = HFMethod(name, hf_target, self.tokenizer, list(self.decoder.eos_token_ids), hf_draft, config.hf_lookup_tokens)
             else:
-                self.methods[name] = SpecDecodeMethod(name, self.decoder, config.k)
+                label = labels[name]
+                decoder = decoder_for(label.target_quant, label.draft_quant, label.base == "draft" and self.decoder.draft is not None)
+                self.methods[name] = SpecDecodeMethod(name, decoder, config.k)
         draft = self.decoder.draft
         self.target_bytes = weight_bytes_per_forward(self.decoder.target.config, self.dtype)
         self.draft_bytes = weight_bytes_per_forward(draft.config, self.dtype) if draft is not None else 0
+        # (target, draft) bytes per forward pass of each method, as its weights are stored.
+        self.weight_bytes = {
+            name: (
+                weight_bytes_per_forward(self.decoder.target.config, self.dtype, labels[name].target_quant),
+                weight_bytes_per_forward(draft.config, self.dtype, labels[name].draft_quant) if draft is not None else 0,
+            )
+            for name in config.methods
+        }
 
     def _load_hf(self, folder: Path) -> Any:
         from transformers import AutoModelForCausalLM
@@ -274,7 +311,7 @@ class Bench:
         if probes and not interrupted:
             probes.append(measure_copy_bandwidth(self.device, config.bandwidth_probe_bytes))
         bandwidth = max(probes) if probes else None
-        summary = summarize(records, list(self.methods), params.greedy, self.target_bytes, self.draft_bytes, bandwidth)
+        summary = summarize(records, list(self.methods), params.greedy, self.weight_bytes, bandwidth)
         return {
             "schema": SCHEMA,
             "complete": not interrupted,
@@ -286,6 +323,7 @@ class Bench:
             "models": {
                 "target": {"name": self.decoder.target.name, "weight_bytes_per_forward": self.target_bytes},
                 "draft": {"name": self.decoder.draft.name, "weight_bytes_per_forward": self.draft_bytes} if self.decoder.draft else None,
+                "weight_bytes_by_method": {name: list(pair) for name, pair in self.weight_bytes.items()},
             },
             "bandwidth": {
                 "copy_bytes_per_second": bandwidth,
