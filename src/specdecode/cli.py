@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS
-from .errors import SpecDecodeError
+from .errors import InvalidRequestError, SpecDecodeError
 from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
 
 EXIT_USER_ERROR = 2
@@ -68,7 +69,52 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     gen.add_argument("--quiet", action="store_true", help="no progress bars or metrics on stderr")
     _add_bench_parser(sub)
+    _add_quality_parser(sub)
     return parser
+
+
+def _add_quality_parser(sub: argparse._SubParsersAction) -> None:
+    from .bench.quality import DEFAULT_MAX_TOKENS, DEFAULT_WINDOW
+
+    quality = sub.add_parser(
+        "quality",
+        help="what weight quantization costs: KL to the unquantized target, perplexity, top-1 agreement",
+        description=(
+            "Score a fixed text with the target unquantized and with each --quants variant, and "
+            "report the mean KL divergence to the unquantized next-token distributions, perplexity, "
+            "and how often the most likely next token agrees. Default text: Python stdlib source."
+        ),
+    )
+    quality.add_argument("--target", help="target model (default: demo 1.5B)")
+    quality.add_argument("--quants", type=_csv, default=("int8", "int4"), help="comma-separated: int8, int4 (default: int8,int4)")
+    quality.add_argument("--text", help="a text file to score (default: Python standard-library source)")
+    quality.add_argument("--window", type=_positive_int, default=DEFAULT_WINDOW, help="tokens per forward pass")
+    quality.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS, help="tokens of the text scored")
+    quality.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
+    quality.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    quality.add_argument("--out", help="also write the rows as JSON here")
+    quality.add_argument("--quiet", action="store_true")
+
+
+def cmd_quality(args: argparse.Namespace) -> int:
+    from .bench.quality import default_text, markdown_table, measure_quality, write_quality
+
+    if args.text:
+        try:
+            text, description = Path(args.text).read_text(), args.text
+        except OSError as err:
+            raise InvalidRequestError(f"Cannot read --text {args.text}: {err}") from err
+    else:
+        text, description = default_text()
+    rows = measure_quality(
+        args.target, args.quants, text, dtype=args.dtype, device=args.device, window=args.window,
+        max_tokens=args.max_tokens, show_progress=not args.quiet,
+    )
+    print(f"Text: {description}\n")
+    print(markdown_table(rows))
+    if args.out:
+        write_quality(rows, description, Path(args.out))
+    return 0
 
 
 def _add_quant_arguments(parser: argparse.ArgumentParser) -> None:
@@ -235,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "quality":
+            return cmd_quality(args)
     except SpecDecodeError as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR

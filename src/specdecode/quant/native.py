@@ -1,17 +1,21 @@
 """A small native int8 matmul for decode-sized inputs, compiled on first use.
 
-Why it exists: weight-only int8 halves the bytes a forward pass reads, but the kernel must also
-stay cheap for the few rows a verify pass feeds (k + 1). Measured on the 2-core AVX-512 CPU,
-the 1.5B demo target's 113 projections, weights cycled so they stream from memory
-(``benchmarks/bench_quant_kernels.py``):
+Why it exists: weight-only int8 halves the bytes a forward pass reads, but the kernel must
+also stay cheap for the few rows a verify pass feeds (k + 1). Measured on the 2-core AVX-512
+CPU, the 1.5B demo target's 113 projections, weights cycled so they stream from memory, ms per
+forward pass's matmuls, interleaved, median of 5
+(``python benchmarks/bench_quant_kernels.py --rows 1,2,4,6,8 --repeats 5``):
 
-    rows                         1      2      4      6      8
-    bf16 oneDNN (packed)       136    149    158    174    227  ms
-    torch _weight_int8pack_mm  106    121    140    240    262  ms
-    this kernel                100    114    127    142    187  ms
+    rows                                  1      2      4      6      8
+    bf16 oneDNN (packed)                135    148    153    163    224
+    torch _weight_int8pack_mm           107    118    136    236    261
+    this kernel, fp32 activations       109    121    135    146    173
+    this kernel, int16-block activations 85     98    118    132    145
+    torch int4 (group 32), for scale     55     64     93    164    168
 
-torch's kernel is fine for one row but costs 2.3x at six; this loop converts each weight
-vector once and multiplies it into every row, so six rows cost 1.4x one.
+torch's int8 kernel is fine for one row but costs 2.2x at six; this one converts each weight
+vector once for every row, and its default path (VNNI, see ``int8_gemm.cpp``) rounds each
+128-input block of activations to int16, which the fp32 loop's conversion cost made worth it.
 
 The library is built with the system C++ compiler (``$CXX``, else ``g++``) into the cache
 directory, keyed by the source and the CPU's flags. Any failure (no compiler, no AVX-512,
@@ -35,7 +39,11 @@ import torch
 
 from ..paths import cache_dir
 
-MAX_ROWS = 8  # the kernel's compiled row counts; more rows go to a dense path
+MAX_ROWS = 8  # the kernel's compiled row counts; callers split larger inputs
+ACTIVATION_BLOCK = 128  # XBLOCK in the C++ source
+# The VNNI path (see int8_gemm.cpp) rounds activations to int16 per 128-input block; setting
+# SPECDECODE_INT8_FP32_ACTIVATIONS=1 keeps them in fp32 (slower, for comparisons).
+BLOCKED_INT16_ACTIVATIONS = os.environ.get("SPECDECODE_INT8_FP32_ACTIVATIONS", "0") != "1"
 DISABLE_ENV_VAR = "SPECDECODE_NATIVE"
 _SOURCE = Path(__file__).with_name("int8_gemm.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -93,7 +101,7 @@ def _load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn.argtypes = [
                 ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ]
         except (OSError, RuntimeError, subprocess.TimeoutExpired, AttributeError) as err:
             _failure = str(err)
@@ -124,10 +132,14 @@ def int8_gemm(
     rows, in_features = x.shape
     out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
     scratch = torch.empty(rows * in_features, dtype=torch.float32) if x.dtype == torch.bfloat16 else out
+    x_int16 = None
+    if BLOCKED_INT16_ACTIVATIONS and in_features % ACTIVATION_BLOCK == 0:
+        # int16 values, then one fp32 scale (two int16 slots) per block of each row.
+        x_int16 = torch.empty(rows * in_features + 2 * rows * (in_features // ACTIVATION_BLOCK), dtype=torch.int16)
     status = library.specdecode_int8_gemm(
         x.data_ptr(), int(x.dtype == torch.bfloat16), rows, in_features, weight.data_ptr(), weight.shape[0],
         scales.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-        torch.get_num_threads(),
+        None if x_int16 is None else x_int16.data_ptr(), torch.get_num_threads(),
     )
     if status != 0:
         raise ValueError(f"int8_gemm takes 1 to {MAX_ROWS} rows, got {rows}")
