@@ -176,7 +176,7 @@ class Bench:
         # Quantized variants share one loaded model per (role, quantization) and get a decoder
         # per (target quant, draft quant) pair.
         loaded = {("target", "none"): self.decoder.target, ("draft", "none"): self.decoder.draft}
-        decoders = {("none", "none"): self.decoder}
+        decoders = {("none", "none", self.decoder.draft is not None): self.decoder}
 
         def model(role: str, quant: str) -> Any:
             if (role, quant) not in loaded:
@@ -187,7 +187,7 @@ class Bench:
             return loaded[role, quant]
 
         def decoder_for(target_quant: str, draft_quant: str, with_draft: bool) -> Any:
-            key = (target_quant, draft_quant if with_draft else "none")
+            key = (target_quant, draft_quant if with_draft else "none", with_draft)
             if key not in decoders:
                 draft = model("draft", key[1]) if with_draft else None
                 spec = self.decoder.spec if with_draft else replace(self.decoder.spec, method="none")
