@@ -285,3 +285,34 @@ def test_bad_quant_options_are_clear_errors(tiny_qwen2_dir: Path) -> None:
         SpecDecoder.from_pretrained(str(tiny_qwen2_dir), method="none", target_quant="int2", show_progress=False)
     with pytest.raises(InvalidRequestError, match="--kv-dtype must be one of"):
         SpecDecoder.from_pretrained(str(tiny_qwen2_dir), method="none", kv_dtype="fp8", show_progress=False)
+
+
+def test_bench_runs_quantized_variants_side_by_side(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path, tmp_path: Path) -> None:
+    from specdecode.bench.prompts import load_prompts, select_prompts
+    from specdecode.bench.runner import Bench, BenchConfig
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def fibonacci(n):\nclass Counter:\n")
+    methods = ("none", "none@int8", "draft@int8", "draft@int8/int4", "draft@none/int8")
+    config = BenchConfig(
+        target=str(tiny_qwen2_dir), draft=str(tiny_close_draft_dir), methods=methods, prompts=(str(prompts),),
+        max_prompts_per_category=None, max_new_tokens=12, k=3, draft_confidence=0.0, dtype="fp32", device="cpu",
+        bandwidth_probe_bytes=0, quiet=True, warmup=False,
+    )
+    bench = Bench(config)
+    # Each label got the models it names: one decoder per (target, draft) quantization pair.
+    assert bench.methods["draft@int8"].decoder.draft.quant == "none"
+    assert bench.methods["draft@int8"].decoder.target.quant == "int8"
+    assert bench.methods["draft@int8/int4"].decoder.draft.quant == "int4"
+    assert bench.methods["none@int8"].decoder.target is bench.methods["draft@int8"].decoder.target  # loaded once
+    results = bench.run(select_prompts(load_prompts(config.prompts), None, None))
+    assert not results["failures"]
+    summary = results["summary"]
+    for method in ("draft@int8", "draft@int8/int4"):
+        assert summary[method]["all"]["equality"]["reference"] == "none@int8"
+        assert summary[method]["all"]["equality"]["equal_fraction"] == 1.0
+    assert summary["draft@none/int8"]["all"]["equality"]["reference"] == "none"
+    assert summary["draft@none/int8"]["all"]["equality"]["equal_fraction"] == 1.0
+    assert summary["none@int8"]["all"]["equality"]["reference"] == "none"
+    target_bytes = {m: results["models"]["weight_bytes_by_method"][m][0] for m in methods}
+    assert target_bytes["none@int8"] == target_bytes["draft@int8"] < target_bytes["none"]

@@ -149,6 +149,8 @@ def markdown_report(results: dict[str, Any]) -> str:
     parts = [limits_line(results), md(SPEED_TITLE, SPEED_HEADER, speed), md(COST_TITLE, COST_HEADER, cost)]
     for key, title in CATEGORY_TABLES:
         header, rows = category_rows(summary, key, slower="**{}**")
+        if not any(cell != "-" for row in rows for cell in row[1:]):
+            continue  # e.g. no hf method in the run
         parts.append(md(title + (" (bold: slower than the baseline)" if key.startswith("speedup") else ""), header, rows))
     header, rows = position_rows(summary)
     if rows:

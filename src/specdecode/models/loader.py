@@ -137,6 +137,7 @@ def load_weights(
     pack: bool = True,
     quant: str = "none",
     gguf_path: Path | None = None,
+    show_progress: bool = False,
 ) -> Transformer:
     """Build the transformer on the meta device and fill it from safetensors, checking every name.
 
@@ -189,7 +190,9 @@ def load_weights(
     if quant != "none":
         from ..quant.apply import quantize_model
 
-        quantize_model(model, quant, gguf_path=gguf_path)
+        summary = quantize_model(model, quant, gguf_path=gguf_path)
+        if show_progress:
+            print(f"specdecode: quantized {summary.describe()}", file=sys.stderr, flush=True)
     if pack:
         model.pack_weights_for_cpu()
     return model
@@ -219,6 +222,6 @@ def load_model(
         print(f"specdecode: loading {name} ({str(dtype).removeprefix('torch.')}{weights}, {device})", file=sys.stderr, flush=True)
     cfg = read_model_config(folder)
     gguf_path = gguf_source(name, show_progress=False) if quant == "int4" else None
-    model = load_weights(folder, cfg, dtype, device, quant=quant, gguf_path=gguf_path)
+    model = load_weights(folder, cfg, dtype, device, quant=quant, gguf_path=gguf_path, show_progress=show_progress)
     tokenizer = load_tokenizer(folder)
     return LoadedModel(name=name, folder=folder, model=model, tokenizer=tokenizer, config=cfg, quant=quant)
