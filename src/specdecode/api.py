@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .cache import check_kv_dtype
-from .config import METHODS, SamplingParams, SpecConfig
+from .config import METHODS, SamplingParams, SpecConfig, check_k_policy
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.ngram import NgramDrafter
@@ -19,6 +19,7 @@ from .metrics import GenerationStats
 from .models.loader import LoadedModel, load_model
 from .quant.apply import check_quant
 from .runtime import resolve_device, resolve_dtype
+from .schedule import CostAwareK, KSchedule, ThresholdK
 from .text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
 
 
@@ -58,6 +59,17 @@ class GenerationStream:
             self.result = GenerationResult(self._decoder.text, list(self._decoder.token_ids), self.stats)
 
 
+def resolve_k(k: int | str | None, k_policy: str | None) -> tuple[int | None, str | None]:
+    """(fixed k or None, policy or None) from ``k`` (an int, "auto" or None) and ``k_policy``."""
+    if isinstance(k, str):
+        if k != "auto":
+            raise InvalidRequestError(f"k must be a positive integer or 'auto', got {k!r}.")
+        if k_policy == "fixed":
+            raise InvalidRequestError("k='auto' needs k_policy 'cost' or 'threshold', not 'fixed'.")
+        return None, k_policy or "cost"
+    return k, k_policy
+
+
 class SpecDecoder:
     """A target model, an optional draft model, and the engine that runs them."""
 
@@ -87,7 +99,9 @@ class SpecDecoder:
         draft: str | None = None,
         *,
         method: str = "draft",
-        k: int | None = None,
+        k: int | str | None = None,
+        k_policy: str | None = None,
+        k_max: int | None = None,
         draft_confidence: float | None = None,
         ngram_max: int | None = None,
         ngram_min: int | None = None,
@@ -108,9 +122,10 @@ class SpecDecoder:
         """
         from .models import demo
 
+        fixed_k, policy = resolve_k(k, k_policy)
         overrides = {
-            "num_speculative_tokens": k, "draft_confidence": draft_confidence,
-            "ngram_max": ngram_max, "ngram_min": ngram_min,
+            "num_speculative_tokens": fixed_k, "draft_confidence": draft_confidence,
+            "ngram_max": ngram_max, "ngram_min": ngram_min, "k_policy": policy, "k_max": k_max,
         }
         spec = SpecConfig(method=method, **{key: v for key, v in overrides.items() if v is not None})
         check_quant(target_quant, "--target-quant")
@@ -160,12 +175,15 @@ class SpecDecoder:
         *,
         chat: bool = False,
         method: str | None = None,
-        k: int | None = None,
+        k: int | str | None = None,
+        k_policy: str | None = None,
     ) -> GenerationStream:
         """Start generating; iterate the returned stream for text, read ``.result`` after.
 
         ``prompt`` may be text, chat messages, or token ids. ``method``/``k`` override the
-        decoder's defaults for this call (``method="none"`` is plain decoding of the target).
+        decoder's defaults for this call (``method="none"`` is plain decoding of the target);
+        ``k="auto"`` chooses the draft length per step (``k_policy`` "cost", the default, or
+        "threshold"; see ``schedule.py``).
         """
         params = params or SamplingParams()
         method = method or self.spec.method
@@ -173,7 +191,14 @@ class SpecDecoder:
             raise InvalidRequestError(f"Unknown method {method!r}; choose one of: {', '.join(METHODS)}.")
         if method == "draft" and self.draft is None:
             raise InvalidRequestError("This decoder was loaded without a draft model; use method='none'.")
-        num_spec = k if k is not None else self.spec.num_speculative_tokens
+        if k is None and k_policy is None:
+            num_spec, policy = self.spec.num_speculative_tokens, self.spec.k_policy
+        else:
+            fixed_k, policy = resolve_k(k, k_policy)
+            num_spec = fixed_k if fixed_k is not None else self.spec.num_speculative_tokens
+            if policy is None:
+                policy = "fixed" if k is not None else self.spec.k_policy
+        check_k_policy(policy, self.spec.k_max)
         if method != "none" and num_spec < 1:
             raise InvalidRequestError(f"k (tokens drafted per step) must be >= 1, got {num_spec}.")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -188,8 +213,20 @@ class SpecDecoder:
         self._check_request(prompt_ids, params)
         stats = GenerationStats(method=method)
         drafter = self.drafters.get(method)
-        chunks = self.engine.decode(prompt_ids, params, drafter, num_spec if drafter is not None else 0, stats)
+        schedule = self._schedule(policy, num_spec) if drafter is not None else None
+        limit = self.spec.k_max if schedule is not None else num_spec
+        chunks = self.engine.decode(prompt_ids, params, drafter, limit if drafter is not None else 0, stats, schedule)
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
+
+    def _schedule(self, policy: str, k: int) -> KSchedule | None:
+        """A fresh per-request draft-length schedule (None: fixed k)."""
+        k_max = self.spec.k_max
+        if policy == "threshold":
+            return ThresholdK(k=min(k, k_max), k_max=k_max)
+        if policy == "cost":
+            live = self.engine.device.type == "cpu" or self.engine.sync_timing
+            return CostAwareK(self.engine.verify_costs(k_max + 1), k_max=k_max, first_k=min(k, k_max), live_costs=live)
+        return None
 
     def generate(
         self,
@@ -198,9 +235,10 @@ class SpecDecoder:
         *,
         chat: bool = False,
         method: str | None = None,
-        k: int | None = None,
+        k: int | str | None = None,
+        k_policy: str | None = None,
     ) -> GenerationResult:
-        stream = self.stream(prompt, params, chat=chat, method=method, k=k)
+        stream = self.stream(prompt, params, chat=chat, method=method, k=k, k_policy=k_policy)
         for _ in stream:
             pass
         assert stream.result is not None

@@ -8,7 +8,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS
+from .config import (
+    DEFAULT_DRAFT_CONFIDENCE,
+    DEFAULT_K_MAX,
+    DEFAULT_NGRAM_MAX,
+    DEFAULT_NGRAM_MIN,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    METHODS,
+)
 from .errors import InvalidRequestError, SpecDecodeError
 from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
 
@@ -48,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--method", choices=METHODS, default="draft",
         help="draft: a draft model proposes; ngram: prompt lookup proposes (no draft model); none: plain decoding",
     )
-    gen.add_argument("--k", type=_positive_int, default=DEFAULT_NUM_SPECULATIVE_TOKENS, help="tokens drafted per step")
+    gen.add_argument(
+        "--k", type=_k_value, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+        help="tokens drafted per step, or 'auto': chosen each step from live acceptance and measured costs",
+    )
+    _add_k_policy_arguments(gen)
     gen.add_argument(
         "--draft-confidence",
         type=float,
@@ -127,6 +138,19 @@ def _add_quant_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--draft-quant", choices=QUANT_CHOICES, default="none", help="weight-only quantization of the draft")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV-cache storage: auto (model dtype) or int8")
+
+
+def _k_value(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
+def _add_k_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--k-policy", choices=("cost", "threshold"), default="cost",
+        help="with --k auto: cost (maximise expected tokens per measured second; may choose plain steps) "
+        "or threshold (k+1 above 80%% acceptance, minimum below 40%%, starting at 5)",
+    )
+    parser.add_argument("--k-max", type=_positive_int, default=DEFAULT_K_MAX, help="with --k auto: the most tokens drafted per step")
 
 
 def _add_ngram_arguments(parser: argparse.ArgumentParser) -> None:
@@ -246,6 +270,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.draft,
         method=args.method,
         k=args.k,
+        k_policy=args.k_policy if args.k == "auto" else None,
+        k_max=args.k_max,
         draft_confidence=args.draft_confidence,
         ngram_max=args.ngram_max,
         ngram_min=args.ngram_min,

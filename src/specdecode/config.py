@@ -165,6 +165,9 @@ METHODS: tuple[str, ...] = ("draft", "none", "ngram")
 # early where the draft is unsure (chat prompts went from 0.63-0.91x to 0.87-0.99x of plain,
 # code prompts stayed ~1.6x).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+DEFAULT_K_MAX = 8  # the most tokens --k auto drafts per step
+MAX_K_MAX = 32
+K_POLICY_CHOICES = ("fixed", "cost", "threshold")
 DEFAULT_DRAFT_CONFIDENCE = 0.3
 # Prompt lookup tries the last 3 tokens, then 2, then 1 (see drafters/ngram.py).
 DEFAULT_NGRAM_MAX = 3
@@ -182,6 +185,10 @@ class SpecConfig:
     # Prompt lookup (method ngram): the longest and shortest n-gram it matches.
     ngram_max: int = DEFAULT_NGRAM_MAX
     ngram_min: int = DEFAULT_NGRAM_MIN
+    # fixed: always draft num_speculative_tokens; cost / threshold: choose k per step up to
+    # k_max (``schedule.py``; the threshold rule starts at num_speculative_tokens).
+    k_policy: str = "fixed"
+    k_max: int = DEFAULT_K_MAX
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -197,6 +204,14 @@ class SpecConfig:
                 f"draft confidence threshold must be in [0, 1), got {self.draft_confidence}."
             )
         check_ngram_sizes(self.ngram_max, self.ngram_min)
+        check_k_policy(self.k_policy, self.k_max)
+
+
+def check_k_policy(k_policy: str, k_max: int) -> None:
+    if k_policy not in K_POLICY_CHOICES:
+        raise InvalidRequestError(f"k policy must be one of {', '.join(K_POLICY_CHOICES)}, got {k_policy!r}.")
+    if not 1 <= k_max <= MAX_K_MAX:
+        raise InvalidRequestError(f"--k-max must be in 1..{MAX_K_MAX}, got {k_max}.")
 
 
 def check_ngram_sizes(ngram_max: int, ngram_min: int) -> None:

@@ -23,7 +23,12 @@ from .drafters.base import Drafter
 from .metrics import GenerationStats, Stopwatch
 from .models.llama import Transformer
 from .sampling import LogitsProcessor, make_generator
+from .schedule import KSchedule
 from .verify import PAD_TOKEN, greedy_verify, rejection_verify
+
+
+VERIFY_COST_REPEATS = 2
+COST_PROBE_CONTEXT = 64  # cache slots before the timed rows, so attention has something to read
 
 
 class SpecEngine:
@@ -40,10 +45,43 @@ class SpecEngine:
         self.sync_timing = sync_timing
         self.kv_dtype = kv_dtype  # "int8" stores the target's KV cache quantized (cache.Int8KVCache)
         self._cache: KVCache | None = None
+        self._verify_costs: dict[int, list[float]] = {}
 
     @property
     def device(self) -> torch.device:
         return self.target.device
+
+    @torch.inference_mode()
+    def verify_costs(self, max_rows: int, repeats: int = VERIFY_COST_REPEATS) -> list[float]:
+        """Seconds of a target pass over 1..max_rows rows on this machine (best of ``repeats``).
+
+        Measured once per engine on a scratch cache at a short context, for the cost-aware
+        draft length (``schedule.CostAwareK``); cached per ``max_rows``.
+        """
+        if max_rows in self._verify_costs:
+            return list(self._verify_costs[max_rows])
+        cfg = self.target.config
+        scratch = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, COST_PROBE_CONTEXT + max_rows,
+                                self.target.dtype, self.device)
+        tokens = torch.zeros((1, max_rows), dtype=torch.long, device=self.device)
+        # Time a few row counts and interpolate the rest: each timing costs full target passes.
+        probed = sorted({1, 2, 3, 4, (max_rows + 1) // 2 + 1, max_rows} & set(range(1, max_rows + 1)))
+        measured = {}
+        for rows in probed:
+            samples = []
+            for _ in range(repeats + 1):  # the first call per shape warms up
+                with Stopwatch(self.device, True) as watch:
+                    self.target.extend(scratch, tokens[:, :rows], COST_PROBE_CONTEXT)
+                samples.append(watch.elapsed)
+            measured[rows] = min(samples[1:])  # the least disturbed run
+        costs = []
+        for rows in range(1, max_rows + 1):
+            below = max(r for r in probed if r <= rows)
+            above = min(r for r in probed if r >= rows)
+            share = 0.0 if above == below else (rows - below) / (above - below)
+            costs.append(measured[below] + share * (measured[above] - measured[below]))
+        self._verify_costs[max_rows] = costs
+        return list(costs)
 
     @torch.inference_mode()
     def decode(
@@ -53,12 +91,14 @@ class SpecEngine:
         drafter: Drafter | None,
         num_speculative_tokens: int,
         stats: GenerationStats,
+        schedule: KSchedule | None = None,
     ) -> Iterator[list[int]]:
         """Yield the newly committed tokens after each step; fill ``stats`` as it goes.
 
         ``num_speculative_tokens`` = 0 (or no drafter) is plain autoregressive decoding. A
         drafter may propose fewer tokens than asked, even none: that step decodes plainly.
         Closing the iterator early (a stop string) still leaves ``stats`` complete.
+        ``schedule`` (``schedule.py``) chooses k per step instead, up to ``num_speculative_tokens``.
         """
         started = time.perf_counter()
         device = self.device
@@ -90,15 +130,18 @@ class SpecEngine:
             while True:
                 remaining = max_new - stats.new_tokens
                 # Never draft past max_new_tokens: a step emits at most k + 1 tokens.
-                k = min(num_speculative_tokens, remaining - 1) if speculate else 0
+                wanted = schedule.next_k() if speculate and schedule is not None else num_speculative_tokens
+                k = min(wanted, num_speculative_tokens, remaining - 1) if speculate else 0
+                draft_seconds, draft_passes = 0.0, 0
                 draft_tokens = torch.empty((1, 0), dtype=torch.long, device=device)
                 draft_probs = None
                 if k > 0:
                     with draft_watch:
                         proposal = drafter.propose(committed[:, :length], k, processor, generator)
-                    stats.draft_seconds += draft_watch.elapsed
+                    draft_seconds, draft_passes = draft_watch.elapsed, proposal.forward_passes
+                    stats.draft_seconds += draft_seconds
                     draft_tokens, draft_probs = proposal.tokens, proposal.probs
-                    stats.draft_forward_passes += proposal.forward_passes
+                    stats.draft_forward_passes += draft_passes
                     k = proposal.num_tokens
                 with verify_watch:
                     inputs = torch.cat([committed[:, length - 1 : length], draft_tokens], dim=1)
@@ -116,6 +159,8 @@ class SpecEngine:
                 stats.record_step(k, accepted)
                 if speculate and k > 0:
                     drafter.on_verified(accepted)
+                if speculate and schedule is not None:
+                    schedule.observe(k, accepted, draft_seconds, draft_passes, verify_watch.elapsed)
                 new_tokens = emitted_row[: accepted + 1][:remaining]
                 stop_reason = ""
                 if not params.ignore_eos:

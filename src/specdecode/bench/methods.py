@@ -8,7 +8,9 @@ transformers' ``generate`` on the same weights, dtype and device:
 - ``hf-assisted``: ``generate(assistant_model=draft)`` with transformers' default schedule;
 - ``hf-lookup``: ``generate(prompt_lookup_num_tokens=N)`` (n-gram prompt lookup).
 
-A specdecode method may name weight quantizations: ``none@int8`` is plain decoding of the
+A specdecode method may name its draft length after a colon: ``draft:3``, ``draft:auto``
+(cost-aware k per step), ``draft:threshold`` (the threshold rule), ``ngram:auto``. It may
+name weight quantizations: ``none@int8`` is plain decoding of the
 int8 target, ``draft@int8/int4`` the draft method with an int8 target and an int4 draft
 (``quant.apply``). Its greedy output is checked against plain decoding of the same quantized
 target, and its speedup against ``none`` (the unquantized target).
@@ -38,6 +40,8 @@ DEFAULT_HF_LOOKUP_TOKENS = 10  # transformers' documented example value
 
 
 QUANT_MARK = "@"
+K_MARK = ":"
+ADAPTIVE_K = {"auto": "cost", "threshold": "threshold"}  # label suffix -> k policy
 
 
 def available_methods() -> tuple[str, ...]:
@@ -53,6 +57,8 @@ class MethodLabel:
     base: str
     target_quant: str = "none"
     draft_quant: str = "none"
+    k: int | None = None  # fixed draft length for this method (None: the run's --k)
+    k_policy: str | None = None  # "cost" or "threshold" for an adaptive draft length
 
     @property
     def plain(self) -> str:
@@ -63,12 +69,25 @@ class MethodLabel:
 
 
 def parse_method(label: str) -> MethodLabel:
-    base, marked, quants = label.partition(QUANT_MARK)
+    head, marked, quants = label.partition(QUANT_MARK)
+    base, k_marked, k_text = head.partition(K_MARK)
     known = available_methods()
     if base not in known:
-        raise InvalidRequestError(f"Unknown method {base!r}; choose from: {', '.join(known)} (optionally with @quant).")
+        raise InvalidRequestError(
+            f"Unknown method {base!r}; choose from: {', '.join(known)} (optionally with :k and @quant)."
+        )
+    k, k_policy = None, None
+    if k_marked:
+        if base in HF_METHODS or base == PLAIN_METHOD:
+            raise InvalidRequestError(f"{label}: a draft length applies to specdecode's speculative methods only.")
+        if k_text in ADAPTIVE_K:
+            k_policy = ADAPTIVE_K[k_text]
+        elif k_text.isdigit() and int(k_text) >= 1:
+            k = int(k_text)
+        else:
+            raise InvalidRequestError(f"{label}: the draft length after ':' must be a positive integer, 'auto' or 'threshold'.")
     if not marked:
-        return MethodLabel(base)
+        return MethodLabel(base, k=k, k_policy=k_policy)
     target_quant, slash, draft_quant = quants.partition("/")
     draft_quant = draft_quant if slash else "none"
     if base in HF_METHODS:
@@ -78,7 +97,7 @@ def parse_method(label: str) -> MethodLabel:
     for quant in (target_quant, draft_quant):
         if quant not in QUANT_CHOICES:
             raise InvalidRequestError(f"{label}: quantization must be one of {', '.join(QUANT_CHOICES)}, got {quant!r}.")
-    return MethodLabel(base, target_quant, draft_quant)
+    return MethodLabel(base, target_quant, draft_quant, k, k_policy)
 
 
 def plain_counterpart(method: str) -> str:
@@ -87,7 +106,7 @@ def plain_counterpart(method: str) -> str:
 
 
 def uses_draft_model(method: str) -> bool:
-    return method.partition(QUANT_MARK)[0] in ("draft", "hf-assisted")
+    return method.partition(QUANT_MARK)[0].partition(K_MARK)[0] in ("draft", "hf-assisted")
 
 
 @dataclass(slots=True)
@@ -130,13 +149,15 @@ class SpecDecodeMethod:
     """One of specdecode's methods through the public ``SpecDecoder`` API."""
 
     def __init__(self, name: str, decoder: Any, k: int | None = None) -> None:
-        self.name = name  # the label, quantization included
-        self.base = parse_method(name).base
+        self.name = name  # the label, draft length and quantization included
+        label = parse_method(name)
+        self.base = label.base
         self.decoder = decoder  # loaded with the label's quantizations
-        self.k = k
+        self.k: int | str | None = "auto" if label.k_policy else (label.k if label.k is not None else k)
+        self.k_policy = label.k_policy
 
     def run_turn(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
-        result = self.decoder.generate(prompt_ids, params, method=self.base, k=self.k)
+        result = self.decoder.generate(prompt_ids, params, method=self.base, k=self.k, k_policy=self.k_policy)
         stats = result.stats
         return TurnResult(
             tokens=result.token_ids,
