@@ -62,6 +62,7 @@ static void rows_int8(const float* x, int K, const int8_t* w, int n0, int n1, co
 // at most max|x_block| / 65534 per element, 1/128 of the bf16 rounding x already carries at
 // the block's largest element. Integer sums cannot overflow: 128 * 32767 * 127 < 2^31.
 #define XBLOCK 128
+#define PREFETCH_AHEAD 2048  // bytes; 512 gave 71 ms, 2048 61 ms, 4096 60 ms
 #ifdef __AVX512VNNI__
 template <int M>
 static void rows_int8_vnni(const int16_t* xq, const float* xs, int K, const int8_t* w, int n0, int n1,
@@ -73,6 +74,11 @@ static void rows_int8_vnni(const int16_t* xq, const float* xs, int K, const int8
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; ++b) {
       const int8_t* wb = wr + b * XBLOCK;
+      // Software prefetch 2 KB ahead in the weight stream (across row ends too; a prefetch
+      // past the buffer cannot fault). The hardware prefetcher alone left this loop at
+      // 81 ms per forward's matmuls at 1 row; 2 KB ahead took it to 61 ms, 25 GB/s.
+      _mm_prefetch((const char*)(wb + PREFETCH_AHEAD), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wb + PREFETCH_AHEAD + 64), _MM_HINT_T0);
       __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wb)));
       __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wb + 32)));
       __m512i w2 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wb + 64)));
