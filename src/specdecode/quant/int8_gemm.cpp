@@ -1,8 +1,8 @@
 // Weight-only int8 matmul for a few rows (decode and verify), AVX-512, OpenMP over outputs.
 //
 // out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]), accumulated in fp32.
-// Why not torch's _weight_int8pack_mm: on the 2-core AVX-512 machine it costs 2.2x more for
-// 6 rows than for 1 (a verify pass of k = 5), this kernel 1.55x (measured in quant/native.py's
+// Why not torch's _weight_int8pack_mm: on the 2-core AVX-512 machine it costs 2.4x more for
+// 6 rows than for 1 (a verify pass of k = 5), this kernel 1.4x (measured in quant/native.py's
 // docstring). Each weight vector is converted once and used for every input row.
 #ifndef __AVX512F__
 #error "specdecode's int8 kernel needs AVX-512 (the Python side falls back to torch's kernel)"
