@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .errors import InvalidRequestError
 
 KV_DTYPES = ("auto", "int8")  # auto: the model's dtype
 INT8_MAX = 127
@@ -112,15 +113,22 @@ class KVCache:
         ``contiguous_start`` is a host-side hint that every sequence writes slots
         [start, start + T): then a slice copy suffices, otherwise an index_put scatters them.
         """
+        self._store(self.keys[layer], positions, keys, contiguous_start)
+        self._store(self.values[layer], positions, values, contiguous_start)
+
+    @staticmethod
+    def _store(
+        storage: torch.Tensor,  # (B, H_kv, S_max, D') one layer's keys, values or their scales
+        positions: torch.Tensor,  # (B, T) long
+        new: torch.Tensor,  # (B, H_kv, T, D')
+        contiguous_start: int | None,
+    ) -> None:
         if contiguous_start is not None:
-            end = contiguous_start + keys.shape[2]
-            self.keys[layer][:, :, contiguous_start:end].copy_(keys)
-            self.values[layer][:, :, contiguous_start:end].copy_(values)
+            storage[:, :, contiguous_start : contiguous_start + new.shape[2]].copy_(new)
             return
         batch_index = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        # Advanced indices on dims 0 and 2 put the (B, T) index dims first: (B, T, H_kv, D).
-        self.keys[layer][batch_index, :, positions] = keys.transpose(1, 2)
-        self.values[layer][batch_index, :, positions] = values.transpose(1, 2)
+        # Advanced indices on dims 0 and 2 put the (B, T) index dims first: (B, T, H_kv, D').
+        storage[batch_index, :, positions] = new.transpose(1, 2)
 
     def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots [0, kv_len): two (B, H_kv, kv_len, D) views."""
@@ -144,15 +152,11 @@ class Int8KVCache(KVCache):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        super().__init__(num_layers, batch_size, num_kv_heads, head_dim, capacity, torch.int8, device)
         scale_shape = (batch_size, num_kv_heads, capacity, 1)
-        self.keys = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(num_layers)]
         self.key_scales = [torch.ones(scale_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
         self.value_scales = [torch.ones(scale_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
         self.compute_dtype = dtype
-        self.capacity = capacity
-        self.lengths = [0] * batch_size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -175,14 +179,8 @@ class Int8KVCache(KVCache):
     ) -> None:
         for store, scales, x in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
             q, scale = self.quantize(x)
-            if contiguous_start is not None:
-                end = contiguous_start + x.shape[2]
-                store[layer][:, :, contiguous_start:end].copy_(q)
-                scales[layer][:, :, contiguous_start:end].copy_(scale)
-            else:
-                batch_index = torch.arange(positions.shape[0], device=positions.device)[:, None]
-                store[layer][batch_index, :, positions] = q.transpose(1, 2)
-                scales[layer][batch_index, :, positions] = scale.transpose(1, 2)
+            self._store(store[layer], positions, q, contiguous_start)
+            self._store(scales[layer], positions, scale, contiguous_start)
 
     def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of slots [0, kv_len): two (B, H_kv, kv_len, D) tensors."""
@@ -193,8 +191,6 @@ class Int8KVCache(KVCache):
 
 def check_kv_dtype(kv_dtype: str) -> str:
     if kv_dtype not in KV_DTYPES:
-        from .errors import InvalidRequestError
-
         raise InvalidRequestError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}.")
     return kv_dtype
 
