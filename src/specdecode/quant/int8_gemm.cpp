@@ -13,6 +13,8 @@
 #include <math.h>
 #include <string.h>
 
+#include <type_traits>
+
 static inline float bf16_to_f32(uint16_t v) {
   uint32_t u = (uint32_t)v << 16;
   float f;
@@ -120,6 +122,34 @@ static void quantize_x_int16(const float* xf, int M, int K, int16_t* xq, float* 
 }
 #endif
 
+// Calls body(std::integral_constant<int, M>{}) for the row count M (1..8): the row loops are
+// templates on M so that their accumulators stay in registers.
+template <typename Body>
+static void with_rows(int M, Body&& body) {
+  switch (M) {
+    case 1: body(std::integral_constant<int, 1>{}); break;
+    case 2: body(std::integral_constant<int, 2>{}); break;
+    case 3: body(std::integral_constant<int, 3>{}); break;
+    case 4: body(std::integral_constant<int, 4>{}); break;
+    case 5: body(std::integral_constant<int, 5>{}); break;
+    case 6: body(std::integral_constant<int, 6>{}); break;
+    case 7: body(std::integral_constant<int, 7>{}); break;
+    default: body(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// Runs body(n0, n1) on each thread's contiguous share [n0, n1) of the N outputs.
+template <typename Body>
+static void parallel_outputs(int N, int threads, Body&& body) {
+#pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int chunk = (N + nt - 1) / nt;
+    int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+    if (n0 < n1) body(n0, n1);
+  }
+}
+
 // x: (M, K) bf16 (x_bf16 = 1) or fp32; out: (M, N) of the same dtype; xbuf: M * K floats of scratch.
 // Returns 0, or -1 when M is outside 1..SPECDECODE_MAX_ROWS.
 extern "C" int specdecode_int8_gemm(const void* x, int x_bf16, int M, int K, const int8_t* w, int N,
@@ -136,44 +166,14 @@ extern "C" int specdecode_int8_gemm(const void* x, int x_bf16, int M, int K, con
     // Scales go after the M * K int16 values in the same scratch buffer.
     float* xs = (float*)(xq + (int64_t)M * K);
     quantize_x_int16(xf, M, K, xq, xs);
-#pragma omp parallel num_threads(threads)
-    {
-      int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      int chunk = (N + nt - 1) / nt;
-      int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-      if (n0 < n1) {
-        switch (M) {
-          case 1: rows_int8_vnni<1>(xq, xs, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-          case 2: rows_int8_vnni<2>(xq, xs, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-          case 3: rows_int8_vnni<3>(xq, xs, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-          case 4: rows_int8_vnni<4>(xq, xs, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-          case 5: rows_int8_vnni<5>(xq, xs, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-          case 6: rows_int8_vnni<6>(xq, xs, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-          case 7: rows_int8_vnni<7>(xq, xs, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-          default: rows_int8_vnni<8>(xq, xs, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-        }
-      }
-    }
+    parallel_outputs(N, threads, [&](int n0, int n1) {
+      with_rows(M, [&](auto rows) { rows_int8_vnni<decltype(rows)::value>(xq, xs, K, w, n0, n1, scale, bias, out, N, x_bf16); });
+    });
     return 0;
   }
 #endif
-#pragma omp parallel num_threads(threads)
-  {
-    int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int chunk = (N + nt - 1) / nt;
-    int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-    if (n0 < n1) {
-      switch (M) {
-        case 1: rows_int8<1>(xf, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-        case 2: rows_int8<2>(xf, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-        case 3: rows_int8<3>(xf, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-        case 4: rows_int8<4>(xf, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-        case 5: rows_int8<5>(xf, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-        case 6: rows_int8<6>(xf, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-        case 7: rows_int8<7>(xf, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-        default: rows_int8<8>(xf, K, w, n0, n1, scale, bias, out, N, x_bf16); break;
-      }
-    }
-  }
+  parallel_outputs(N, threads, [&](int n0, int n1) {
+    with_rows(M, [&](auto rows) { rows_int8<decltype(rows)::value>(xf, K, w, n0, n1, scale, bias, out, N, x_bf16); });
+  });
   return 0;
 }
