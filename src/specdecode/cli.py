@@ -16,6 +16,7 @@ from .config import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     METHODS,
 )
+from .cache import KV_DTYPES
 from .errors import InvalidRequestError, SpecDecodeError
 from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
 
@@ -129,7 +130,6 @@ def cmd_quality(args: argparse.Namespace) -> int:
 
 
 def _add_quant_arguments(parser: argparse.ArgumentParser) -> None:
-    from .cache import KV_DTYPES
     from .quant.apply import QUANT_CHOICES
 
     parser.add_argument(
@@ -209,7 +209,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--chat", choices=("auto", "yes", "no"), default="auto", help="use the chat template (auto: when the tokenizer has one)")
     bench.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
     bench.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
-    bench.add_argument("--kv-dtype", choices=("auto", "int8"), default="auto", help="KV-cache storage of specdecode's methods")
+    bench.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV-cache storage of specdecode's methods")
     bench.add_argument("--bandwidth-probe-mib", type=int, default=1024, help="size of the copy-bandwidth probe (0 = skip it and the ceilings)")
     bench.add_argument("--out", default="results", help="output folder (default: %(default)s)")
     bench.add_argument("--no-plots", action="store_true")

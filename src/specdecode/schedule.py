@@ -135,7 +135,6 @@ class CostAwareK:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     plain_streak: int = 0
     steps: int = 0
-    chosen: list[int] = field(default_factory=list)  # k per step, for stats and tests
 
     def next_k(self) -> int:
         if self.draft_pass_seconds is None:  # no draft pass measured yet
@@ -144,7 +143,6 @@ class CostAwareK:
             k = min(PROBE_K, self.k_max)
         else:
             k = best_k(self.acceptance.rate, self.verify_seconds, self.draft_pass_seconds, self.k_max)
-        self.chosen.append(k)
         return k
 
     def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:

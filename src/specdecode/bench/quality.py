@@ -94,10 +94,9 @@ def measure_quality(
     if not chunks:
         raise InvalidRequestError("The text is too short to score (it needs at least 2 tokens).")
     reference = [_log_probs(base.model, chunk) for chunk in tqdm(chunks, desc="none", disable=not show_progress)]
-    variants = {"none": base}
     rows = []
     for quant in ("none",) + tuple(q for q in quants if q != "none"):
-        model = variants.get(quant) or load_model(name, torch_dtype, torch_device, show_progress=show_progress, quant=quant)
+        model = base if quant == "none" else load_model(name, torch_dtype, torch_device, show_progress=show_progress, quant=quant)
         kl = nll = agree = positions = 0.0
         for ref, chunk in zip(tqdm(reference, desc=quant, disable=not show_progress), chunks):
             logp = ref if quant == "none" else _log_probs(model.model, chunk)

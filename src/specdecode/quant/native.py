@@ -83,6 +83,8 @@ def _build(target: Path) -> None:
 
 def _load() -> ctypes.CDLL | None:
     global _library, _failure, _tried
+    if _tried:  # every quantized layer asks on every call: no lock once settled
+        return _library
     with _lock:
         if _tried:
             return _library
