@@ -61,8 +61,8 @@ class SpecEngine:
         if max_rows in self._verify_costs:
             return list(self._verify_costs[max_rows])
         cfg = self.target.config
-        scratch = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, COST_PROBE_CONTEXT + max_rows,
-                                self.target.dtype, self.device)
+        # The same kind of cache as decoding uses (int8 KV included), so the timing matches.
+        scratch = reusable_cache(None, cfg, COST_PROBE_CONTEXT + max_rows, self.target.dtype, self.device, self.kv_dtype)
         tokens = torch.zeros((1, max_rows), dtype=torch.long, device=self.device)
         # Time a few row counts and interpolate the rest: each timing costs full target passes.
         probed = sorted({1, 2, 3, 4, (max_rows + 1) // 2 + 1, max_rows} & set(range(1, max_rows + 1)))
