@@ -9,11 +9,12 @@ from typing import Any
 import torch
 
 from .cache import check_kv_dtype
-from .config import METHODS, SamplingParams, SpecConfig, check_k_policy
+from .config import DRAFT_MODEL_METHODS, METHODS, SamplingParams, SpecConfig, check_k_policy
+from .drafters.auto import AutoDrafter, DraftCosts
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.ngram import NgramDrafter
-from .engine import SpecEngine
+from .engine import SpecEngine, time_passes
 from .errors import InvalidRequestError
 from .metrics import GenerationStats
 from .models.loader import LoadedModel, load_model
@@ -21,6 +22,9 @@ from .quant.apply import check_quant
 from .runtime import resolve_device, resolve_dtype
 from .schedule import CostAwareK, KSchedule, ThresholdK
 from .text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
+
+
+CATCH_UP_PROBE_ROWS = 64  # tokens in the timed draft pass that prices a catch-up per token
 
 
 @dataclass(slots=True)
@@ -85,12 +89,15 @@ class SpecDecoder:
         self.tokenizer = target.tokenizer
         self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
         # One drafter per method this decoder can run; a call picks one by name.
-        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter(spec.ngram_max, spec.ngram_min)}
-        if draft is not None:
-            self.drafters["draft"] = DraftModelDrafter(
-                draft.model, target.config.vocab_size, spec.draft_confidence, kv_dtype=kv_dtype
-            )
+        self.ngram_drafter = NgramDrafter(spec.ngram_max, spec.ngram_min)
+        self.draft_drafter = None if draft is None else DraftModelDrafter(
+            draft.model, target.config.vocab_size, spec.draft_confidence, kv_dtype=kv_dtype
+        )
+        self.drafters: dict[str, Drafter] = {"ngram": self.ngram_drafter}
+        if self.draft_drafter is not None:
+            self.drafters["draft"] = self.draft_drafter
         self.engine = SpecEngine(target.model, self.eos_token_ids, kv_dtype=kv_dtype)
+        self._draft_costs: DraftCosts | None = None
 
     @classmethod
     def from_pretrained(
@@ -135,17 +142,17 @@ class SpecDecoder:
         torch_dtype = resolve_dtype(dtype, torch_device)
         if target is None:
             target = demo.DEFAULT_TARGET
-        if draft is None and method == "draft":
+        if draft is None and method in DRAFT_MODEL_METHODS:
             if demo.is_demo_model_name(target):
                 draft = demo.DEFAULT_DRAFT
-            else:
+            elif method == "draft":
                 raise InvalidRequestError(
                     "--method draft needs a draft model: pass --draft (a smaller model with the same "
                     "tokenizer), or --method none for plain decoding."
                 )
         target_model = load_model(target, torch_dtype, torch_device, show_progress=show_progress, quant=target_quant)
         draft_model = None
-        if method == "draft":
+        if method in DRAFT_MODEL_METHODS and draft is not None:
             draft_model = load_model(draft, torch_dtype, torch_device, show_progress=show_progress, quant=draft_quant)
         return cls(target_model, draft_model, spec, kv_dtype=kv_dtype)
 
@@ -212,11 +219,39 @@ class SpecDecoder:
             raise InvalidRequestError("The prompt is empty.")
         self._check_request(prompt_ids, params)
         stats = GenerationStats(method=method)
-        drafter = self.drafters.get(method)
-        schedule = self._schedule(policy, num_spec) if drafter is not None else None
+        drafter: Drafter | None
+        if method == "auto":
+            auto = self._auto_drafter()
+            stats.steps_by_source = auto.steps_by_source  # filled as it decodes
+            drafter, schedule = auto, auto
+        else:
+            drafter = self.drafters.get(method)
+            schedule = self._schedule(policy, num_spec) if drafter is not None else None
         limit = self.spec.k_max if schedule is not None else num_spec
         chunks = self.engine.decode(prompt_ids, params, drafter, limit if drafter is not None else 0, stats, schedule)
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
+
+    def _live_costs(self) -> bool:
+        # On an asynchronous device step timings are only right with synchronising stopwatches.
+        return self.engine.device.type == "cpu" or self.engine.sync_timing
+
+    def _auto_drafter(self) -> AutoDrafter:
+        """A fresh per-request auto drafter over this decoder's lookup and draft model."""
+        k_max = self.spec.k_max
+        draft = self.draft_drafter
+        if draft is not None and self._draft_costs is None:
+            assert self.draft is not None
+            probe_rows = CATCH_UP_PROBE_ROWS
+            measured = time_passes(self.draft.model, [1, probe_rows], self.kv_dtype, logits_last=1)
+            self._draft_costs = DraftCosts(pass_seconds=measured[1], token_seconds=measured[probe_rows] / probe_rows)
+        return AutoDrafter(
+            self.ngram_drafter,
+            draft,
+            self.engine.verify_costs(k_max + 1),
+            k_max,
+            self._draft_costs,
+            live_costs=self._live_costs(),
+        )
 
     def _schedule(self, policy: str, k: int) -> KSchedule | None:
         """A fresh per-request draft-length schedule (None: fixed k)."""
@@ -224,8 +259,8 @@ class SpecDecoder:
         if policy == "threshold":
             return ThresholdK(k=min(k, k_max), k_max=k_max)
         if policy == "cost":
-            live = self.engine.device.type == "cpu" or self.engine.sync_timing
-            return CostAwareK(self.engine.verify_costs(k_max + 1), k_max=k_max, first_k=min(k, k_max), live_costs=live)
+            costs = self.engine.verify_costs(k_max + 1)
+            return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max), live_costs=self._live_costs())
         return None
 
     def generate(

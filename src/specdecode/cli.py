@@ -54,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", help="the small draft model (default: demo 0.5B with the demo target)")
     gen.add_argument(
         "--method", choices=METHODS, default="draft",
-        help="draft: a draft model proposes; ngram: prompt lookup proposes (no draft model); none: plain decoding",
+        help=(
+            "draft: a draft model proposes; ngram: prompt lookup proposes (no draft model); auto: each "
+            "step, lookup, draft model or plain decoding, whichever pays by measured cost and acceptance "
+            "(up to --k-max tokens); none: plain decoding"
+        ),
     )
     gen.add_argument(
         "--k", type=_k_value, default=DEFAULT_NUM_SPECULATIVE_TOKENS,

@@ -157,8 +157,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-# none: plain decoding; draft: a draft model proposes; ngram: prompt lookup proposes.
-METHODS: tuple[str, ...] = ("draft", "none", "ngram")
+# none: plain decoding; draft: a draft model proposes; ngram: prompt lookup proposes; auto:
+# per step, lookup, draft model or plain decoding, whichever pays best (drafters/auto.py).
+METHODS: tuple[str, ...] = ("draft", "none", "ngram", "auto")
+# Methods that use a draft model (auto runs without one too: lookup and plain decoding only).
+DRAFT_MODEL_METHODS: tuple[str, ...] = ("draft", "auto")
 # Measured on the demo pair (benchmarks/bench_forward.py, a HumanEval run and a 5-prompt sweep):
 # the target's bf16 forward over 6 tokens costs 1.5x one token and over 9 tokens 1.8x; k from
 # 3 to 6 performed within noise on code prompts. The confidence cut-off of 0.3 stops drafting

@@ -31,6 +31,35 @@ VERIFY_COST_REPEATS = 2
 COST_PROBE_CONTEXT = 64  # cache slots before the timed rows, so attention has something to read
 
 
+@torch.inference_mode()
+def time_passes(
+    model: Transformer,
+    row_counts: Sequence[int],
+    kv_dtype: str = "auto",
+    repeats: int = VERIFY_COST_REPEATS,
+    logits_last: int | None = None,
+) -> dict[int, float]:
+    """Seconds of one forward pass of ``model`` over each row count (best of ``repeats``).
+
+    Runs on a scratch cache of the kind decoding uses (int8 KV included) after
+    ``COST_PROBE_CONTEXT`` cached positions, so attention reads something, as in decoding.
+    ``logits_last=1`` times a catch-up pass (logits for the last row only).
+    """
+    cfg = model.config
+    max_rows = max(row_counts)
+    scratch = reusable_cache(None, cfg, COST_PROBE_CONTEXT + max_rows, model.dtype, model.device, kv_dtype)
+    tokens = torch.zeros((1, max_rows), dtype=torch.long, device=model.device)
+    measured = {}
+    for rows in row_counts:
+        samples = []
+        for _ in range(repeats + 1):  # the first call per shape warms up
+            with Stopwatch(model.device, True) as watch:
+                model.extend(scratch, tokens[:, :rows], COST_PROBE_CONTEXT, logits_last=logits_last)
+            samples.append(watch.elapsed)
+        measured[rows] = min(samples[1:])  # the least disturbed run
+    return measured
+
+
 class SpecEngine:
     def __init__(
         self,
@@ -51,7 +80,6 @@ class SpecEngine:
     def device(self) -> torch.device:
         return self.target.device
 
-    @torch.inference_mode()
     def verify_costs(self, max_rows: int, repeats: int = VERIFY_COST_REPEATS) -> list[float]:
         """Seconds of a target pass over 1..max_rows rows on this machine (best of ``repeats``).
 
@@ -60,20 +88,9 @@ class SpecEngine:
         """
         if max_rows in self._verify_costs:
             return list(self._verify_costs[max_rows])
-        cfg = self.target.config
-        # The same kind of cache as decoding uses (int8 KV included), so the timing matches.
-        scratch = reusable_cache(None, cfg, COST_PROBE_CONTEXT + max_rows, self.target.dtype, self.device, self.kv_dtype)
-        tokens = torch.zeros((1, max_rows), dtype=torch.long, device=self.device)
         # Time a few row counts and interpolate the rest: each timing costs full target passes.
         probed = sorted({1, 2, 3, 4, (max_rows + 1) // 2 + 1, max_rows} & set(range(1, max_rows + 1)))
-        measured = {}
-        for rows in probed:
-            samples = []
-            for _ in range(repeats + 1):  # the first call per shape warms up
-                with Stopwatch(self.device, True) as watch:
-                    self.target.extend(scratch, tokens[:, :rows], COST_PROBE_CONTEXT)
-                samples.append(watch.elapsed)
-            measured[rows] = min(samples[1:])  # the least disturbed run
+        measured = time_passes(self.target, probed, self.kv_dtype, repeats)
         costs = []
         for rows in range(1, max_rows + 1):
             below = max(r for r in probed if r <= rows)

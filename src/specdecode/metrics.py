@@ -34,6 +34,8 @@ class GenerationStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     stop_reason: str = ""
+    # method auto: steps drafted by each source ("ngram", "draft") or decoded plainly ("none")
+    steps_by_source: dict[str, int] = field(default_factory=dict)
 
     def record_step(self, proposed: int, accepted: int) -> None:
         self.verify_steps += 1
@@ -102,6 +104,8 @@ class GenerationStats:
                 per_pos = " ".join(f"{a:.2f}" for a in self.acceptance_per_position)
                 line += f" acceptance={self.acceptance_rate:.2%} per_position=[{per_pos}]"
             parts.append(line)
+        if self.steps_by_source:
+            parts.append("steps by source: " + " ".join(f"{k}={v}" for k, v in sorted(self.steps_by_source.items())))
         parts.append(
             f"time: total={self.total_seconds:.2f}s prefill={self.prefill_seconds:.2f}s "
             f"draft={self.draft_seconds:.2f}s verify={self.verify_seconds:.2f}s other={self.other_seconds:.2f}s"

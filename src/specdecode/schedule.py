@@ -50,18 +50,38 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
-def best_k(acceptance: float, verify_seconds: Sequence[float], draft_pass_seconds: float, k_max: int) -> int:
-    """The k in 0..k_max maximising expected tokens per second.
+def best_plan(
+    acceptance: float,
+    verify_seconds: Sequence[float],
+    draft_pass_seconds: float,
+    k_max: int,
+    *,
+    k_min: int = 0,
+    extra_seconds: float = 0.0,
+) -> tuple[int, float]:
+    """(k, expected tokens per second) for the k in k_min..k_max with the highest rate.
 
-    verify_seconds[r - 1] is the cost of a verify pass over r rows (r = k + 1).
+    verify_seconds[r - 1] is the cost of a verify pass over r rows (r = k + 1);
+    ``extra_seconds`` is a cost the step pays once whatever k is (a drafter's catch-up).
+    Returns (k_min, 0.0) when no k in range fits the cost table.
     """
-    best, best_rate = 0, 0.0
-    for k in range(0, min(k_max, len(verify_seconds) - 1) + 1):
-        cost = k * draft_pass_seconds + verify_seconds[k]
+    best, best_rate = k_min, 0.0
+    for k in range(k_min, min(k_max, len(verify_seconds) - 1) + 1):
+        cost = k * draft_pass_seconds + verify_seconds[k] + extra_seconds
         rate = expected_tokens(acceptance, k) / cost if cost > 0 else 0.0
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
-    return best
+    return best, best_rate
+
+
+def best_k(acceptance: float, verify_seconds: Sequence[float], draft_pass_seconds: float, k_max: int) -> int:
+    """The k in 0..k_max maximising expected tokens per second (0 = plain decoding)."""
+    return best_plan(acceptance, verify_seconds, draft_pass_seconds, k_max)[0]
+
+
+def blend(old: float | None, new: float) -> float:
+    """A live cost estimate moved towards a new measurement (the first one taken as is)."""
+    return new if old is None else COST_DECAY * old + (1 - COST_DECAY) * new
 
 
 @dataclass(slots=True)
@@ -154,8 +174,6 @@ class CostAwareK:
             # says nothing about a draft pass. A drafter that proposes without model passes
             # (n-gram lookup) costs its host time per token.
             per_pass = draft_seconds / (draft_passes if draft_passes > 0 else proposed)
-            old = self.draft_pass_seconds
-            self.draft_pass_seconds = per_pass if old is None else COST_DECAY * old + (1 - COST_DECAY) * per_pass
+            self.draft_pass_seconds = blend(self.draft_pass_seconds, per_pass)
         if self.live_costs and proposed + 1 <= len(self.verify_seconds):
-            rows = proposed + 1
-            self.verify_seconds[rows - 1] = COST_DECAY * self.verify_seconds[rows - 1] + (1 - COST_DECAY) * verify_seconds
+            self.verify_seconds[proposed] = blend(self.verify_seconds[proposed], verify_seconds)

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import METHODS, SamplingParams
+from ..config import DRAFT_MODEL_METHODS, METHODS, SamplingParams
 from ..errors import InvalidRequestError
 from ..quant.apply import QUANT_CHOICES
 
@@ -80,6 +80,8 @@ def parse_method(label: str) -> MethodLabel:
     if k_marked:
         if base in HF_METHODS or base == PLAIN_METHOD:
             raise InvalidRequestError(f"{label}: a draft length applies to specdecode's speculative methods only.")
+        if base == "auto":
+            raise InvalidRequestError(f"{label}: the auto method chooses its own draft length (bounded by --k-max).")
         if k_text in ADAPTIVE_K:
             k_policy = ADAPTIVE_K[k_text]
         elif k_text.isdigit() and int(k_text) >= 1:
@@ -106,7 +108,7 @@ def plain_counterpart(method: str) -> str:
 
 
 def uses_draft_model(method: str) -> bool:
-    return method.partition(QUANT_MARK)[0].partition(K_MARK)[0] in ("draft", "hf-assisted")
+    return method.partition(QUANT_MARK)[0].partition(K_MARK)[0] in DRAFT_MODEL_METHODS + ("hf-assisted",)
 
 
 @dataclass(slots=True)
@@ -128,6 +130,7 @@ class TurnResult:
     draft_tokens_accepted: int | None = None
     proposed_at_position: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)
+    steps_by_source: dict[str, int] = field(default_factory=dict)  # method auto: steps per source
     # Peak resident memory of the whole process during the turn (every loaded model, and the
     # memory-mapped weight files, included) and how far it rose above the turn's start (the
     # memory the method itself needed: KV caches, activations, draft state).
@@ -175,6 +178,7 @@ class SpecDecodeMethod:
             draft_tokens_accepted=stats.draft_tokens_accepted,
             proposed_at_position=list(stats.proposed_at_position),
             accepted_at_position=list(stats.accepted_at_position),
+            steps_by_source=dict(stats.steps_by_source),
         )
 
 

@@ -209,7 +209,7 @@ class Bench:
                 self.methods[name] = HFMethod(name, hf_target, self.tokenizer, list(self.decoder.eos_token_ids), hf_draft, config.hf_lookup_tokens)
             else:
                 label = labels[name]
-                decoder = decoder_for(label.target_quant, label.draft_quant, label.base == "draft" and self.decoder.draft is not None)
+                decoder = decoder_for(label.target_quant, label.draft_quant, uses_draft_model(label.base) and self.decoder.draft is not None)
                 self.methods[name] = SpecDecodeMethod(name, decoder, config.k)
         draft = self.decoder.draft
         self.target_bytes = weight_bytes_per_forward(self.decoder.target.config, self.dtype)

@@ -33,6 +33,11 @@ class DraftModelDrafter:
         self._proposed_base = 0  # committed length when the last proposal was made
         self._proposed_count = 0
 
+    @property
+    def cached_len(self) -> int:
+        """Committed tokens the draft has read (the auto method prices catching up on the rest)."""
+        return self._cached_len
+
     def start(self, prompt_len: int, capacity: int) -> None:
         self.cache = reusable_cache(self.cache, self.model.config, capacity, self.model.dtype, self.model.device, self.kv_dtype)
         self._cached_len = 0

@@ -33,6 +33,9 @@ class NgramDrafter:
         # continuation_start[n][ngram] = index just after the latest occurrence of ``ngram``
         # that has at least one token after it.
         self._continuation_start: dict[int, dict[tuple[int, ...], int]] = {}
+        # n of the match behind the last proposal (0: none). Longer matches are accepted more
+        # often; the auto method keeps one acceptance estimate per n.
+        self.last_match_size = 0
 
     def start(self, prompt_len: int, capacity: int) -> None:
         self.history = []
@@ -46,15 +49,19 @@ class NgramDrafter:
                     table[tuple(self.history[end - n : end])] = end
             self.history.append(token)
 
-    def lookup(self, num_tokens: int) -> list[int]:
-        """The continuation of the longest, then most recent, match of the history's tail."""
+    def match(self, num_tokens: int) -> tuple[list[int], int]:
+        """(continuation, n) of the longest, then most recent, match of the history's tail;
+        ([], 0) when nothing matches."""
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
             if len(self.history) <= n:
                 continue
             start = self._continuation_start[n].get(tuple(self.history[-n:]))
             if start is not None:
-                return self.history[start : start + num_tokens]
-        return []
+                return self.history[start : start + num_tokens], n
+        return [], 0
+
+    def lookup(self, num_tokens: int) -> list[int]:
+        return self.match(num_tokens)[0]
 
     def propose(
         self,
@@ -66,7 +73,7 @@ class NgramDrafter:
         if committed.shape[0] != 1:
             raise InvalidRequestError("The n-gram drafter handles one sequence at a time.")
         self._append(committed[0, len(self.history) :].tolist())
-        proposal = self.lookup(num_tokens)
+        proposal, self.last_match_size = self.match(num_tokens)
         tokens = torch.tensor([proposal], dtype=torch.long).reshape(1, len(proposal)).to(committed.device)
         return DraftProposal(tokens=tokens, probs=None)
 
