@@ -27,6 +27,12 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deep_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 6-layer Qwen2ForCausalLM (fp32, seed 1): deep enough to skip layers of."""
+    return tiny_models.make_tiny_hf_model(tmp_path_factory.mktemp("tiny_deep"), arch="qwen2", seed=1, num_layers=6)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer LlamaForCausalLM (fp32, untied, seed 0) with the tiny tokenizer."""
     return tiny_models.make_tiny_hf_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama", seed=0)

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .cache import check_kv_dtype
 from .config import DRAFT_MODEL_METHODS, METHODS, SamplingParams, SpecConfig, check_k_policy
-from .drafters.auto import AutoDrafter, DraftCosts
+from .drafters.auto import AutoDrafter
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.layer_skip import LayerSkipDrafter, check_skip_layers
 from .drafters.ngram import NgramDrafter
 from .engine import SpecEngine, time_passes
 from .errors import InvalidRequestError
@@ -63,6 +65,27 @@ class GenerationStream:
             self.result = GenerationResult(self._decoder.text, list(self._decoder.token_ids), self.stats)
 
 
+def resolve_skip_layers(
+    target: str, num_layers: int, skip_layers: Sequence[int] | None, layerskip_config: str | Path | None
+) -> tuple[int, ...]:
+    """The layers layer skip drops: given explicitly, from a tune-layerskip file, or the demo target's built-in choice."""
+    from .layerskip import LayerSkipChoice, builtin_choice
+
+    if skip_layers and layerskip_config:
+        raise InvalidRequestError("Give the layers to skip either as --skip-layers or as --layerskip-config, not both.")
+    if skip_layers:
+        return check_skip_layers(skip_layers, num_layers)
+    if layerskip_config:
+        return LayerSkipChoice.load(Path(layerskip_config), num_layers).skip_layers
+    builtin = builtin_choice(target)
+    if builtin is None:
+        raise InvalidRequestError(
+            f"--method layerskip needs the layers to skip for {target}: run `specdecode tune-layerskip --target "
+            f"{target} --out layerskip.json` and pass --layerskip-config layerskip.json, or give --skip-layers."
+        )
+    return check_skip_layers(builtin.skip_layers, num_layers)
+
+
 def resolve_k(k: int | str | None, k_policy: str | None) -> tuple[int | None, str | None]:
     """(fixed k or None, policy or None) from ``k`` (an int, "auto" or None) and ``k_policy``."""
     if isinstance(k, str):
@@ -96,8 +119,10 @@ class SpecDecoder:
         self.drafters: dict[str, Drafter] = {"ngram": self.ngram_drafter}
         if self.draft_drafter is not None:
             self.drafters["draft"] = self.draft_drafter
+        if spec.skip_layers:  # shares the target's weights and KV cache: costs no memory
+            self.drafters["layerskip"] = LayerSkipDrafter(target.model, spec.skip_layers, spec.draft_confidence)
         self.engine = SpecEngine(target.model, self.eos_token_ids, kv_dtype=kv_dtype)
-        self._draft_costs: DraftCosts | None = None
+        self._draft_token_seconds: float | None = None  # the auto method's catch-up price
 
     @classmethod
     def from_pretrained(
@@ -112,6 +137,8 @@ class SpecDecoder:
         draft_confidence: float | None = None,
         ngram_max: int | None = None,
         ngram_min: int | None = None,
+        skip_layers: Sequence[int] | None = None,
+        layerskip_config: str | Path | None = None,
         dtype: str = "auto",
         device: str = "auto",
         target_quant: str = "none",
@@ -125,7 +152,9 @@ class SpecDecoder:
         "specdecode[demo]"``); a demo target with no draft gets the demo draft.
         ``target_quant``/``draft_quant`` (none, int8, int4) quantize weights at load (weight
         only; a quantized target is a different model, and speculative decoding reproduces
-        that model); ``kv_dtype="int8"`` stores both KV caches as int8.
+        that model); ``kv_dtype="int8"`` stores both KV caches as int8. Method ``layerskip``
+        skips ``skip_layers``, or the layers a ``specdecode tune-layerskip`` file names
+        (``layerskip_config``); the demo target has a tuned file built in.
         """
         from .models import demo
 
@@ -151,6 +180,9 @@ class SpecDecoder:
                     "tokenizer), or --method none for plain decoding."
                 )
         target_model = load_model(target, torch_dtype, torch_device, show_progress=show_progress, quant=target_quant)
+        if skip_layers or layerskip_config or method == "layerskip":
+            chosen = resolve_skip_layers(target, target_model.config.num_layers, skip_layers, layerskip_config)
+            spec = replace(spec, skip_layers=chosen)
         draft_model = None
         if method in DRAFT_MODEL_METHODS and draft is not None:
             draft_model = load_model(draft, torch_dtype, torch_device, show_progress=show_progress, quant=draft_quant)
@@ -198,6 +230,11 @@ class SpecDecoder:
             raise InvalidRequestError(f"Unknown method {method!r}; choose one of: {', '.join(METHODS)}.")
         if method == "draft" and self.draft is None:
             raise InvalidRequestError("This decoder was loaded without a draft model; use method='none'.")
+        if method == "layerskip" and "layerskip" not in self.drafters:
+            raise InvalidRequestError(
+                "This decoder has no layers to skip: load it with skip_layers or layerskip_config "
+                "(--skip-layers / --layerskip-config; `specdecode tune-layerskip` makes the file)."
+            )
         if k is None and k_policy is None:
             num_spec, policy = self.spec.num_speculative_tokens, self.spec.k_policy
         else:
@@ -221,7 +258,7 @@ class SpecDecoder:
         stats = GenerationStats(method=method)
         drafter: Drafter | None
         if method == "auto":
-            auto = self._auto_drafter()
+            auto = self._auto_drafter(num_spec)
             stats.steps_by_source = auto.steps_by_source  # filled as it decodes
             drafter, schedule = auto, auto
         else:
@@ -235,21 +272,22 @@ class SpecDecoder:
         # On an asynchronous device step timings are only right with synchronising stopwatches.
         return self.engine.device.type == "cpu" or self.engine.sync_timing
 
-    def _auto_drafter(self) -> AutoDrafter:
+    def _auto_drafter(self, draft_k: int) -> AutoDrafter:
         """A fresh per-request auto drafter over this decoder's lookup and draft model."""
         k_max = self.spec.k_max
         draft = self.draft_drafter
-        if draft is not None and self._draft_costs is None:
+        if draft is not None and self._draft_token_seconds is None:
             assert self.draft is not None
-            probe_rows = CATCH_UP_PROBE_ROWS
-            measured = time_passes(self.draft.model, [1, probe_rows], self.kv_dtype, logits_last=1)
-            self._draft_costs = DraftCosts(pass_seconds=measured[1], token_seconds=measured[probe_rows] / probe_rows)
+            # One timed catch-up-sized pass prices the draft model's catch-up per token.
+            rows = CATCH_UP_PROBE_ROWS
+            self._draft_token_seconds = time_passes(self.draft.model, [rows], self.kv_dtype, logits_last=1)[rows] / rows
         return AutoDrafter(
             self.ngram_drafter,
             draft,
             self.engine.verify_costs(k_max + 1),
             k_max,
-            self._draft_costs,
+            draft_k=draft_k,
+            draft_token_seconds=self._draft_token_seconds or 0.0,
             live_costs=self._live_costs(),
         )
 

@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop drafting once the draft's probability for its token is below this (0 = always draft k)",
     )
     _add_ngram_arguments(gen)
+    _add_layerskip_arguments(gen)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -86,7 +87,74 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bars or metrics on stderr")
     _add_bench_parser(sub)
     _add_quality_parser(sub)
+    _add_tune_layerskip_parser(sub)
     return parser
+
+
+def _add_tune_layerskip_parser(sub: argparse._SubParsersAction) -> None:
+    from .layerskip import DEFAULT_CALIBRATION_PER_CATEGORY, DEFAULT_CALIBRATION_TOKENS, DEFAULT_MEASURE_TOP
+
+    tune = sub.add_parser(
+        "tune-layerskip",
+        help="choose which target layers --method layerskip skips, by measured tokens/s",
+        description=(
+            "Rank the target's layers by how little they change the residual stream on calibration "
+            "prompts, predict the speedup of skipping the m least influential ones from teacher-forced "
+            "agreement and measured pass costs, then measure the best predictions against plain "
+            "decoding and save the fastest as JSON for --layerskip-config."
+        ),
+    )
+    tune.add_argument("--target", help="target model (default: demo 1.5B)")
+    tune.add_argument(
+        "--prompts", help="a text file, one calibration prompt per line (default: the last prompts of each bench category)"
+    )
+    tune.add_argument("--per-category", type=_positive_int, default=DEFAULT_CALIBRATION_PER_CATEGORY,
+                      help="default prompts: how many from the end of each category")
+    tune.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_CALIBRATION_TOKENS, help="per calibration prompt")
+    tune.add_argument("--skip-counts", type=_csv, default=None, help="numbers of layers to try skipping, e.g. 4,6,8 (default: 2..half)")
+    tune.add_argument("--measure-top", type=_positive_int, default=DEFAULT_MEASURE_TOP, help="predictions measured for real")
+    tune.add_argument("--k-max", type=_positive_int, default=DEFAULT_K_MAX, help="most tokens drafted per step")
+    tune.add_argument("--chat", choices=("auto", "yes", "no"), default="auto", help="use the chat template (auto: when the tokenizer has one)")
+    tune.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
+    tune.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    tune.add_argument("--out", default="layerskip.json", help="where to write the choice (default: %(default)s)")
+    tune.add_argument("--quiet", action="store_true")
+
+
+def cmd_tune_layerskip(args: argparse.Namespace) -> int:
+    from . import SpecDecoder
+    from .layerskip import calibration_prompts, tune_layerskip
+
+    if args.prompts:
+        try:
+            texts = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+        except OSError as err:
+            raise InvalidRequestError(f"Cannot read --prompts {args.prompts}: {err}") from err
+    else:
+        texts = calibration_prompts(args.per_category)
+    try:
+        skip_counts = [int(c) for c in args.skip_counts] if args.skip_counts else None
+    except ValueError:
+        raise InvalidRequestError(f"--skip-counts takes integers, got {','.join(args.skip_counts)}.") from None
+    decoder = SpecDecoder.from_pretrained(
+        args.target, method="none", k_max=args.k_max, dtype=args.dtype, device=args.device, show_progress=not args.quiet
+    )
+    chat = bool(getattr(decoder.tokenizer, "chat_template", None)) if args.chat == "auto" else args.chat == "yes"
+    prompts = [decoder.encode(text, chat=chat) for text in texts]
+    log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
+    choice = tune_layerskip(
+        decoder.engine, decoder.target.name, prompts, max_new_tokens=args.max_new_tokens,
+        skip_counts=skip_counts, measure_top=args.measure_top, k_max=args.k_max, log=log,
+    )
+    out = Path(args.out)
+    choice.save(out)
+    measured = choice.measured
+    print(
+        f"skip layers {','.join(map(str, choice.skip_layers))} of {choice.num_layers}: "
+        f"{measured['measured_speedup']:.2f}x plain decoding on the calibration prompts "
+        f"(tau {measured['measured_tau'] or 0:.2f}); saved to {out}"
+    )
+    return 0
 
 
 def _add_quality_parser(sub: argparse._SubParsersAction) -> None:
@@ -162,6 +230,23 @@ def _add_ngram_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-min", type=_positive_int, default=DEFAULT_NGRAM_MIN, help="ngram: shortest n-gram matched")
 
 
+def _skip_layers(text: str) -> tuple[int, ...]:
+    from .layerskip import parse_skip_layers
+
+    try:
+        return parse_skip_layers(text)
+    except InvalidRequestError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_layerskip_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--skip-layers", type=_skip_layers, default=None,
+        help="layerskip: target layers the draft skips, e.g. '4-9,12' (default: --layerskip-config, or the demo target's tuned choice)",
+    )
+    parser.add_argument("--layerskip-config", help="layerskip: a JSON file written by `specdecode tune-layerskip`")
+
+
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
@@ -207,6 +292,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--k", type=_positive_int, default=None, help=f"draft tokens per step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})")
     bench.add_argument("--draft-confidence", type=float, default=None, help=f"draft confidence cut-off (default {DEFAULT_DRAFT_CONFIDENCE})")
     _add_ngram_arguments(bench)
+    _add_layerskip_arguments(bench)
     bench.add_argument("--hf-lookup-tokens", type=_positive_int, default=DEFAULT_HF_LOOKUP_TOKENS, help="prompt_lookup_num_tokens for hf-lookup")
     bench.add_argument("--repeats", type=_positive_int, default=1, help="runs per prompt and method; the median-time run counts")
     bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up prompt")
@@ -241,6 +327,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         draft_confidence=args.draft_confidence,
         ngram_max=args.ngram_max,
         ngram_min=args.ngram_min,
+        skip_layers=args.skip_layers,
+        layerskip_config=args.layerskip_config,
         hf_lookup_tokens=args.hf_lookup_tokens,
         repeats=args.repeats,
         warmup=not args.no_warmup,
@@ -279,6 +367,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft_confidence=args.draft_confidence,
         ngram_max=args.ngram_max,
         ngram_min=args.ngram_min,
+        skip_layers=args.skip_layers,
+        layerskip_config=args.layerskip_config,
         dtype=args.dtype,
         device=args.device,
         target_quant=args.target_quant,
@@ -313,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "quality":
             return cmd_quality(args)
+        if args.command == "tune-layerskip":
+            return cmd_tune_layerskip(args)
     except SpecDecodeError as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -158,8 +158,9 @@ class SamplingParams:
 
 
 # none: plain decoding; draft: a draft model proposes; ngram: prompt lookup proposes; auto:
-# per step, lookup, draft model or plain decoding, whichever pays best (drafters/auto.py).
-METHODS: tuple[str, ...] = ("draft", "none", "ngram", "auto")
+# per step, lookup, draft model or plain decoding, whichever pays best (drafters/auto.py);
+# layerskip: the target drafts with some of its layers skipped (drafters/layer_skip.py).
+METHODS: tuple[str, ...] = ("draft", "none", "ngram", "auto", "layerskip")
 # Methods that use a draft model (auto runs without one too: lookup and plain decoding only).
 DRAFT_MODEL_METHODS: tuple[str, ...] = ("draft", "auto")
 # Measured on the demo pair (benchmarks/bench_forward.py, a HumanEval run and a 5-prompt sweep):
@@ -192,6 +193,8 @@ class SpecConfig:
     # k_max (``schedule.py``; the threshold rule starts at num_speculative_tokens).
     k_policy: str = "fixed"
     k_max: int = DEFAULT_K_MAX
+    # Layer skip (method layerskip): the target's layers its drafts skip (empty: not set up).
+    skip_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

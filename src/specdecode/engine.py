@@ -38,12 +38,14 @@ def time_passes(
     kv_dtype: str = "auto",
     repeats: int = VERIFY_COST_REPEATS,
     logits_last: int | None = None,
+    layers: Sequence[int] | None = None,
 ) -> dict[int, float]:
     """Seconds of one forward pass of ``model`` over each row count (best of ``repeats``).
 
     Runs on a scratch cache of the kind decoding uses (int8 KV included) after
     ``COST_PROBE_CONTEXT`` cached positions, so attention reads something, as in decoding.
-    ``logits_last=1`` times a catch-up pass (logits for the last row only).
+    ``logits_last=1`` times a catch-up pass (logits for the last row only); ``layers`` a pass
+    through those layers only (layer skip).
     """
     cfg = model.config
     max_rows = max(row_counts)
@@ -54,7 +56,7 @@ def time_passes(
         samples = []
         for _ in range(repeats + 1):  # the first call per shape warms up
             with Stopwatch(model.device, True) as watch:
-                model.extend(scratch, tokens[:, :rows], COST_PROBE_CONTEXT, logits_last=logits_last)
+                model.extend(scratch, tokens[:, :rows], COST_PROBE_CONTEXT, logits_last=logits_last, layers=layers)
             samples.append(watch.elapsed)
         measured[rows] = min(samples[1:])  # the least disturbed run
     return measured
@@ -140,7 +142,7 @@ class SpecEngine:
                     stats.target_forward_passes += 1
                 cache.commit(0, prompt_len - 1)
                 if speculate:
-                    drafter.start(prompt_len, capacity)
+                    drafter.start(prompt_len, capacity, cache)
             stats.prefill_seconds = prefill_watch.elapsed
 
             length = prompt_len

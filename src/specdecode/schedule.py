@@ -34,6 +34,9 @@ from .config import DEFAULT_K_MAX
 ACCEPTANCE_DECAY = 0.85  # weight kept by older observations per step: a window of ~7 steps
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0  # pseudo-trials behind the prior
+# Goodput comes in runs (easy and hard stretches of text); a window of ~14 steps keeps a
+# couple of bad steps from switching a source off that pays over the request.
+GOODPUT_DECAY = 0.93
 COST_DECAY = 0.8  # weight of the old cost estimate in a live update
 PROBE_AFTER = 12  # plain steps in a row before drafting again
 PROBE_K = 2
@@ -101,6 +104,29 @@ class AcceptanceEstimate:
             return
         self.trials = self.trials * self.decay + accepted + (1 if accepted < proposed else 0)
         self.accepted = self.accepted * self.decay + accepted
+
+
+@dataclass(slots=True)
+class GoodputEstimate:
+    """Tokens per second of one way of stepping, pooled over its recent steps with forgetting.
+
+    Starts from ``prior_rate`` weighted as ``prior_seconds`` of decoding, so a source that has
+    not run yet has a rate to compare (and a hopeful prior gets it tried).
+    """
+
+    prior_rate: float
+    prior_seconds: float
+    tokens: float = 0.0
+    seconds: float = 0.0
+    decay: float = GOODPUT_DECAY
+
+    @property
+    def rate(self) -> float:
+        return (self.tokens + self.prior_rate * self.prior_seconds) / (self.seconds + self.prior_seconds)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * self.decay + tokens
+        self.seconds = self.seconds * self.decay + seconds
 
 
 class KSchedule(Protocol):

@@ -80,8 +80,8 @@ def parse_method(label: str) -> MethodLabel:
     if k_marked:
         if base in HF_METHODS or base == PLAIN_METHOD:
             raise InvalidRequestError(f"{label}: a draft length applies to specdecode's speculative methods only.")
-        if base == "auto":
-            raise InvalidRequestError(f"{label}: the auto method chooses its own draft length (bounded by --k-max).")
+        if base == "auto" and k_text in ADAPTIVE_K:
+            raise InvalidRequestError(f"{label}: the auto method chooses its own source and draft length; ':N' sets its draft model's k.")
         if k_text in ADAPTIVE_K:
             k_policy = ADAPTIVE_K[k_text]
         elif k_text.isdigit() and int(k_text) >= 1:

@@ -31,6 +31,7 @@ from .methods import (
     HF_METHODS,
     BenchMethod,
     HFMethod,
+    MethodLabel,
     SpecDecodeMethod,
     available_methods,
     parse_method,
@@ -64,6 +65,8 @@ class BenchConfig:
     draft_confidence: float | None = None
     ngram_max: int | None = None
     ngram_min: int | None = None
+    skip_layers: tuple[int, ...] | None = None  # layerskip (default: the demo target's tuned choice)
+    layerskip_config: str | None = None
     hf_lookup_tokens: int = DEFAULT_HF_LOOKUP_TOKENS
     repeats: int = 1
     warmup: bool = True
@@ -158,12 +161,24 @@ def _peak_rss_bytes() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _layerskip_configured(config: BenchConfig) -> bool:
+    from ..layerskip import builtin_choice
+    from ..models import demo
+
+    return bool(config.skip_layers or config.layerskip_config or builtin_choice(config.target or demo.DEFAULT_TARGET))
+
+
 class Bench:
     """Loaded models and methods; ``run`` measures the prompts and returns the results dict."""
 
     def __init__(self, config: BenchConfig) -> None:
-        from ..api import SpecDecoder
+        from ..api import SpecDecoder, resolve_skip_layers
 
+        if config.methods == DEFAULT_METHODS and not _layerskip_configured(config):
+            # The default "every method" cannot include layer skip for a target nobody tuned it for.
+            config = replace(config, methods=tuple(m for m in config.methods if m != "layerskip"))
+            if not config.quiet:
+                print("bench: layerskip left out (no --skip-layers or --layerskip-config for this target)", file=sys.stderr)
         self.config = config
         needs_draft = any(uses_draft_model(m) for m in config.methods)
         labels = {name: parse_method(name) for name in config.methods}
@@ -171,8 +186,14 @@ class Bench:
             config.target, config.draft, method="draft" if needs_draft else "none",
             k=config.k, draft_confidence=config.draft_confidence,
             ngram_max=config.ngram_max, ngram_min=config.ngram_min,
+            skip_layers=config.skip_layers, layerskip_config=config.layerskip_config,
             dtype=config.dtype, device=config.device, kv_dtype=config.kv_dtype, show_progress=not config.quiet,
         )
+        if any(label.base == "layerskip" for label in labels.values()) and not self.decoder.spec.skip_layers:
+            # No layers given: the target's built-in tuned choice (the demo target has one).
+            target = self.decoder.target
+            skip = resolve_skip_layers(target.name, target.config.num_layers, None, None)
+            self.decoder = SpecDecoder(target, self.decoder.draft, replace(self.decoder.spec, skip_layers=skip), kv_dtype=config.kv_dtype)
         # Quantized variants share one loaded model per (role, quantization) and get a decoder
         # per (target quant, draft quant) pair.
         loaded = {("target", "none"): self.decoder.target, ("draft", "none"): self.decoder.draft}
@@ -218,10 +239,20 @@ class Bench:
         self.weight_bytes = {
             name: (
                 weight_bytes_per_forward(self.decoder.target.config, self.dtype, labels[name].target_quant),
-                weight_bytes_per_forward(draft.config, self.dtype, labels[name].draft_quant) if draft is not None else 0,
+                self._draft_bytes(labels[name], draft),
             )
             for name in config.methods
         }
+
+    def _draft_bytes(self, label: MethodLabel, draft: Any) -> int:
+        """Weight bytes one draft pass of the method reads, as stored."""
+        if label.base == "layerskip":  # the target's own weights, minus the skipped layers
+            target = self.decoder.target.config
+            kept = replace(target, num_layers=target.num_layers - len(self.decoder.spec.skip_layers))
+            return weight_bytes_per_forward(kept, self.dtype, label.target_quant)
+        if draft is None or not uses_draft_model(label.base):
+            return 0
+        return weight_bytes_per_forward(draft.config, self.dtype, label.draft_quant)
 
     def _load_hf(self, folder: Path) -> Any:
         from transformers import AutoModelForCausalLM

@@ -1,54 +1,55 @@
 """The auto method: each step, whichever way of guessing pays best by measured goodput.
 
 Three sources compete every step: prompt lookup (n-gram, no model pass), the draft model, and
-plain decoding (no draft). The lookup runs first because it costs microseconds; then each
-source's expected tokens per second, E(a, k) / cost(k) (``schedule.expected_tokens``), is
-estimated and the best one drafts:
+plain decoding (no draft). The lookup runs first because it costs microseconds; then the source
+with the highest expected tokens per second steps:
 
-- acceptance a per source, pooled over recent steps with forgetting (``AcceptanceEstimate``):
-  one for the draft model, and one per match length n for prompt lookup (a 3-token match is
-  accepted far more often than a 1-token one);
-- cost: the target's verify pass over k + 1 rows (measured once per engine, kept current from
-  live steps), plus k draft passes for the draft model (measured once per decoder, then live);
+- plain decoding: one token per target pass over one row (measured once per engine, kept
+  current from live steps);
+- prompt lookup and the draft model: their goodput measured on their own recent steps,
+  tokens emitted over seconds spent drafting and verifying, pooled with forgetting
+  (``GoodputEstimate``). Prompt lookup keeps one estimate per match length n (a 3-token match
+  is accepted far more often than a 1-token one). Each starts from a hopeful prior
+  (``PRIOR_GAIN`` x plain over ``PRIOR_STEPS`` steps' time), so it is tried, and its own
+  measurements take over within a few steps. Measured, not modelled: acceptance comes in
+  runs and the draft model stops early where it is unsure, which an i.i.d. model of
+  E(a, k) misprices;
 - catch-up: the draft model reads the sequence only when it drafts, so its first use in a
   request, or its first after a run of lookup or plain steps, first feeds every token it
-  missed. That one-off cost is spread over the tokens the request may still produce (at most
-  ``CATCH_UP_HORIZON``), so a long prompt with a short answer never pays a draft prefill it
-  cannot earn back (where the draft method loses: RAG, QA), and a request that never needs
-  the draft model never runs it at all.
+  missed. That one-off cost (per token, measured once per decoder) is spread over the tokens
+  the request may still produce (at most ``CATCH_UP_HORIZON``), so a long prompt with a short
+  answer never pays a draft prefill it cannot earn back, and a request that never needs the
+  draft model never runs it.
 
-After ``PROBE_AFTER`` plain steps in a row the draft model, if it was used before in the
-request, drafts ``PROBE_K`` tokens again, so its stale estimate can recover. Choosing only
-changes what is proposed, never the acceptance rule: output stays lossless.
+The draft model drafts up to ``draft_k`` tokens (its confidence cut-off ends drafts early);
+prompt lookup proposes as many found tokens as pay under ``schedule.best_plan`` with its
+per-n acceptance. After ``PROBE_AFTER`` steps without the draft model and no lookup match, a
+draft model used earlier in the request drafts again, so a stale estimate can recover.
+Choosing only changes what is proposed, never the acceptance rule: output stays lossless.
 
 The drafter is also its own draft-length schedule (``schedule.KSchedule``): choosing the source
-and k is one decision, and it needs the verify times that only the schedule hears about.
+and k is one decision, and it needs the step times that only the schedule hears about.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
+from ..cache import KVCache
 from ..sampling import LogitsProcessor
-from ..schedule import PROBE_AFTER, PROBE_K, AcceptanceEstimate, best_plan, blend
+from ..schedule import AcceptanceEstimate, GoodputEstimate, best_plan, blend
 from .base import DraftProposal
 from .draft_model import DraftModelDrafter
 from .ngram import NgramDrafter
 
 CATCH_UP_HORIZON = 64  # most future tokens a draft catch-up is spread over
 CATCH_UP_FREE_TOKENS = 2  # a normal draft pass feeds the one or two newly committed tokens
+PRIOR_GAIN = 1.25  # untried sources are assumed this much faster than plain decoding ...
+PRIOR_STEPS = 2.0  # ... with the weight of this many plain steps' time
+PROBE_AFTER = 6  # steps without the draft model (and no lookup match) before it drafts again
 SOURCES = ("ngram", "draft", "none")
-
-
-@dataclass(slots=True, frozen=True)
-class DraftCosts:
-    """The draft model's measured costs on this machine (``engine.time_passes``)."""
-
-    pass_seconds: float  # one pass over one token
-    token_seconds: float  # per token of a long catch-up pass
 
 
 class AutoDrafter:
@@ -58,19 +59,19 @@ class AutoDrafter:
         draft: DraftModelDrafter | None,
         verify_seconds: list[float],  # index r - 1: a target pass over r rows; >= k_max + 1 entries
         k_max: int,
-        draft_costs: DraftCosts | None = None,
-        live_costs: bool = True,  # update costs from steps; False where timings are asynchronous
+        draft_k: int = 5,
+        draft_token_seconds: float = 0.0,  # the draft model's cost per token of a long catch-up pass
+        live_costs: bool = True,  # update verify costs from steps; False where timings are asynchronous
     ) -> None:
-        if draft is not None and draft_costs is None:
-            raise ValueError("A draft model needs its measured costs (DraftCosts).")
         self.ngram = ngram
         self.draft = draft
         self.verify_seconds = list(verify_seconds)
         self.k_max = k_max
+        self.draft_k = min(draft_k, k_max)
+        self.draft_token_seconds = draft_token_seconds
         self.live_costs = live_costs
-        self.draft_pass_seconds = draft_costs.pass_seconds if draft_costs else 0.0
-        self.draft_token_seconds = draft_costs.token_seconds if draft_costs else 0.0
-        self.draft_acceptance = AcceptanceEstimate()
+        self.draft_goodput = self._prior()
+        self.ngram_goodput: dict[int, GoodputEstimate] = {}
         self.ngram_acceptance: dict[int, AcceptanceEstimate] = {}
         # Steps each source drafted (or decoded plainly): reported in GenerationStats.
         self.steps_by_source: Counter[str] = Counter()
@@ -78,8 +79,21 @@ class AutoDrafter:
         self._match_size = 0
         self._catch_up = 0
         self._draft_used = False
-        self._plain_streak = 0
+        self._since_draft = 0
         self._capacity = 0
+
+    def _prior(self) -> GoodputEstimate:
+        plain = self.verify_seconds[0]
+        return GoodputEstimate(prior_rate=PRIOR_GAIN / plain, prior_seconds=PRIOR_STEPS * plain)
+
+    def _ngram_estimates(self, match_size: int) -> tuple[GoodputEstimate, AcceptanceEstimate]:
+        if match_size not in self.ngram_goodput:
+            self.ngram_goodput[match_size] = self._prior()
+            self.ngram_acceptance[match_size] = AcceptanceEstimate()
+        return self.ngram_goodput[match_size], self.ngram_acceptance[match_size]
+
+    def _catch_up_seconds(self, missed: int) -> float:
+        return max(0, missed - CATCH_UP_FREE_TOKENS) * self.draft_token_seconds
 
     # -- schedule side -------------------------------------------------------------------------
     def next_k(self) -> int:
@@ -88,26 +102,23 @@ class AutoDrafter:
     def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
         if self.live_costs and proposed + 1 <= len(self.verify_seconds):
             self.verify_seconds[proposed] = blend(self.verify_seconds[proposed], verify_seconds)
-        self._plain_streak = self._plain_streak + 1 if proposed == 0 else 0
-        self.steps_by_source[self.source if proposed else "none"] += 1
-        if proposed == 0:
-            return
-        if self.source == "ngram":
-            self._ngram_estimate(self._match_size).observe(proposed, accepted)
-        elif self.source == "draft":
-            self.draft_acceptance.observe(proposed, accepted)
-            # A pass that also caught up on many missed tokens says nothing about a normal one.
-            if self.live_costs and draft_passes > 0 and self._catch_up <= CATCH_UP_FREE_TOKENS:
-                self.draft_pass_seconds = blend(self.draft_pass_seconds, draft_seconds / draft_passes)
-
-    def _ngram_estimate(self, match_size: int) -> AcceptanceEstimate:
-        return self.ngram_acceptance.setdefault(match_size, AcceptanceEstimate())
+        source = self.source if proposed else "none"
+        self.steps_by_source[source] += 1
+        self._since_draft = 0 if source == "draft" else self._since_draft + 1
+        if source == "ngram":
+            goodput, acceptance = self._ngram_estimates(self._match_size)
+            goodput.observe(accepted + 1, draft_seconds + verify_seconds)
+            acceptance.observe(proposed, accepted)
+        elif source == "draft":
+            # A catch-up is a one-off cost, priced separately: keep it out of the step's rate.
+            drafting = max(0.0, draft_seconds - self._catch_up_seconds(self._catch_up))
+            self.draft_goodput.observe(accepted + 1, drafting + verify_seconds)
 
     # -- drafter side --------------------------------------------------------------------------
-    def start(self, prompt_len: int, capacity: int) -> None:
-        self.ngram.start(prompt_len, capacity)
+    def start(self, prompt_len: int, capacity: int, target_cache: KVCache | None = None) -> None:
+        self.ngram.start(prompt_len, capacity, target_cache)
         if self.draft is not None:
-            self.draft.start(prompt_len, capacity)  # allocation only: it reads the prompt when first used
+            self.draft.start(prompt_len, capacity, target_cache)  # allocation only: it reads the prompt when first used
         self._capacity = capacity
 
     def plan(self, length: int, num_tokens: int, lookup_tokens: int, match_size: int) -> tuple[str, int]:
@@ -119,18 +130,19 @@ class AutoDrafter:
         """
         best = ("none", 0, 1.0 / self.verify_seconds[0])
         if lookup_tokens > 0:
-            k, rate = best_plan(self._ngram_estimate(match_size).rate, self.verify_seconds, 0.0, lookup_tokens, k_min=1)
-            if rate > best[2]:
-                best = ("ngram", k, rate)
+            goodput, acceptance = self._ngram_estimates(match_size)
+            k, _ = best_plan(acceptance.rate, self.verify_seconds, 0.0, lookup_tokens, k_min=1)
+            if goodput.rate > best[2]:
+                best = ("ngram", k, goodput.rate)
         if self.draft is not None:
-            if self._draft_used and self._plain_streak >= PROBE_AFTER:
-                return "draft", min(PROBE_K, num_tokens)
-            k, rate = best_plan(self.draft_acceptance.rate, self.verify_seconds, self.draft_pass_seconds, num_tokens, k_min=1)
-            missed = length - self.draft.cached_len
-            catch_up_seconds = max(0, missed - CATCH_UP_FREE_TOKENS) * self.draft_token_seconds
-            if catch_up_seconds > 0 and rate > 0:
+            k = min(self.draft_k, num_tokens)
+            if self._draft_used and self._since_draft >= PROBE_AFTER and lookup_tokens == 0:
+                return "draft", k
+            rate = self.draft_goodput.rate
+            catch_up = self._catch_up_seconds(length - self.draft.cached_len)
+            if catch_up > 0:
                 horizon = max(1, min(self._capacity - 1 - length, CATCH_UP_HORIZON))
-                rate = 1.0 / (1.0 / rate + catch_up_seconds / horizon)
+                rate = 1.0 / (1.0 / rate + catch_up / horizon)
             if rate > best[2]:
                 best = ("draft", k, rate)
         return best[0], best[1]

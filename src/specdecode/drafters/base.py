@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from ..cache import KVCache
 from ..sampling import LogitsProcessor
 
 
@@ -32,8 +33,13 @@ class DraftProposal:
 class Drafter(Protocol):
     """What the engine needs from any way of guessing the target's next tokens."""
 
-    def start(self, prompt_len: int, capacity: int) -> None:
-        """A new request begins; its committed sequence will never exceed ``capacity`` tokens."""
+    def start(self, prompt_len: int, capacity: int, target_cache: KVCache) -> None:
+        """A new request begins; its committed sequence will never exceed ``capacity`` tokens.
+
+        ``target_cache`` is the target's cache for this request, for a drafter that runs the
+        target itself (layer skip): it may write slots past the committed length, which the
+        next verify pass overwrites, and must not change the cache's lengths.
+        """
 
     def propose(
         self,

@@ -38,7 +38,7 @@ class DraftModelDrafter:
         """Committed tokens the draft has read (the auto method prices catching up on the rest)."""
         return self._cached_len
 
-    def start(self, prompt_len: int, capacity: int) -> None:
+    def start(self, prompt_len: int, capacity: int, target_cache: KVCache | None = None) -> None:
         self.cache = reusable_cache(self.cache, self.model.config, capacity, self.model.dtype, self.model.device, self.kv_dtype)
         self._cached_len = 0
 
@@ -81,7 +81,7 @@ class DraftModelDrafter:
                 next_token = sample(q, generator)
                 probs.append(q)
             tokens.append(next_token)
-            if step + 1 == num_tokens or self._doubts(logits, q, next_token):
+            if step + 1 == num_tokens or doubts(logits, q, next_token, self.confidence_threshold):
                 break
             logits = self._forward(next_token[:, None], committed_len + step)
             forward_passes += 1
@@ -93,23 +93,26 @@ class DraftModelDrafter:
             forward_passes=forward_passes,
         )
 
-    def _doubts(
-        self,
-        logits: torch.Tensor,  # (1, V)
-        q: torch.Tensor | None,  # (1, V) sampling distribution, None when greedy
-        token: torch.Tensor,  # (1,)
-    ) -> bool:
-        if self.confidence_threshold <= 0:
-            return False
-        if q is None:
-            confidence = torch.softmax(logits.float(), dim=-1).max()
-        else:
-            confidence = q[0, token[0]]
-        return confidence.item() < self.confidence_threshold
-
     def on_verified(self, num_accepted: int) -> None:
         # Drafted tokens 1..k-1 were fed; of those, the accepted ones stay valid.
         valid = self._proposed_base + min(num_accepted, self._proposed_count - 1)
         assert self.cache is not None
         self.cache.rollback(0, valid)
         self._cached_len = valid
+
+
+def doubts(
+    logits: torch.Tensor,  # (1, V)
+    q: torch.Tensor | None,  # (1, V) sampling distribution, None when greedy
+    token: torch.Tensor,  # (1,)
+    threshold: float,
+) -> bool:
+    """Whether a drafter's own probability for the token it just proposed is below ``threshold``
+    (0 disables the check). Reads one scalar on the host (a device sync on GPUs)."""
+    if threshold <= 0:
+        return False
+    if q is None:
+        confidence = torch.softmax(logits.float(), dim=-1).max()
+    else:
+        confidence = q[0, token[0]]
+    return confidence.item() < threshold

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, check_ngram_sizes
+from ..cache import KVCache
 from ..errors import InvalidRequestError
 from ..sampling import LogitsProcessor
 from .base import DraftProposal
@@ -37,7 +38,7 @@ class NgramDrafter:
         # often; the auto method keeps one acceptance estimate per n.
         self.last_match_size = 0
 
-    def start(self, prompt_len: int, capacity: int) -> None:
+    def start(self, prompt_len: int, capacity: int, target_cache: KVCache | None = None) -> None:
         self.history = []
         self._continuation_start = {n: {} for n in range(self.ngram_min, self.ngram_max + 1)}
 
