@@ -63,7 +63,7 @@ def test_draft_model_wins_where_it_measured_fastest() -> None:
 
 def test_lookup_that_is_always_rejected_gives_way() -> None:
     auto = chooser(draft_cached_len=None)  # no draft model: lookup or plain
-    observe(auto, "ngram", 1, 0, times=10, match_size=1)
+    observe(auto, "ngram", 1, 0, times=40, match_size=1)
     assert auto.plan(100, 8, lookup_tokens=1, match_size=1) == ("none", 0)
     # Another match length has its own estimate (still the prior).
     assert auto.plan(100, 8, lookup_tokens=1, match_size=3)[0] == "ngram"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -88,7 +89,93 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     _add_quality_parser(sub)
     _add_tune_layerskip_parser(sub)
+    _add_distill_parser(sub)
     return parser
+
+
+def _add_distill_parser(sub: argparse._SubParsersAction) -> None:
+    from . import distill as d
+
+    parser = sub.add_parser(
+        "distill",
+        help="fine-tune the draft model on the target's own answers (acceptance before/after)",
+        description=(
+            "The target answers the training prompts; the draft's top layers are fine-tuned on those "
+            "answers (cross-entropy, the rest frozen); the result is a model folder for --draft. "
+            "Acceptance of the base and the distilled draft is then measured on held-apart prompts."
+        ),
+    )
+    parser.add_argument("--target", help="target model (default: demo 1.5B)")
+    parser.add_argument("--draft", help="draft model to distil (default: demo 0.5B with the demo target)")
+    parser.add_argument("--prompts", help="training prompts, one per line (default: --train-per-category rows of each bench category, from row 10 on)")
+    parser.add_argument("--train-per-category", type=_positive_int, default=5, help="default training prompts per category")
+    parser.add_argument("--eval-prompts", help="held-apart prompts, one per line (default: 2 per category, from row 20 on)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=d.DEFAULT_MAX_NEW_TOKENS, help="tokens per target answer and per evaluation")
+    parser.add_argument("--train-layers", type=_positive_int, default=d.DEFAULT_TRAIN_LAYERS, help="top decoder layers trained (the rest is frozen)")
+    parser.add_argument("--epochs", type=_positive_int, default=d.DEFAULT_EPOCHS)
+    parser.add_argument("--lr", type=float, default=d.DEFAULT_LR)
+    parser.add_argument("--accumulate", type=_positive_int, default=d.DEFAULT_ACCUMULATE, help="sequences per optimizer step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat", choices=("auto", "yes", "no"), default="auto", help="use the chat template (auto: when the tokenizer has one)")
+    parser.add_argument("--no-eval", action="store_true", help="skip the before/after acceptance measurement")
+    parser.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto", help="for generating and evaluating (training is fp32)")
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    parser.add_argument("--out", default="distilled-draft", help="output folder; rerunning resumes from it (default: %(default)s)")
+    parser.add_argument("--quiet", action="store_true")
+
+
+def _read_prompt_lines(path: str, flag: str) -> list[str]:
+    try:
+        lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    except OSError as err:
+        raise InvalidRequestError(f"Cannot read {flag} {path}: {err}") from err
+    if not lines:
+        raise InvalidRequestError(f"{flag} {path} has no prompts.")
+    return lines
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from . import SpecDecoder
+    from . import distill as d
+    from .models.loader import load_model
+
+    config = d.DistillConfig(
+        out=Path(args.out), max_new_tokens=args.max_new_tokens, train_layers=args.train_layers, epochs=args.epochs,
+        lr=args.lr, accumulate=args.accumulate, seed=args.seed, show_progress=not args.quiet,
+    )
+    train = _read_prompt_lines(args.prompts, "--prompts") if args.prompts else d.held_apart_prompts(10, args.train_per_category)
+    held = _read_prompt_lines(args.eval_prompts, "--eval-prompts") if args.eval_prompts else d.held_apart_prompts(20, 2)
+    overlap = set(train) & set(held)
+    if overlap:
+        raise InvalidRequestError(f"{len(overlap)} evaluation prompt(s) also appear among the training prompts; keep them apart.")
+    base = SpecDecoder.from_pretrained(args.target, args.draft, method="draft", draft_confidence=0.0,
+                                       dtype=args.dtype, device=args.device, show_progress=not args.quiet)
+    assert base.draft is not None
+    if config.train_layers > base.draft.config.num_layers:
+        raise InvalidRequestError(f"--train-layers {config.train_layers} exceeds the draft's {base.draft.config.num_layers} layers.")
+    chat = bool(getattr(base.tokenizer, "chat_template", None)) if args.chat == "auto" else args.chat == "yes"
+    log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
+    config.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    data = d.make_data(base, train, config.out / d.DATA_FILE, config.max_new_tokens, chat, not args.quiet)
+    data_seconds = time.perf_counter() - started
+    training = d.train_draft(base.draft.folder, data, config, log=log)
+    report = {"base_draft": base.draft.name, "target": base.target.name, "out": str(config.out),
+              "training_prompts": len(train), "answer_tokens": sum(len(a) for _, a in data),
+              "data_seconds": round(data_seconds, 1), **training}
+    if not args.no_eval:
+        distilled = load_model(str(config.out), base.draft.model.dtype, base.draft.model.device, show_progress=not args.quiet)
+        tuned = SpecDecoder(base.target, distilled, base.spec)
+        reports = d.compare_drafts({"before": base, "after": tuned}, held, chat, config.max_new_tokens)
+        report["held_apart"] = {name: r.to_dict() for name, r in reports.items()}
+    d.write_report(config.out, report)
+    if args.no_eval:
+        print(f"distilled draft saved to {config.out}")
+    else:
+        before, after = report["held_apart"]["before"]["acceptance"], report["held_apart"]["after"]["acceptance"]
+        change = f" ({after / before - 1:+.1%} relative)" if before and after is not None else ""
+        print(f"acceptance on {len(held)} held-apart prompts: {before} -> {after}{change}; draft saved to {config.out}")
+    return 0
 
 
 def _add_tune_layerskip_parser(sub: argparse._SubParsersAction) -> None:
@@ -405,6 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_quality(args)
         if args.command == "tune-layerskip":
             return cmd_tune_layerskip(args)
+        if args.command == "distill":
+            return cmd_distill(args)
     except SpecDecodeError as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -34,9 +34,10 @@ from .config import DEFAULT_K_MAX
 ACCEPTANCE_DECAY = 0.85  # weight kept by older observations per step: a window of ~7 steps
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0  # pseudo-trials behind the prior
-# Goodput comes in runs (easy and hard stretches of text); a window of ~14 steps keeps a
-# couple of bad steps from switching a source off that pays over the request.
-GOODPUT_DECAY = 0.93
+# Goodput comes in runs (easy and hard stretches of text) that recent steps predict poorly; a
+# window of ~30 steps judges a source over the request, so a few bad steps do not switch off
+# a source that pays overall.
+GOODPUT_DECAY = 0.97
 COST_DECAY = 0.8  # weight of the old cost estimate in a live update
 PROBE_AFTER = 12  # plain steps in a row before drafting again
 PROBE_K = 2
@@ -110,8 +111,8 @@ class AcceptanceEstimate:
 class GoodputEstimate:
     """Tokens per second of one way of stepping, pooled over its recent steps with forgetting.
 
-    Starts from ``prior_rate`` weighted as ``prior_seconds`` of decoding, so a source that has
-    not run yet has a rate to compare (and a hopeful prior gets it tried).
+    Starts as ``prior_seconds`` of decoding at ``prior_rate``, so a source that has not run yet
+    has a rate to compare (a hopeful prior gets it tried); the prior fades like any old step.
     """
 
     prior_rate: float
@@ -120,9 +121,13 @@ class GoodputEstimate:
     seconds: float = 0.0
     decay: float = GOODPUT_DECAY
 
+    def __post_init__(self) -> None:
+        self.tokens += self.prior_rate * self.prior_seconds
+        self.seconds += self.prior_seconds
+
     @property
     def rate(self) -> float:
-        return (self.tokens + self.prior_rate * self.prior_seconds) / (self.seconds + self.prior_seconds)
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.tokens = self.tokens * self.decay + tokens

@@ -8,10 +8,11 @@ with the highest expected tokens per second steps:
   current from live steps);
 - prompt lookup and the draft model: their goodput measured on their own recent steps,
   tokens emitted over seconds spent drafting and verifying, pooled with forgetting
-  (``GoodputEstimate``). Prompt lookup keeps one estimate per match length n (a 3-token match
-  is accepted far more often than a 1-token one). Each starts from a hopeful prior
-  (``PRIOR_GAIN`` x plain over ``PRIOR_STEPS`` steps' time), so it is tried, and its own
-  measurements take over within a few steps. Measured, not modelled: acceptance comes in
+  (``GoodputEstimate``, a window of ~30 steps: the choice is per request more than per
+  step). Prompt lookup keeps one estimate per match length n (a 3-token match is accepted far
+  more often than a 1-token one). Each starts from a hopeful prior, so it gets tried (a
+  lookup, which costs only extra verified rows, more hopefully than the draft model), and its
+  own measurements take over. Measured, not modelled: acceptance comes in
   runs and the draft model stops early where it is unsure, which an i.i.d. model of
   E(a, k) misprices;
 - catch-up: the draft model reads the sequence only when it drafts, so its first use in a
@@ -46,8 +47,11 @@ from .ngram import NgramDrafter
 
 CATCH_UP_HORIZON = 64  # most future tokens a draft catch-up is spread over
 CATCH_UP_FREE_TOKENS = 2  # a normal draft pass feeds the one or two newly committed tokens
-PRIOR_GAIN = 1.25  # untried sources are assumed this much faster than plain decoding ...
+PRIOR_GAIN = 1.25  # an untried draft model is assumed this much faster than plain decoding ...
 PRIOR_STEPS = 2.0  # ... with the weight of this many plain steps' time
+# An untried lookup match length is assumed to pay this much: trying one costs only a few
+# extra verified rows, and a source that is never tried is never measured.
+LOOKUP_PRIOR_GAIN = 3.0
 PROBE_AFTER = 6  # steps without the draft model (and no lookup match) before it drafts again
 SOURCES = ("ngram", "draft", "none")
 
@@ -82,13 +86,13 @@ class AutoDrafter:
         self._since_draft = 0
         self._capacity = 0
 
-    def _prior(self) -> GoodputEstimate:
+    def _prior(self, gain: float = PRIOR_GAIN) -> GoodputEstimate:
         plain = self.verify_seconds[0]
-        return GoodputEstimate(prior_rate=PRIOR_GAIN / plain, prior_seconds=PRIOR_STEPS * plain)
+        return GoodputEstimate(prior_rate=gain / plain, prior_seconds=PRIOR_STEPS * plain)
 
     def _ngram_estimates(self, match_size: int) -> tuple[GoodputEstimate, AcceptanceEstimate]:
         if match_size not in self.ngram_goodput:
-            self.ngram_goodput[match_size] = self._prior()
+            self.ngram_goodput[match_size] = self._prior(LOOKUP_PRIOR_GAIN)
             self.ngram_acceptance[match_size] = AcceptanceEstimate()
         return self.ngram_goodput[match_size], self.ngram_acceptance[match_size]
 

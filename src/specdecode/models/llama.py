@@ -209,6 +209,27 @@ class Transformer(nn.Module):
                        [start, start + T), which turns the cache write into a slice copy.
         """
         x = self.embed_tokens(token_ids)
+        x, layer_hidden = self.run_layers(x, positions, cache, view, layers, return_layers, contiguous_start)
+        hidden = self.norm(x)
+        logits = None
+        if compute_logits:
+            head_in = hidden if logits_last is None else hidden[:, -logits_last:]
+            logits = self.lm_head(head_in).float()
+        return ModelOutput(logits=logits, hidden=hidden, layer_hidden=layer_hidden)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,  # (B, T, C) residual stream entering the first layer run
+        positions: torch.Tensor,  # (B, T) long
+        cache: KVCache | None = None,
+        view: KVView | None = None,
+        layers: Sequence[int] | None = None,
+        return_layers: Sequence[int] = (),
+        contiguous_start: int | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers alone (``forward`` without embedding, final norm and head): the
+        residual stream after ``layers`` and the outputs of ``return_layers``. Distillation
+        runs the trainable top layers from cached features of the frozen ones through this."""
         cos, sin = self.rope(positions, x.dtype)
         layer_ids = range(len(self.layers)) if layers is None else layers
         wanted = set(return_layers)
@@ -220,12 +241,7 @@ class Transformer(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if idx in wanted:
                 layer_hidden[idx] = x
-        hidden = self.norm(x)
-        logits = None
-        if compute_logits:
-            head_in = hidden if logits_last is None else hidden[:, -logits_last:]
-            logits = self.lm_head(head_in).float()
-        return ModelOutput(logits=logits, hidden=hidden, layer_hidden=layer_hidden)
+        return x, layer_hidden
 
     def extend(self, cache: KVCache, tokens: torch.Tensor, start: int, **kwargs) -> ModelOutput:
         """Feed tokens (1, T) at positions start .. start + T - 1, appending to ``cache``.
