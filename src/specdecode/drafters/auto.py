@@ -51,7 +51,7 @@ PRIOR_GAIN = 1.25  # an untried draft model is assumed this much faster than pla
 PRIOR_STEPS = 2.0  # ... with the weight of this many plain steps' time
 # An untried lookup match length is assumed to pay this much: trying one costs only a few
 # extra verified rows, and a source that is never tried is never measured.
-LOOKUP_PRIOR_GAIN = 3.0
+LOOKUP_PRIOR_GAIN = 2.0
 PROBE_AFTER = 6  # steps without the draft model (and no lookup match) before it drafts again
 SOURCES = ("ngram", "draft", "none")
 
