@@ -133,3 +133,14 @@ def test_tune_layerskip_rejects_shallow_models(tiny_qwen2_dir: Path) -> None:
     dec = SpecDecoder.from_pretrained(str(tiny_qwen2_dir), method="none", dtype="fp32", device="cpu", show_progress=False)
     with pytest.raises(InvalidRequestError, match="at least 3 layers"):
         tune_layerskip(dec.engine, "tiny", [dec.encode("def f():")], log=lambda line: None)
+
+
+def test_demo_target_ships_a_tuned_choice() -> None:
+    from specdecode.layerskip import builtin_choice
+    from specdecode.models import demo
+
+    choice = builtin_choice(demo.DEFAULT_TARGET)
+    assert choice is not None and choice.num_layers == 28
+    assert 0 not in choice.skip_layers and 27 not in choice.skip_layers
+    assert choice.measured["measured_speedup"] > 0  # the figures behind the choice travel with it
+    assert builtin_choice("not-a-demo-model") is None

@@ -53,7 +53,6 @@ PRIOR_STEPS = 2.0  # ... with the weight of this many plain steps' time
 # extra verified rows, and a source that is never tried is never measured.
 LOOKUP_PRIOR_GAIN = 2.0
 PROBE_AFTER = 6  # steps without the draft model (and no lookup match) before it drafts again
-SOURCES = ("ngram", "draft", "none")
 
 
 class AutoDrafter:
