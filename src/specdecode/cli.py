@@ -166,7 +166,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if not args.no_eval:
         distilled = load_model(str(config.out), base.draft.model.dtype, base.draft.model.device, show_progress=not args.quiet)
         tuned = SpecDecoder(base.target, distilled, base.spec)
-        reports = d.compare_drafts({"before": base, "after": tuned}, held, chat, config.max_new_tokens)
+        reports = d.compare_drafts({"before": base, "after": tuned}, held, chat, config.max_new_tokens, show_progress=not args.quiet)
         report["held_apart"] = {name: r.to_dict() for name, r in reports.items()}
     d.write_report(config.out, report)
     if args.no_eval:

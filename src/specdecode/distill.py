@@ -283,13 +283,16 @@ class AcceptanceReport:
 
 
 def compare_drafts(
-    decoders: dict[str, Any], prompts: Sequence[str], chat: bool, max_new_tokens: int, k: int = 5
+    decoders: dict[str, Any], prompts: Sequence[str], chat: bool, max_new_tokens: int, k: int = 5,
+    show_progress: bool = False,
 ) -> dict[str, AcceptanceReport]:
     """Greedy draft-method figures of each decoder's draft on ``prompts``, interleaved per prompt so
     every draft sees the same machine state."""
+    from tqdm.auto import tqdm
+
     reports = {name: AcceptanceReport() for name in decoders}
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    for text in prompts:
+    for text in tqdm(prompts, desc="held-apart prompts", unit="prompt", disable=not show_progress):
         for name, decoder in decoders.items():
             reports[name].add(decoder.generate(decoder.encode(text, chat=chat), params, method="draft", k=k).stats)
     return reports
