@@ -24,11 +24,12 @@ def distilled(tiny_qwen2_dir: Path, tiny_far_draft_dir: Path, tmp_path_factory: 
     out = tmp_path_factory.mktemp("distilled")
     data = make_data(base, PROMPTS, out / "data.jsonl", TOKENS, chat=False, show_progress=False)
     config = DistillConfig(out=out, max_new_tokens=TOKENS, train_layers=2, epochs=1, lr=3e-3, accumulate=1, show_progress=False)
-    first = train_draft(base.draft.folder, data, config, log=lambda line: None)
+    target = base.target.model
+    first = train_draft(base.draft.folder, data, config, log=lambda line: None, target=target)
     # A second run with more epochs resumes after epoch 1 instead of starting again.
     messages: list[str] = []
     config.epochs = 12
-    result = train_draft(base.draft.folder, data, config, log=messages.append)
+    result = train_draft(base.draft.folder, data, config, log=messages.append, target=target)
     return base, out, data, first, result, messages
 
 
@@ -49,7 +50,18 @@ def test_training_lowers_the_loss_and_resumes(distilled) -> None:
     history = result["history"]
     assert [h["epoch"] for h in history] == list(range(1, 13))
     assert history[0] == first["history"][0]
-    assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"]
+    assert result["loss"] == "kl" and result["loss_before"] == pytest.approx(first["loss_before"])
+    assert history[-1]["train_loss"] < 0.5 * result["loss_before"]
+
+
+def test_ce_loss_trains_too(tiny_qwen2_dir: Path, tiny_far_draft_dir: Path, tmp_path: Path) -> None:
+    base = decoder(tiny_qwen2_dir, tiny_far_draft_dir)
+    data = make_data(base, PROMPTS[:3], tmp_path / "data.jsonl", 8, chat=False, show_progress=False)
+    config = DistillConfig(out=tmp_path, train_layers=1, epochs=4, lr=3e-3, accumulate=1, loss="ce", show_progress=False)
+    result = train_draft(base.draft.folder, data, config, log=lambda line: None)  # ce needs no target
+    assert result["history"][-1]["train_loss"] < result["loss_before"]
+    with pytest.raises(InvalidRequestError, match="kl loss needs the target"):
+        train_draft(base.draft.folder, data, DistillConfig(out=tmp_path / "kl", show_progress=False, train_layers=1))
 
 
 def test_distilled_draft_is_accepted_more(distilled, tiny_qwen2_dir: Path) -> None:
@@ -76,6 +88,8 @@ def test_bad_settings_are_clear_errors(tmp_path: Path) -> None:
         DistillConfig(out=tmp_path, train_layers=0)
     with pytest.raises(InvalidRequestError, match="--lr"):
         DistillConfig(out=tmp_path, lr=2.0)
+    with pytest.raises(InvalidRequestError, match="--loss"):
+        DistillConfig(out=tmp_path, loss="mse")
 
 
 def test_cli_distill_reports_before_and_after(tiny_qwen2_dir: Path, tiny_far_draft_dir: Path, tmp_path: Path, capsys) -> None:

@@ -115,6 +115,8 @@ def _add_distill_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--epochs", type=_positive_int, default=d.DEFAULT_EPOCHS)
     parser.add_argument("--lr", type=float, default=d.DEFAULT_LR)
     parser.add_argument("--accumulate", type=_positive_int, default=d.DEFAULT_ACCUMULATE, help="sequences per optimizer step")
+    parser.add_argument("--loss", choices=d.LOSSES, default="kl", help="kl: match the target's distribution (default); ce: its tokens")
+    parser.add_argument("--teacher-top-k", type=_positive_int, default=d.DEFAULT_TEACHER_TOP_K, help="kl: target probabilities kept per position")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chat", choices=("auto", "yes", "no"), default="auto", help="use the chat template (auto: when the tokenizer has one)")
     parser.add_argument("--no-eval", action="store_true", help="skip the before/after acceptance measurement")
@@ -141,7 +143,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
     config = d.DistillConfig(
         out=Path(args.out), max_new_tokens=args.max_new_tokens, train_layers=args.train_layers, epochs=args.epochs,
-        lr=args.lr, accumulate=args.accumulate, seed=args.seed, show_progress=not args.quiet,
+        lr=args.lr, accumulate=args.accumulate, seed=args.seed, loss=args.loss, teacher_top_k=args.teacher_top_k,
+        show_progress=not args.quiet,
     )
     train = _read_prompt_lines(args.prompts, "--prompts") if args.prompts else d.held_apart_prompts(10, args.train_per_category)
     held = _read_prompt_lines(args.eval_prompts, "--eval-prompts") if args.eval_prompts else d.held_apart_prompts(20, 2)
@@ -159,7 +162,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     data = d.make_data(base, train, config.out / d.DATA_FILE, config.max_new_tokens, chat, not args.quiet)
     data_seconds = time.perf_counter() - started
-    training = d.train_draft(base.draft.folder, data, config, log=log)
+    training = d.train_draft(base.draft.folder, data, config, log=log, target=base.target.model)
     report = {"base_draft": base.draft.name, "target": base.target.name, "out": str(config.out),
               "training_prompts": len(train), "answer_tokens": sum(len(a) for _, a in data),
               "data_seconds": round(data_seconds, 1), **training}

@@ -10,9 +10,14 @@ what the target itself writes:
 2. **Training.** Only the draft's top ``train_layers`` decoder layers and its final norm
    train (in fp32); everything below is frozen, and so are the embedding and the LM head (the
    demo draft ties them). The frozen layers' output for every sequence is computed once and
-   kept, so an epoch costs only the top layers and the head. The loss is cross-entropy on the
-   answer tokens (the target's greedy choices; the prompt is context only). AdamW, one
-   sequence per step, gradients accumulated over ``accumulate`` sequences, a fixed seed.
+   kept, so an epoch costs only the top layers and the head. The loss (``kl``, the default)
+   is the cross-entropy of the draft against the target's own next-token distribution at
+   every answer position (its top ``teacher_top_k`` probabilities, renormalised, computed
+   once per sequence): KL(p_target || q_draft) up to the target's constant entropy. Soft
+   targets carry far more than the one greedy token per position, which matters with a few
+   thousand tokens of data; ``ce`` (cross-entropy on the answer tokens) is the alternative.
+   The prompt is context only. AdamW, one sequence per step, gradients accumulated over
+   ``accumulate`` sequences, a fixed seed.
    A checkpoint (trained tensors, optimizer state, step) is written after every epoch to
    ``checkpoint.pt``; rerunning the same command resumes from it.
 3. **Output.** A complete Hugging Face-format model folder (``config.json``, tokenizer files,
@@ -53,6 +58,8 @@ DEFAULT_EPOCHS = 2
 DEFAULT_LR = 5e-5
 DEFAULT_ACCUMULATE = 4
 DEFAULT_MAX_NEW_TOKENS = 128
+LOSSES = ("kl", "ce")
+DEFAULT_TEACHER_TOP_K = 64
 
 
 @dataclass(slots=True)
@@ -64,6 +71,10 @@ class DistillConfig:
     lr: float = DEFAULT_LR
     accumulate: int = DEFAULT_ACCUMULATE
     seed: int = 0
+    # kl: match the target's next-token distribution (its top ``teacher_top_k`` probabilities,
+    # renormalised) at every answer position; ce: cross-entropy on the answer tokens only.
+    loss: str = "kl"
+    teacher_top_k: int = DEFAULT_TEACHER_TOP_K
     show_progress: bool = True
 
     def __post_init__(self) -> None:
@@ -73,6 +84,10 @@ class DistillConfig:
             raise InvalidRequestError("--epochs, --accumulate and --max-new-tokens must be >= 1.")
         if not (0 < self.lr < 1):
             raise InvalidRequestError(f"--lr must be in (0, 1), got {self.lr}.")
+        if self.loss not in LOSSES:
+            raise InvalidRequestError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}.")
+        if self.teacher_top_k < 1:
+            raise InvalidRequestError(f"--teacher-top-k must be >= 1, got {self.teacher_top_k}.")
 
 
 def held_apart_prompts(start: int, count: int) -> list[str]:
@@ -127,14 +142,46 @@ def _trainable_names(num_layers: int, train_layers: int) -> list[str]:
     return [f"layers.{i}." for i in range(first, num_layers)] + ["norm."]
 
 
+@torch.no_grad()  # not inference_mode: the results enter the autograd graph of the loss
+def teacher_targets(
+    target: Any, sequences: Sequence[tuple[list[int], list[int]]], top_k: int, show_progress: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence, the target's top-k next-token probabilities (renormalised) and their ids at
+    each answer position: two (A, top_k) tensors, float32 and long, on the CPU."""
+    from tqdm.auto import tqdm
+
+    targets = []
+    for prompt_ids, answer_ids in tqdm(sequences, desc="target distributions", disable=not show_progress):
+        ids = torch.tensor([prompt_ids + answer_ids], device=target.device)
+        logits = target(ids, torch.arange(ids.shape[1], device=target.device)[None]).logits[0]
+        probs, index = torch.softmax(logits[len(prompt_ids) - 1 : -1].float(), dim=-1).topk(top_k, dim=-1)
+        targets.append(((probs / probs.sum(dim=-1, keepdim=True)).cpu(), index.cpu()))
+    return targets
+
+
+def _loss(
+    logits: torch.Tensor,  # (A, V_draft) draft logits at the answer positions
+    answer_ids: list[int],
+    teacher: tuple[torch.Tensor, torch.Tensor] | None,  # (A, top_k) probabilities and ids
+) -> torch.Tensor:
+    """Summed over answer positions: KL(teacher top-k || draft) in nats, or hard cross-entropy."""
+    if teacher is None:
+        return F.cross_entropy(logits, torch.tensor(answer_ids), reduction="sum")
+    probs, index = teacher
+    log_q = torch.log_softmax(logits.float(), dim=-1).gather(1, index.clamp(max=logits.shape[-1] - 1))
+    return (probs * (probs.clamp_min(1e-12).log() - log_q)).sum()
+
+
 def train_draft(
     draft_folder: Path,
     data: Sequence[tuple[list[int], list[int]]],
     config: DistillConfig,
     log: Callable[[str], None] = print,
+    target: Any = None,
 ) -> dict[str, Any]:
     """Fine-tune the top layers of the draft in ``draft_folder`` on ``data``; write the model
-    folder to ``config.out``. Returns training figures (losses, steps, seconds)."""
+    folder to ``config.out``. ``target`` (a loaded ``Transformer``) is needed for the kl loss.
+    Returns training figures (losses, seconds)."""
     from tqdm.auto import tqdm
 
     cfg = read_model_config(draft_folder)
@@ -143,8 +190,11 @@ def train_draft(
     sequences = [(p, a) for p, a in data if a]
     if not sequences:
         raise InvalidRequestError("No training sequences: every target answer was empty.")
+    if config.loss == "kl" and target is None:
+        raise InvalidRequestError("The kl loss needs the target model's distributions; pass target=.")
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
+    teachers = teacher_targets(target, sequences, config.teacher_top_k, config.show_progress) if config.loss == "kl" else None
     model = load_weights(draft_folder, cfg, torch.float32, torch.device("cpu"), pack=False)
     prefixes = _trainable_names(cfg.num_layers, config.train_layers)
     trainable = {n: p for n, p in model.named_parameters() if n.startswith(tuple(prefixes))}
@@ -161,6 +211,20 @@ def train_draft(
             positions = torch.arange(ids.shape[1])[None]
             hidden, _ = model.run_layers(model.embed_tokens(ids), positions, layers=range(first_trained))
             features.append(hidden.clone())
+
+    def sequence_loss(index: int) -> tuple[torch.Tensor, int]:
+        prompt_ids, answer_ids = sequences[index]
+        x = features[index]
+        positions = torch.arange(x.shape[1])[None]
+        hidden, _ = model.run_layers(x, positions, layers=range(first_trained, cfg.num_layers))
+        # Logits at positions P - 1 .. T - 2 predict the answer tokens P .. T - 1.
+        logits = model.lm_head(model.norm(hidden[0, len(prompt_ids) - 1 : -1]))  # (A, V)
+        return _loss(logits, answer_ids, teachers[index] if teachers else None), len(answer_ids)
+
+    with torch.inference_mode():
+        before = [sequence_loss(i) for i in range(len(sequences))]
+    loss_before = sum(float(loss) for loss, _ in before) / sum(n for _, n in before)
+    log(f"{config.loss} loss before training: {loss_before:.4f}")
 
     checkpoint_path = config.out / CHECKPOINT_FILE
     start_epoch, history = 0, []
@@ -181,23 +245,16 @@ def train_draft(
         total_loss = total_tokens = 0.0
         bar = tqdm(order, desc=f"epoch {epoch + 1}/{config.epochs}", disable=not config.show_progress)
         for step, index in enumerate(bar):
-            prompt_ids, answer_ids = sequences[index]
-            x = features[index]
-            positions = torch.arange(x.shape[1])[None]
-            hidden, _ = model.run_layers(x, positions, layers=range(first_trained, cfg.num_layers))
-            # Logits at positions P - 1 .. T - 2 predict the answer tokens P .. T - 1.
-            scored = model.norm(hidden[0, len(prompt_ids) - 1 : -1])
-            logits = model.lm_head(scored)  # (A, V)
-            loss = F.cross_entropy(logits, torch.tensor(answer_ids), reduction="sum")
-            (loss / (len(answer_ids) * config.accumulate)).backward()
+            loss, answer_len = sequence_loss(index)
+            (loss / (answer_len * config.accumulate)).backward()
             if (step + 1) % config.accumulate == 0 or step + 1 == len(order):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             total_loss += float(loss.detach())
-            total_tokens += len(answer_ids)
+            total_tokens += answer_len
             bar.set_postfix(loss=f"{total_loss / total_tokens:.3f}")
         history.append({"epoch": epoch + 1, "train_loss": total_loss / total_tokens, "tokens": int(total_tokens)})
-        log(f"epoch {epoch + 1}: cross-entropy {total_loss / total_tokens:.4f} over {int(total_tokens)} answer tokens")
+        log(f"epoch {epoch + 1}: {config.loss} loss {total_loss / total_tokens:.4f} over {int(total_tokens)} answer tokens")
         config.out.mkdir(parents=True, exist_ok=True)
         torch.save(
             {"trained": {n: p.detach().clone() for n, p in trainable.items()}, "optimizer": optimizer.state_dict(),
@@ -207,7 +264,7 @@ def train_draft(
         checkpoint_path.with_suffix(".tmp").replace(checkpoint_path)
     model.eval()
     write_model_folder(draft_folder, config.out, {n: p.detach() for n, p in trainable.items()})
-    return {"history": history, "train_seconds": round(time.perf_counter() - started, 1),
+    return {"loss": config.loss, "loss_before": loss_before, "history": history, "train_seconds": round(time.perf_counter() - started, 1),
             "sequences": len(sequences), "trained_layers": list(range(first_trained, cfg.num_layers)),
             "trained_parameters": sum(p.numel() for p in trainable.values())}
 
