@@ -57,7 +57,7 @@ def test_training_lowers_the_loss_and_resumes(distilled) -> None:
 def test_ce_loss_trains_too(tiny_qwen2_dir: Path, tiny_far_draft_dir: Path, tmp_path: Path) -> None:
     base = decoder(tiny_qwen2_dir, tiny_far_draft_dir)
     data = make_data(base, PROMPTS[:3], tmp_path / "data.jsonl", 8, chat=False, show_progress=False)
-    config = DistillConfig(out=tmp_path, train_layers=1, epochs=4, lr=3e-3, accumulate=1, loss="ce", show_progress=False)
+    config = DistillConfig(out=tmp_path, train_layers=1, epochs=4, lr=3e-3, accumulate=1, loss="ce", warmup_steps=3, show_progress=False)
     result = train_draft(base.draft.folder, data, config, log=lambda line: None)  # ce needs no target
     assert result["history"][-1]["train_loss"] < result["loss_before"]
     with pytest.raises(InvalidRequestError, match="kl loss needs the target"):

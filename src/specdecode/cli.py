@@ -115,6 +115,7 @@ def _add_distill_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--epochs", type=_positive_int, default=d.DEFAULT_EPOCHS)
     parser.add_argument("--lr", type=float, default=d.DEFAULT_LR)
     parser.add_argument("--accumulate", type=_positive_int, default=d.DEFAULT_ACCUMULATE, help="sequences per optimizer step")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="optimizer steps of linear learning-rate warm-up (default 0)")
     parser.add_argument("--loss", choices=d.LOSSES, default="kl", help="kl: match the target's distribution (default); ce: its tokens")
     parser.add_argument("--teacher-top-k", type=_positive_int, default=d.DEFAULT_TEACHER_TOP_K, help="kl: target probabilities kept per position")
     parser.add_argument("--seed", type=int, default=0)
@@ -143,7 +144,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
     config = d.DistillConfig(
         out=Path(args.out), max_new_tokens=args.max_new_tokens, train_layers=args.train_layers, epochs=args.epochs,
-        lr=args.lr, accumulate=args.accumulate, seed=args.seed, loss=args.loss, teacher_top_k=args.teacher_top_k,
+        lr=args.lr, accumulate=args.accumulate, warmup_steps=args.warmup_steps, seed=args.seed, loss=args.loss, teacher_top_k=args.teacher_top_k,
         show_progress=not args.quiet,
     )
     train = _read_prompt_lines(args.prompts, "--prompts") if args.prompts else d.held_apart_prompts(10, args.train_per_category)

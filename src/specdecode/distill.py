@@ -70,6 +70,7 @@ class DistillConfig:
     epochs: int = DEFAULT_EPOCHS
     lr: float = DEFAULT_LR
     accumulate: int = DEFAULT_ACCUMULATE
+    warmup_steps: int = 0  # optimizer steps over which the learning rate rises linearly to lr
     seed: int = 0
     # kl: match the target's next-token distribution (its top ``teacher_top_k`` probabilities,
     # renormalised) at every answer position; ce: cross-entropy on the answer tokens only.
@@ -80,6 +81,8 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if self.train_layers < 1:
             raise InvalidRequestError(f"--train-layers must be >= 1, got {self.train_layers}.")
+        if self.warmup_steps < 0:
+            raise InvalidRequestError(f"--warmup-steps must be >= 0, got {self.warmup_steps}.")
         if self.epochs < 1 or self.accumulate < 1 or self.max_new_tokens < 1:
             raise InvalidRequestError("--epochs, --accumulate and --max-new-tokens must be >= 1.")
         if not (0 < self.lr < 1):
@@ -201,6 +204,11 @@ def train_draft(
     for param in trainable.values():
         param.requires_grad_(True)
     optimizer = torch.optim.AdamW(list(trainable.values()), lr=config.lr, weight_decay=0.0)
+    # Adam's first steps are normalised, so without a warm-up they move a draft that already
+    # matches the target by a full learning rate in every weight, whatever the gradient says.
+    warmup = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else 1.0
+    )
     first_trained = cfg.num_layers - config.train_layers
 
     # The frozen layers' output, once per sequence.
@@ -234,6 +242,7 @@ def train_draft(
             for name, tensor in state["trained"].items():
                 trainable[name].copy_(tensor)
         optimizer.load_state_dict(state["optimizer"])
+        warmup.load_state_dict(state["warmup"])
         start_epoch, history = state["epoch"], state["history"]
         log(f"resuming after epoch {start_epoch} from {checkpoint_path}")
 
@@ -249,6 +258,7 @@ def train_draft(
             (loss / (answer_len * config.accumulate)).backward()
             if (step + 1) % config.accumulate == 0 or step + 1 == len(order):
                 optimizer.step()
+                warmup.step()
                 optimizer.zero_grad(set_to_none=True)
             total_loss += float(loss.detach())
             total_tokens += answer_len
@@ -258,7 +268,7 @@ def train_draft(
         config.out.mkdir(parents=True, exist_ok=True)
         torch.save(
             {"trained": {n: p.detach().clone() for n, p in trainable.items()}, "optimizer": optimizer.state_dict(),
-             "epoch": epoch + 1, "history": history},
+             "warmup": warmup.state_dict(), "epoch": epoch + 1, "history": history},
             checkpoint_path.with_suffix(".tmp"),
         )
         checkpoint_path.with_suffix(".tmp").replace(checkpoint_path)
