@@ -137,6 +137,11 @@ def _read_prompt_lines(path: str, flag: str) -> list[str]:
     return lines
 
 
+def _use_chat(tokenizer: object, choice: str) -> bool:
+    """--chat auto|yes|no: auto uses the chat template when the tokenizer has one."""
+    return bool(getattr(tokenizer, "chat_template", None)) if choice == "auto" else choice == "yes"
+
+
 def cmd_distill(args: argparse.Namespace) -> int:
     from . import SpecDecoder
     from . import distill as d
@@ -157,7 +162,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     assert base.draft is not None
     if config.train_layers > base.draft.config.num_layers:
         raise InvalidRequestError(f"--train-layers {config.train_layers} exceeds the draft's {base.draft.config.num_layers} layers.")
-    chat = bool(getattr(base.tokenizer, "chat_template", None)) if args.chat == "auto" else args.chat == "yes"
+    chat = _use_chat(base.tokenizer, args.chat)
     log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
     config.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -216,13 +221,7 @@ def cmd_tune_layerskip(args: argparse.Namespace) -> int:
     from . import SpecDecoder
     from .layerskip import calibration_prompts, tune_layerskip
 
-    if args.prompts:
-        try:
-            texts = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-        except OSError as err:
-            raise InvalidRequestError(f"Cannot read --prompts {args.prompts}: {err}") from err
-    else:
-        texts = calibration_prompts(args.per_category)
+    texts = _read_prompt_lines(args.prompts, "--prompts") if args.prompts else calibration_prompts(args.per_category)
     try:
         skip_counts = [int(c) for c in args.skip_counts] if args.skip_counts else None
     except ValueError:
@@ -230,7 +229,7 @@ def cmd_tune_layerskip(args: argparse.Namespace) -> int:
     decoder = SpecDecoder.from_pretrained(
         args.target, method="none", k_max=args.k_max, dtype=args.dtype, device=args.device, show_progress=not args.quiet
     )
-    chat = bool(getattr(decoder.tokenizer, "chat_template", None)) if args.chat == "auto" else args.chat == "yes"
+    chat = _use_chat(decoder.tokenizer, args.chat)
     prompts = [decoder.encode(text, chat=chat) for text in texts]
     log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
     choice = tune_layerskip(

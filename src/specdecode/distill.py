@@ -99,14 +99,9 @@ def held_apart_prompts(start: int, count: int) -> list[str]:
     The bench takes the first N of each category (3 by default), so rows from 10 on are apart
     from any bench subset of up to 10 per category.
     """
-    from .bench.prompts import DEFAULT_SOURCE, load_prompts
+    from .bench.prompts import first_turns_per_category
 
-    prompts = load_prompts([DEFAULT_SOURCE])
-    chosen: list[str] = []
-    for category in dict.fromkeys(p.category for p in prompts):
-        rows = [p for p in prompts if p.category == category]
-        chosen += [p.turns[0] for p in rows[start : start + count]]
-    return chosen
+    return first_turns_per_category(slice(start, start + count))
 
 
 def make_data(

@@ -121,14 +121,9 @@ def parse_skip_layers(text: str) -> tuple[int, ...]:
 
 def calibration_prompts(per_category: int = DEFAULT_CALIBRATION_PER_CATEGORY) -> list[str]:
     """The last ``per_category`` first-turn prompts of each default category (bench subsets take the first N)."""
-    from .bench.prompts import DEFAULT_SOURCE, load_prompts
+    from .bench.prompts import first_turns_per_category
 
-    prompts = load_prompts([DEFAULT_SOURCE])
-    chosen: list[str] = []
-    for category in dict.fromkeys(p.category for p in prompts):
-        rows = [p for p in prompts if p.category == category]
-        chosen += [p.turns[0] for p in rows[-per_category:]]
-    return chosen
+    return first_turns_per_category(slice(-per_category, None))
 
 
 @torch.inference_mode()

@@ -54,6 +54,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def draw(
+    logits: torch.Tensor,  # (N, V)
+    processor: LogitsProcessor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's next token (N,) and the distribution q (N, V) it was drawn from; greedy: the
+    argmax and None (a deterministic draft)."""
+    if processor.greedy:
+        return logits.argmax(dim=-1), None
+    q = processor.probs(logits)
+    return sample(q, generator), q
+
+
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     if seed is None:

@@ -88,6 +88,12 @@ def blend(old: float | None, new: float) -> float:
     return new if old is None else COST_DECAY * old + (1 - COST_DECAY) * new
 
 
+def update_verify_cost(verify_seconds: list[float], proposed: int, seconds: float) -> None:
+    """Blend a live verify pass over ``proposed`` + 1 rows into the per-row-count cost table."""
+    if proposed + 1 <= len(verify_seconds):
+        verify_seconds[proposed] = blend(verify_seconds[proposed], seconds)
+
+
 @dataclass(slots=True)
 class AcceptanceEstimate:
     """Per-token acceptance pooled over recent steps, starting from a weak prior."""
@@ -206,5 +212,5 @@ class CostAwareK:
             # (n-gram lookup) costs its host time per token.
             per_pass = draft_seconds / (draft_passes if draft_passes > 0 else proposed)
             self.draft_pass_seconds = blend(self.draft_pass_seconds, per_pass)
-        if self.live_costs and proposed + 1 <= len(self.verify_seconds):
-            self.verify_seconds[proposed] = blend(self.verify_seconds[proposed], verify_seconds)
+        if self.live_costs:
+            update_verify_cost(self.verify_seconds, proposed, verify_seconds)

@@ -154,6 +154,16 @@ def load_prompts(sources: Sequence[str]) -> list[BenchPrompt]:
     return prompts
 
 
+def first_turns_per_category(rows: slice) -> list[str]:
+    """The first turns of ``rows`` (a slice of each category's fixed order) of the default set,
+    category by category: held-apart prompts for tuning and distillation."""
+    prompts = load_prompts([DEFAULT_SOURCE])
+    chosen: list[str] = []
+    for category in dict.fromkeys(p.category for p in prompts):
+        chosen += [p.turns[0] for p in [p for p in prompts if p.category == category][rows]]
+    return chosen
+
+
 def select_prompts(
     prompts: Iterable[BenchPrompt], categories: Sequence[str] | None, max_per_category: int | None
 ) -> list[BenchPrompt]:

@@ -40,7 +40,7 @@ import torch
 
 from ..cache import KVCache
 from ..sampling import LogitsProcessor
-from ..schedule import AcceptanceEstimate, GoodputEstimate, best_plan, blend
+from ..schedule import AcceptanceEstimate, GoodputEstimate, best_plan, update_verify_cost
 from .base import DraftProposal
 from .draft_model import DraftModelDrafter
 from .ngram import NgramDrafter
@@ -103,8 +103,8 @@ class AutoDrafter:
         return self.k_max  # the real choice is made in propose, once the lookup has run
 
     def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
-        if self.live_costs and proposed + 1 <= len(self.verify_seconds):
-            self.verify_seconds[proposed] = blend(self.verify_seconds[proposed], verify_seconds)
+        if self.live_costs:
+            update_verify_cost(self.verify_seconds, proposed, verify_seconds)
         source = self.source if proposed else "none"
         self.steps_by_source[source] += 1
         self._since_draft = 0 if source == "draft" else self._since_draft + 1

@@ -12,7 +12,7 @@ import torch
 
 from ..cache import KVCache, reusable_cache
 from ..models.llama import Transformer
-from ..sampling import LogitsProcessor, sample
+from ..sampling import LogitsProcessor, draw
 from .base import DraftProposal
 
 
@@ -73,12 +73,8 @@ class DraftModelDrafter:
         logits = self._forward(committed[:, self._cached_len :], self._cached_len)
         forward_passes = 1
         for step in range(num_tokens):
-            if processor.greedy:
-                next_token = logits.argmax(dim=-1)
-                q = None
-            else:
-                q = processor.probs(logits)
-                next_token = sample(q, generator)
+            next_token, q = draw(logits, processor, generator)
+            if q is not None:
                 probs.append(q)
             tokens.append(next_token)
             if step + 1 == num_tokens or doubts(logits, q, next_token, self.confidence_threshold):

@@ -24,7 +24,7 @@ import torch
 from ..cache import KVCache
 from ..errors import InvalidRequestError
 from ..models.llama import Transformer
-from ..sampling import LogitsProcessor, sample
+from ..sampling import LogitsProcessor, draw
 from .base import DraftProposal
 from .draft_model import doubts
 
@@ -70,11 +70,8 @@ class LayerSkipDrafter:
         for step in range(num_tokens):
             out = self.model.extend(self.cache, token, length - 1 + step, layers=self.kept_layers, logits_last=1)
             logits = out.logits[:, -1]  # (1, V)
-            if processor.greedy:
-                next_token, q = logits.argmax(dim=-1), None
-            else:
-                q = processor.probs(logits)
-                next_token = sample(q, generator)
+            next_token, q = draw(logits, processor, generator)
+            if q is not None:
                 probs.append(q)
             tokens.append(next_token)
             if doubts(logits, q, next_token, self.confidence_threshold):
