@@ -306,8 +306,10 @@ def test_cli_bench_runs_and_rejects_bad_input(capsys, tiny_qwen2_dir: Path, tmp_
     assert data["summary"]["none"][ALL]["prompts"] == 1 and data["bandwidth"]["copy_bytes_per_second"] is None
     assert not (tmp_path / "o" / "speedup.png").exists()
     capsys.readouterr()
-    assert cli.main(base + ["--methods", "none,medusa"]) == cli.EXIT_USER_ERROR
-    assert "Unknown method 'medusa'" in capsys.readouterr().err
+    assert cli.main(base + ["--methods", "none,lora"]) == cli.EXIT_USER_ERROR
+    assert "Unknown method 'lora'" in capsys.readouterr().err
+    assert cli.main(base + ["--methods", "none,eagle"]) == cli.EXIT_USER_ERROR
+    assert "--eagle-heads" in capsys.readouterr().err
     assert cli.main(base + ["--methods", "draft", "--prompts", str(tmp_path / "missing.txt")]) == cli.EXIT_USER_ERROR
     assert "does not exist" in capsys.readouterr().err
     assert cli.main(base + ["--methods", "none", "--temperature", "-1"]) == cli.EXIT_USER_ERROR

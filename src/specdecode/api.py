@@ -10,15 +10,27 @@ from typing import Any
 import torch
 
 from .cache import check_kv_dtype
-from .config import DRAFT_MODEL_METHODS, METHODS, SamplingParams, SpecConfig, check_k_policy
+from .config import (
+    DRAFT_MODEL_METHODS,
+    METHODS,
+    TREE_METHODS,
+    SamplingParams,
+    SpecConfig,
+    check_acceptance,
+    check_k_policy,
+)
 from .drafters.auto import AutoDrafter
-from .drafters.base import Drafter
+from .drafters.base import Drafter, TreeDrafter
+from .drafters.eagle import DEFAULT_TREE_SIZE as EAGLE_TREE_SIZE
+from .drafters.eagle import EagleDrafter
+from .drafters.medusa import MedusaDrafter, build_static_tree
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.layer_skip import LayerSkipDrafter, check_skip_layers
 from .drafters.ngram import NgramDrafter
 from .engine import SpecEngine, time_passes
 from .errors import InvalidRequestError
 from .metrics import GenerationStats
+from .models.heads import DraftHeads, EagleHead, MedusaHeads, load_heads
 from .models.loader import LoadedModel, load_model
 from .quant.apply import check_quant
 from .runtime import resolve_device, resolve_dtype
@@ -100,9 +112,18 @@ def resolve_k(k: int | str | None, k_policy: str | None) -> tuple[int | None, st
 class SpecDecoder:
     """A target model, an optional draft model, and the engine that runs them."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, spec: SpecConfig, kv_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | None,
+        spec: SpecConfig,
+        kv_dtype: str = "auto",
+        heads: DraftHeads | None = None,
+    ) -> None:
         if spec.method == "draft" and draft is None:
             raise InvalidRequestError("--method draft needs a draft model (--draft).")
+        if spec.method in TREE_METHODS and (heads is None or heads.config.kind != spec.method):
+            raise InvalidRequestError(f"--method {spec.method} needs {spec.method} heads (--heads FOLDER).")
         if draft is not None:
             check_same_tokenizer(target.tokenizer, draft.tokenizer, target.name, draft.name)
         self.target = target
@@ -121,8 +142,29 @@ class SpecDecoder:
             self.drafters["draft"] = self.draft_drafter
         if spec.skip_layers:  # shares the target's weights and KV cache: costs no memory
             self.drafters["layerskip"] = LayerSkipDrafter(target.model, spec.skip_layers, spec.draft_confidence)
+        self.heads: dict[str, DraftHeads] = {}
+        if heads is not None:
+            self.attach_heads(heads, spec.tree_size)
         self.engine = SpecEngine(target.model, self.eos_token_ids, kv_dtype=kv_dtype)
         self._draft_token_seconds: float | None = None  # the auto method's catch-up price
+
+    def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
+        """Make method ``heads.config.kind`` (medusa or eagle) available with these heads."""
+        heads.config.check_target(self.target.config)
+        self.heads[heads.config.kind] = heads
+        self.drafters[heads.config.kind] = self._tree_drafter(heads, tree_size)
+
+    def _tree_drafter(self, heads: DraftHeads, tree_size: int | None) -> TreeDrafter:
+        """The Medusa (static tree from the heads' measured accuracies) or EAGLE drafter."""
+        if isinstance(heads, MedusaHeads):
+            tree = heads.config.tree
+            if tree_size is not None:
+                tree = build_static_tree(heads.config.rank_accuracy, tree_size)
+            if not tree:
+                raise InvalidRequestError("These Medusa heads carry no tree; pass --tree-size to build one.")
+            return MedusaDrafter(heads, tree)
+        assert isinstance(heads, EagleHead)
+        return EagleDrafter(heads, self.target.model.embed_tokens, tree_size or EAGLE_TREE_SIZE)
 
     @classmethod
     def from_pretrained(
@@ -144,6 +186,9 @@ class SpecDecoder:
         target_quant: str = "none",
         draft_quant: str = "none",
         kv_dtype: str = "auto",
+        heads: str | Path | None = None,
+        tree_size: int | None = None,
+        acceptance: str = "lossless",
         show_progress: bool = True,
     ) -> SpecDecoder:
         """Load models by name: a demo model name, a .gguf file, a local HF folder or a hub id.
@@ -154,7 +199,10 @@ class SpecDecoder:
         only; a quantized target is a different model, and speculative decoding reproduces
         that model); ``kv_dtype="int8"`` stores both KV caches as int8. Method ``layerskip``
         skips ``skip_layers``, or the layers a ``specdecode tune-layerskip`` file names
-        (``layerskip_config``); the demo target has a tuned file built in.
+        (``layerskip_config``); the demo target has a tuned file built in. Methods ``medusa``
+        and ``eagle`` need ``heads``, a folder ``specdecode train`` wrote for this target;
+        ``tree_size`` bounds their trees and ``acceptance="typical"`` opts into Medusa's
+        lossy typical acceptance.
         """
         from .models import demo
 
@@ -162,8 +210,14 @@ class SpecDecoder:
         overrides = {
             "num_speculative_tokens": fixed_k, "draft_confidence": draft_confidence,
             "ngram_max": ngram_max, "ngram_min": ngram_min, "k_policy": policy, "k_max": k_max,
+            "tree_size": tree_size,
         }
-        spec = SpecConfig(method=method, **{key: v for key, v in overrides.items() if v is not None})
+        spec = SpecConfig(method=method, acceptance=acceptance, **{key: v for key, v in overrides.items() if v is not None})
+        if method in TREE_METHODS and heads is None:
+            raise InvalidRequestError(
+                f"--method {method} needs trained heads for the target: run `specdecode train {method} "
+                f"--target TARGET --data stdlib --out HEADS` and pass --heads HEADS."
+            )
         check_quant(target_quant, "--target-quant")
         check_quant(draft_quant, "--draft-quant")
         check_kv_dtype(kv_dtype)
@@ -186,7 +240,8 @@ class SpecDecoder:
         draft_model = None
         if method in DRAFT_MODEL_METHODS and draft is not None:
             draft_model = load_model(draft, torch_dtype, torch_device, show_progress=show_progress, quant=draft_quant)
-        return cls(target_model, draft_model, spec, kv_dtype=kv_dtype)
+        loaded_heads = None if heads is None else load_heads(heads, torch_dtype, torch_device)
+        return cls(target_model, draft_model, spec, kv_dtype=kv_dtype, heads=loaded_heads)
 
     def encode(self, prompt: str | Messages, chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)
@@ -216,6 +271,7 @@ class SpecDecoder:
         method: str | None = None,
         k: int | str | None = None,
         k_policy: str | None = None,
+        acceptance: str | None = None,
     ) -> GenerationStream:
         """Start generating; iterate the returned stream for text, read ``.result`` after.
 
@@ -230,6 +286,10 @@ class SpecDecoder:
             raise InvalidRequestError(f"Unknown method {method!r}; choose one of: {', '.join(METHODS)}.")
         if method == "draft" and self.draft is None:
             raise InvalidRequestError("This decoder was loaded without a draft model; use method='none'.")
+        if method in TREE_METHODS and method not in self.drafters:
+            raise InvalidRequestError(f"This decoder was loaded without {method} heads; load it with heads=FOLDER.")
+        acceptance = acceptance or (self.spec.acceptance if method == self.spec.method else "lossless")
+        check_acceptance(acceptance, method)
         if method == "layerskip" and "layerskip" not in self.drafters:
             raise InvalidRequestError(
                 "This decoder has no layers to skip: load it with skip_layers or layerskip_config "
@@ -263,9 +323,14 @@ class SpecDecoder:
             drafter, schedule = auto, auto
         else:
             drafter = self.drafters.get(method)
-            schedule = self._schedule(policy, num_spec) if drafter is not None else None
+            tree = method in TREE_METHODS
+            schedule = self._schedule(policy, num_spec) if drafter is not None and not tree else None
         limit = self.spec.k_max if schedule is not None else num_spec
-        chunks = self.engine.decode(prompt_ids, params, drafter, limit if drafter is not None else 0, stats, schedule)
+        if method in TREE_METHODS:
+            limit = 1  # the tree's shape sets how much is drafted
+        chunks = self.engine.decode(
+            prompt_ids, params, drafter, limit if drafter is not None else 0, stats, schedule, acceptance=acceptance
+        )
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
 
     def _live_costs(self) -> bool:
@@ -310,8 +375,9 @@ class SpecDecoder:
         method: str | None = None,
         k: int | str | None = None,
         k_policy: str | None = None,
+        acceptance: str | None = None,
     ) -> GenerationResult:
-        stream = self.stream(prompt, params, chat=chat, method=method, k=k, k_policy=k_policy)
+        stream = self.stream(prompt, params, chat=chat, method=method, k=k, k_policy=k_policy, acceptance=acceptance)
         for _ in stream:
             pass
         assert stream.result is not None

@@ -17,6 +17,7 @@ same length bookkeeping.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,27 @@ class KVCache:
         # Advanced indices on dims 0 and 2 put the (B, T) index dims first: (B, T, H_kv, D').
         storage[batch_index, :, positions] = new.transpose(1, 2)
 
+    def _storages(self) -> list[list[torch.Tensor]]:
+        """Every per-layer tensor list indexed by slot (keys, values and any scales)."""
+        return [self.keys, self.values]
+
+    def keep_path(self, seq: int, start: int, nodes: Sequence[int]) -> None:
+        """Keep one root-to-node path of a token tree scored at slots [start, start + N).
+
+        A tree verify pass writes node j at slot start + j; the accepted path ``nodes``
+        (root first, so nodes[0] == 0) must end up at slots start, start + 1, ... as a
+        sequence. One index copy per stored tensor moves them; the other nodes' slots are
+        simply left behind to be overwritten, as rejected chain drafts are. The caller
+        commits the new length.
+        """
+        if list(nodes) == list(range(len(nodes))):
+            return  # already in place (a chain, or the first branch all along)
+        device = self.keys[0].device
+        source = torch.tensor([start + node for node in nodes], dtype=torch.long, device=device)
+        for tensors in self._storages():
+            for storage in tensors:
+                storage[seq, :, start : start + len(nodes)] = storage[seq, :, source]
+
     def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots [0, kv_len): two (B, H_kv, kv_len, D) views."""
         return self.keys[layer][:, :, :kv_len], self.values[layer][:, :, :kv_len]
@@ -161,6 +183,9 @@ class Int8KVCache(KVCache):
     @property
     def dtype(self) -> torch.dtype:
         return self.compute_dtype
+
+    def _storages(self) -> list[list[torch.Tensor]]:
+        return [self.keys, self.values, self.key_scales, self.value_scales]
 
     @staticmethod
     def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: (B, H, T, D)

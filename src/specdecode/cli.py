@@ -18,6 +18,7 @@ from .config import (
     METHODS,
 )
 from .cache import KV_DTYPES
+from .cli_train import add_train_parser, add_tree_arguments, cmd_train
 from .errors import InvalidRequestError, SpecDecodeError
 from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
 
@@ -58,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "draft: a draft model proposes; ngram: prompt lookup proposes (no draft model); auto: each "
             "step, lookup, draft model or plain decoding, whichever pays by measured cost and acceptance "
-            "(up to --k-max tokens); none: plain decoding"
+            "(up to --k-max tokens); layerskip: the target drafts with layers skipped; medusa, eagle: "
+            "trained heads (--heads) draft a token tree; none: plain decoding"
         ),
     )
     gen.add_argument(
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_ngram_arguments(gen)
     _add_layerskip_arguments(gen)
+    add_tree_arguments(gen, bench=False)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -90,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quality_parser(sub)
     _add_tune_layerskip_parser(sub)
     _add_distill_parser(sub)
+    add_train_parser(sub)
     return parser
 
 
@@ -383,6 +387,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--draft-confidence", type=float, default=None, help=f"draft confidence cut-off (default {DEFAULT_DRAFT_CONFIDENCE})")
     _add_ngram_arguments(bench)
     _add_layerskip_arguments(bench)
+    add_tree_arguments(bench, bench=True)
     bench.add_argument("--hf-lookup-tokens", type=_positive_int, default=DEFAULT_HF_LOOKUP_TOKENS, help="prompt_lookup_num_tokens for hf-lookup")
     bench.add_argument("--repeats", type=_positive_int, default=1, help="runs per prompt and method; the median-time run counts")
     bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up prompt")
@@ -419,6 +424,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ngram_min=args.ngram_min,
         skip_layers=args.skip_layers,
         layerskip_config=args.layerskip_config,
+        medusa_heads=args.medusa_heads,
+        eagle_heads=args.eagle_heads,
+        tree_size=args.tree_size,
         hf_lookup_tokens=args.hf_lookup_tokens,
         repeats=args.repeats,
         warmup=not args.no_warmup,
@@ -464,6 +472,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         target_quant=args.target_quant,
         draft_quant=args.draft_quant,
         kv_dtype=args.kv_dtype,
+        heads=args.heads,
+        tree_size=args.tree_size,
+        acceptance=args.acceptance,
         show_progress=not args.quiet,
     )
     stream = decoder.stream(prompt, params, chat=args.chat)
@@ -497,6 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_tune_layerskip(args)
         if args.command == "distill":
             return cmd_distill(args)
+        if args.command == "train":
+            return cmd_train(args)
     except SpecDecodeError as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR

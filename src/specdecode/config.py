@@ -159,8 +159,14 @@ class SamplingParams:
 
 # none: plain decoding; draft: a draft model proposes; ngram: prompt lookup proposes; auto:
 # per step, lookup, draft model or plain decoding, whichever pays best (drafters/auto.py);
-# layerskip: the target drafts with some of its layers skipped (drafters/layer_skip.py).
-METHODS: tuple[str, ...] = ("draft", "none", "ngram", "auto", "layerskip")
+# layerskip: the target drafts with some of its layers skipped (drafters/layer_skip.py);
+# medusa, eagle: trained heads on the target's features draft token trees (drafters/medusa.py,
+# drafters/eagle.py; `specdecode train`).
+METHODS: tuple[str, ...] = ("draft", "none", "ngram", "auto", "layerskip", "medusa", "eagle")
+TREE_METHODS: tuple[str, ...] = ("medusa", "eagle")
+# lossless: greedy equality / rejection sampling; typical: Medusa's lossy typical acceptance,
+# tree methods only, opt-in.
+ACCEPTANCE_RULES: tuple[str, ...] = ("lossless", "typical")
 # Methods that use a draft model (auto runs without one too: lookup and plain decoding only).
 DRAFT_MODEL_METHODS: tuple[str, ...] = ("draft", "auto")
 # Measured on the demo pair (benchmarks/bench_forward.py, a HumanEval run and a 5-prompt sweep):
@@ -171,6 +177,7 @@ DRAFT_MODEL_METHODS: tuple[str, ...] = ("draft", "auto")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 DEFAULT_K_MAX = 8  # the most tokens --k auto drafts per step
 MAX_K_MAX = 32
+MAX_TREE_SIZE = 256
 K_POLICY_CHOICES = ("fixed", "cost", "threshold")
 DEFAULT_DRAFT_CONFIDENCE = 0.3
 # Prompt lookup tries the last 3 tokens, then 2, then 1 (see drafters/ngram.py).
@@ -195,6 +202,9 @@ class SpecConfig:
     k_max: int = DEFAULT_K_MAX
     # Layer skip (method layerskip): the target's layers its drafts skip (empty: not set up).
     skip_layers: tuple[int, ...] = ()
+    # Tree methods: drafted nodes per tree (None: the method's default) and acceptance rule.
+    tree_size: int | None = None
+    acceptance: str = "lossless"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -211,6 +221,18 @@ class SpecConfig:
             )
         check_ngram_sizes(self.ngram_max, self.ngram_min)
         check_k_policy(self.k_policy, self.k_max)
+        check_acceptance(self.acceptance, self.method)
+        if self.tree_size is not None and not 1 <= self.tree_size <= MAX_TREE_SIZE:
+            raise InvalidRequestError(f"--tree-size must be in 1..{MAX_TREE_SIZE}, got {self.tree_size}.")
+
+
+def check_acceptance(acceptance: str, method: str) -> None:
+    if acceptance not in ACCEPTANCE_RULES:
+        raise InvalidRequestError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {acceptance!r}.")
+    if acceptance == "typical" and method not in TREE_METHODS:
+        raise InvalidRequestError(
+            f"--acceptance typical applies to the tree methods ({', '.join(TREE_METHODS)}) only, not {method!r}."
+        )
 
 
 def check_k_policy(k_policy: str, k_max: int) -> None:

@@ -14,17 +14,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .cache import KVCache, reusable_cache
-from .config import SamplingParams
-from .drafters.base import Drafter
+from .config import ACCEPTANCE_RULES, SamplingParams
+from .drafters.base import Drafter, TreeDrafter, is_tree_drafter
+from .errors import InvalidRequestError
 from .metrics import GenerationStats, Stopwatch
 from .models.llama import Transformer
 from .sampling import LogitsProcessor, make_generator
 from .schedule import KSchedule
-from .verify import PAD_TOKEN, greedy_verify, rejection_verify
+from .tree import tree_view
+from .verify import (
+    PAD_TOKEN,
+    greedy_tree_verify,
+    greedy_verify,
+    rejection_tree_verify,
+    rejection_verify,
+    typical_tree_verify,
+)
 
 
 VERIFY_COST_REPEATS = 2
@@ -60,6 +70,20 @@ def time_passes(
             samples.append(watch.elapsed)
         measured[rows] = min(samples[1:])  # the least disturbed run
     return measured
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One draft-and-verify step, as the decoding loop needs it."""
+
+    tokens: list[int]  # the accepted + 1 emitted tokens (host)
+    device_tokens: torch.Tensor  # (>= accepted + 1,) long: the same, on the device
+    accepted: int
+    proposed: int  # drafted tokens (a tree: its depth, the most it could have accepted)
+    draft_seconds: float
+    verify_seconds: float
+    draft_passes: int = 0
+    nodes: int = 0  # drafted tree nodes (tree methods)
 
 
 class SpecEngine:
@@ -107,10 +131,11 @@ class SpecEngine:
         self,
         prompt_ids: Sequence[int],
         params: SamplingParams,
-        drafter: Drafter | None,
+        drafter: Drafter | TreeDrafter | None,
         num_speculative_tokens: int,
         stats: GenerationStats,
         schedule: KSchedule | None = None,
+        acceptance: str = "lossless",
     ) -> Iterator[list[int]]:
         """Yield the newly committed tokens after each step; fill ``stats`` as it goes.
 
@@ -118,69 +143,66 @@ class SpecEngine:
         drafter may propose fewer tokens than asked, even none: that step decodes plainly.
         Closing the iterator early (a stop string) still leaves ``stats`` complete.
         ``schedule`` (``schedule.py``) chooses k per step instead, up to ``num_speculative_tokens``.
+        A tree drafter (``drafters.base.TreeDrafter``) proposes a token tree each step instead;
+        ``acceptance="typical"`` verifies its trees with Medusa's lossy typical acceptance.
         """
         started = time.perf_counter()
         device = self.device
         prompt_len = len(prompt_ids)
         max_new = params.max_new_tokens
         speculate = drafter is not None and num_speculative_tokens > 0
+        tree_mode = speculate and is_tree_drafter(drafter)
+        if acceptance not in ACCEPTANCE_RULES:
+            raise InvalidRequestError(f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {acceptance!r}.")
+        if acceptance == "typical" and not tree_mode:
+            raise InvalidRequestError("Typical acceptance applies to the tree methods (medusa, eagle) only.")
         capacity = prompt_len + max_new + 1
-        cache = self._cache = reusable_cache(self._cache, self.target.config, capacity, self.target.dtype, device, self.kv_dtype)
+        # A tree pass writes all its nodes past the committed length before keeping one path.
+        slots = capacity + (drafter.max_tree_nodes if tree_mode else 0)
+        cache = self._cache = reusable_cache(self._cache, self.target.config, slots, self.target.dtype, device, self.kv_dtype)
         processor = LogitsProcessor.from_params(params)
         generator = None if processor.greedy else make_generator(params.seed, device)
         committed = torch.empty((1, capacity), dtype=torch.long, device=device)
         committed[0, :prompt_len] = torch.tensor(list(prompt_ids), dtype=torch.long)
         stats.prompt_tokens = prompt_len
-        draft_watch = Stopwatch(device, self.sync_timing)
-        verify_watch = Stopwatch(device, self.sync_timing)
+        watches = (Stopwatch(device, self.sync_timing), Stopwatch(device, self.sync_timing))
         try:
             # Prefill all but the last prompt token; the first verify pass feeds that one with
             # the first draft, so even the first new token can be speculated.
             with Stopwatch(device, self.sync_timing) as prefill_watch:
-                if prompt_len > 1:
-                    self.target.extend(cache, committed[:, : prompt_len - 1], 0, compute_logits=False)
-                    stats.target_forward_passes += 1
-                cache.commit(0, prompt_len - 1)
                 if speculate:
                     drafter.start(prompt_len, capacity, cache)
+                if prompt_len > 1:
+                    out = self.target.extend(cache, committed[:, : prompt_len - 1], 0, compute_logits=False)
+                    stats.target_forward_passes += 1
+                    if tree_mode:
+                        drafter.observe(out.hidden, 0)
+                cache.commit(0, prompt_len - 1)
             stats.prefill_seconds = prefill_watch.elapsed
 
             length = prompt_len
             while True:
                 remaining = max_new - stats.new_tokens
-                # Never draft past max_new_tokens: a step emits at most k + 1 tokens.
-                wanted = schedule.next_k() if speculate and schedule is not None else num_speculative_tokens
-                k = min(wanted, num_speculative_tokens, remaining - 1) if speculate else 0
-                draft_seconds, draft_passes = 0.0, 0
-                draft_tokens = torch.empty((1, 0), dtype=torch.long, device=device)
-                draft_probs = None
-                if k > 0:
-                    with draft_watch:
-                        proposal = drafter.propose(committed[:, :length], k, processor, generator)
-                    draft_seconds, draft_passes = draft_watch.elapsed, proposal.forward_passes
-                    stats.draft_seconds += draft_seconds
-                    draft_tokens, draft_probs = proposal.tokens, proposal.probs
-                    stats.draft_forward_passes += draft_passes
-                    k = proposal.num_tokens
-                with verify_watch:
-                    inputs = torch.cat([committed[:, length - 1 : length], draft_tokens], dim=1)
-                    logits = self.target.extend(cache, inputs, length - 1).logits  # (1, k + 1, V)
-                    if processor.greedy:
-                        result = greedy_verify(draft_tokens, logits)
-                    else:
-                        result = rejection_verify(draft_tokens, draft_probs, processor.probs(logits), generator)
-                    emitted_row = result.tokens[0].tolist()  # the one host sync of the step
-                stats.verify_seconds += verify_watch.elapsed
+                if tree_mode:
+                    step = self._tree_step(
+                        drafter, cache, committed, length, remaining - 1, processor, generator, acceptance, watches
+                    )
+                    stats.tree_nodes_proposed += step.nodes
+                else:
+                    # Never draft past max_new_tokens: a step emits at most k + 1 tokens.
+                    wanted = schedule.next_k() if speculate and schedule is not None else num_speculative_tokens
+                    k = min(wanted, num_speculative_tokens, remaining - 1) if speculate else 0
+                    step = self._chain_step(drafter, cache, committed, length, k, processor, generator, watches)
+                    if speculate and step.proposed > 0:
+                        drafter.on_verified(step.accepted)
+                    if speculate and schedule is not None:
+                        schedule.observe(step.proposed, step.accepted, step.draft_seconds, step.draft_passes, step.verify_seconds)
+                stats.draft_seconds += step.draft_seconds
+                stats.verify_seconds += step.verify_seconds
+                stats.draft_forward_passes += step.draft_passes
+                stats.record_step(step.proposed, step.accepted)
 
-                # Read the accepted count off the same row: a second tensor read would be a second sync.
-                emitted_count = emitted_row.index(PAD_TOKEN) if PAD_TOKEN in emitted_row else len(emitted_row)
-                accepted = emitted_count - 1
-                stats.record_step(k, accepted)
-                if speculate and k > 0:
-                    drafter.on_verified(accepted)
-                if speculate and schedule is not None:
-                    schedule.observe(k, accepted, draft_seconds, draft_passes, verify_watch.elapsed)
-                new_tokens = emitted_row[: accepted + 1][:remaining]
+                new_tokens = step.tokens[:remaining]
                 stop_reason = ""
                 if not params.ignore_eos:
                     for i, token in enumerate(new_tokens):
@@ -189,9 +211,9 @@ class SpecEngine:
                             stop_reason = "eos"
                             break
                 count = len(new_tokens)
-                committed[:, length : length + count] = result.tokens[:, :count]
+                committed[0, length : length + count] = step.device_tokens[:count]
                 # K/V of the previously last token and of the accepted drafts are now valid.
-                cache.commit(0, length + min(accepted, count - 1))
+                cache.commit(0, length + min(step.accepted, count - 1))
                 length += count
                 stats.new_tokens += count
                 if not stop_reason and stats.new_tokens >= max_new:
@@ -202,3 +224,80 @@ class SpecEngine:
                     break
         finally:
             stats.total_seconds = time.perf_counter() - started
+
+    def _chain_step(
+        self,
+        drafter: Drafter | None,
+        cache: KVCache,
+        committed: torch.Tensor,  # (1, capacity) long
+        length: int,
+        k: int,
+        processor: LogitsProcessor,
+        generator: torch.Generator | None,
+        watches: tuple[Stopwatch, Stopwatch],
+    ) -> StepResult:
+        """Draft up to k tokens in a line, verify them in one target pass."""
+        draft_watch, verify_watch = watches
+        device = self.device
+        draft_seconds, draft_passes = 0.0, 0
+        draft_tokens = torch.empty((1, 0), dtype=torch.long, device=device)
+        draft_probs = None
+        if k > 0:
+            assert drafter is not None
+            with draft_watch:
+                proposal = drafter.propose(committed[:, :length], k, processor, generator)
+            draft_seconds, draft_passes = draft_watch.elapsed, proposal.forward_passes
+            draft_tokens, draft_probs = proposal.tokens, proposal.probs
+            k = proposal.num_tokens
+        with verify_watch:
+            inputs = torch.cat([committed[:, length - 1 : length], draft_tokens], dim=1)
+            logits = self.target.extend(cache, inputs, length - 1).logits  # (1, k + 1, V)
+            if processor.greedy:
+                result = greedy_verify(draft_tokens, logits)
+            else:
+                result = rejection_verify(draft_tokens, draft_probs, processor.probs(logits), generator)
+            emitted_row = result.tokens[0].tolist()  # the one host sync of the step
+        # Read the accepted count off the same row: a second tensor read would be a second sync.
+        emitted_count = emitted_row.index(PAD_TOKEN) if PAD_TOKEN in emitted_row else len(emitted_row)
+        return StepResult(
+            tokens=emitted_row[:emitted_count], device_tokens=result.tokens[0], accepted=emitted_count - 1,
+            proposed=k, draft_seconds=draft_seconds, verify_seconds=verify_watch.elapsed, draft_passes=draft_passes,
+        )
+
+    def _tree_step(
+        self,
+        drafter: TreeDrafter,
+        cache: KVCache,
+        committed: torch.Tensor,  # (1, capacity) long
+        length: int,
+        max_depth: int,
+        processor: LogitsProcessor,
+        generator: torch.Generator | None,
+        acceptance: str,
+        watches: tuple[Stopwatch, Stopwatch],
+    ) -> StepResult:
+        """Draft a token tree, score every node in one target pass, keep the accepted path."""
+        draft_watch, verify_watch = watches
+        device = self.device
+        with draft_watch:
+            # Never draft past max_new_tokens: a path of depth d emits d + 1 tokens.
+            tree = drafter.propose_tree(committed[:, :length], max_depth, processor, generator)
+        start = length - 1  # the root's slot and position
+        with verify_watch:
+            positions = tree.positions(start, device)
+            view = tree_view(tree, start, device, self.target.config.sliding_window)
+            out = self.target(tree.tokens[None], positions, cache, view, contiguous_start=start)
+            logits = out.logits[0]  # (N, V)
+            if processor.greedy:
+                result = greedy_tree_verify(tree, logits)
+            elif acceptance == "typical":
+                result = typical_tree_verify(tree, processor.probs(logits), generator)
+            else:
+                result = rejection_tree_verify(tree, processor.probs(logits), generator)
+            cache.keep_path(0, start, result.path)
+            drafter.observe(out.hidden[:, result.path], start)
+        return StepResult(
+            tokens=result.tokens, device_tokens=torch.tensor(result.tokens, dtype=torch.long, device=device),
+            accepted=len(result.path) - 1, proposed=tree.max_depth, nodes=tree.size - 1,
+            draft_seconds=draft_watch.elapsed, verify_seconds=verify_watch.elapsed, draft_passes=drafter.last_forward_passes,
+        )

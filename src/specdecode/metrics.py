@@ -26,6 +26,9 @@ class GenerationStats:
     verify_steps: int = 0  # decode passes of the target (each emits accepted + 1 tokens)
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    # Tree methods: proposed counts each tree's depth (the most a step can accept), so the
+    # acceptance rate is accepted / depth; the nodes scored are counted here.
+    tree_nodes_proposed: int = 0
     emitted_by_steps: int = 0  # sum over steps of accepted + 1, before any truncation
     proposed_at_position: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)

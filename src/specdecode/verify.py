@@ -15,6 +15,12 @@ With rejection sampling (accept d_i with probability min(1, p(d_i) / q(d_i))) th
 tokens are distributed exactly as if sampled from the target alone. A deterministic drafter
 (n-gram lookup) has a one-hot q: acceptance becomes p(d_i), and the residual is p with d_i
 removed, renormalised.
+
+Trees (``TokenTree``, batch size 1): node i's target row is p_i, the distribution after the
+path root..i. The accepted tokens are a root-to-node path, and the recovered/bonus token
+follows its deepest node. ``rejection_tree_verify`` is recursive rejection sampling over each
+node's children (SpecInfer), lossless like the chain rule; ``typical_tree_verify`` is Medusa's
+typical acceptance, which is lossy and only for callers that opt in.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .tree import ROOT, TokenTree
 
 PAD_TOKEN = -1
 
@@ -95,3 +103,156 @@ def rejection_verify(
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)
     final = torch.multinomial(residual, 1, generator=generator).squeeze(1)
     return VerifyResult(accepted_len, _emit(draft_tokens, accepted_len, final))
+
+
+# --- token trees (batch size 1) ----------------------------------------------------------
+
+DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Medusa's defaults for typical acceptance
+DEFAULT_POSTERIOR_ALPHA = 0.3
+
+
+@dataclass(slots=True)
+class TreeVerifyResult:
+    path: list[int]  # accepted nodes, root first (host): [0, a1, ..., an]
+    tokens: list[int]  # the n + 1 emitted tokens (host): tokens of a1..an, then the recovered/bonus token
+
+    @property
+    def accepted_len(self) -> int:
+        return len(self.path) - 1
+
+
+def _parent_rows(tree: TokenTree, device: torch.device) -> torch.Tensor:  # -> (N,) long
+    """Row of each node's parent; the root points at itself (its row is never judged)."""
+    return torch.tensor([ROOT, *tree.parents[1:]], dtype=torch.long, device=device)
+
+
+def _deepest_accepted(
+    tree: TokenTree,
+    acceptable: torch.Tensor,  # (N,) bool: node i passes its own test (the root's entry is ignored)
+) -> torch.Tensor:  # () long
+    """The deepest node whose whole path passes, ties to the lowest index; stays on the device."""
+    size = tree.size
+    device = acceptable.device
+    acceptable = acceptable.clone()
+    acceptable[ROOT] = True
+    ancestors = tree.ancestor_mask(device)  # (N, N)
+    path_ok = (acceptable[None, :] | ~ancestors).all(dim=1)
+    depth = torch.tensor(tree.depths, dtype=torch.long, device=device)
+    index = torch.arange(size, device=device)
+    # One integer key (deeper first, then lower index) so a single argmax decides both.
+    key = torch.where(path_ok, depth * size + (size - 1 - index), -1)
+    return key.argmax()
+
+
+def _tree_result(tree: TokenTree, best: int, node_tokens: list[int], final: int) -> TreeVerifyResult:
+    path = tree.path_to(best)
+    return TreeVerifyResult(path, [node_tokens[node] for node in path[1:]] + [final])
+
+
+def greedy_tree_verify(
+    tree: TokenTree,
+    target_logits: torch.Tensor,  # (N, V): row i = the target's logits after the path root..i
+) -> TreeVerifyResult:
+    """Accept the deepest path whose every token is the target's argmax at its parent.
+
+    Node i matches when tokens[i] == argmax(target_logits[parents[i]]); among the nodes whose
+    path matches throughout, the deepest wins (ties: the lowest index), and the target's
+    argmax at that node follows it. One device-to-host transfer in all.
+    """
+    target_argmax = target_logits.argmax(dim=-1)  # (N,)
+    matches = tree.tokens == target_argmax[_parent_rows(tree, target_logits.device)]
+    best = _deepest_accepted(tree, matches).view(1)  # (1,): a 0-dim index would sync via .item()
+    host = torch.cat([best, target_argmax[best], tree.tokens]).tolist()
+    return _tree_result(tree, host[0], host[2:], host[1])
+
+
+def _normalised(
+    residual: torch.Tensor,  # (V,) float, non-negative
+    fallback: torch.Tensor,  # (V,) float
+) -> torch.Tensor:  # (V,)
+    mass = residual.sum()
+    # Zero mass only arises from rounding (an exact residual of a rejection is never empty);
+    # fall back to the node's target row then, as rejection_verify does. No host sync.
+    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), fallback)
+
+
+def rejection_tree_verify(
+    tree: TokenTree,
+    target_probs: torch.Tensor,  # (N, V) float: row i = the target's sampling distribution after root..i
+    generator: torch.Generator | None,
+) -> TreeVerifyResult:
+    """Lossless recursive rejection sampling over a token tree (SpecInfer, Miao et al. 2024).
+
+    At a node with residual r (initially its target row) the children are tried in node
+    order. A sampled child c, drawn from q = draft_probs[node], is accepted with probability
+    min(1, r(c) / q(c)), else r becomes norm(max(0, r - q)); a deterministic child (one-hot q)
+    is accepted with probability r(c), else r loses c and is renormalised. Each try is one
+    speculative-sampling step whose output is distributed as r, so by induction the emitted
+    token after every accepted node follows its target row. An accepted child becomes the
+    node; when every child is rejected (or at a leaf) the final token is drawn from r.
+
+    Siblings sampled independently (with replacement) from the same q keep this exact.
+    A sampled child with q(c) == 0 cannot come from q; the test ``u * q < r`` then accepts it
+    exactly when r(c) > 0 (the limit of the ratio) without dividing by zero.
+
+    Cost: one transfer up front (every child's first-try p and q and one uniform per node),
+    then one host sync per child tried after a sibling's rejection and one for the final draw.
+    """
+    device = target_probs.device
+    children = tree.children()
+    parent_rows = _parent_rows(tree, device)
+    # A child's first try sees its parent's untouched target row: gather all of those at once.
+    first_p = target_probs[parent_rows, tree.tokens]  # (N,)
+    first_q = first_p.new_ones(tree.size) if tree.draft_probs is None else tree.draft_probs[parent_rows, tree.tokens]
+    uniforms = torch.rand(tree.size, generator=generator, device=device, dtype=first_p.dtype)
+    first_p_host, first_q_host, uniforms_host = torch.stack([first_p, first_q.to(first_p.dtype), uniforms]).tolist()
+    node_tokens = tree.tokens.tolist()
+
+    node = ROOT
+    residual: torch.Tensor | None = None  # None: the node's target row, untouched so far
+    while True:
+        for child in children[node]:
+            token = node_tokens[child]
+            r_child = first_p_host[child] if residual is None else residual[token].item()
+            q_child = first_q_host[child] if tree.sampled[child] else 1.0  # deterministic: one-hot q
+            if uniforms_host[child] * q_child < r_child:
+                node, residual = child, None
+                break
+            base = target_probs[node] if residual is None else residual
+            if tree.sampled[child]:
+                rest = (base - tree.draft_probs[node]).clamp_min(0.0)
+            else:
+                rest = base.clone()
+                rest[token] = 0.0
+            residual = _normalised(rest, target_probs[node])
+        else:  # every child rejected, or a leaf
+            break
+    final_row = target_probs[node] if residual is None else residual
+    final = int(torch.multinomial(final_row, 1, generator=generator).item())
+    return _tree_result(tree, node, node_tokens, final)
+
+
+def typical_tree_verify(
+    tree: TokenTree,
+    target_probs: torch.Tensor,  # (N, V) float: row i = the target's sampling distribution after root..i
+    generator: torch.Generator | None,
+    posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD,
+    posterior_alpha: float = DEFAULT_POSTERIOR_ALPHA,
+) -> TreeVerifyResult:
+    """Medusa's typical acceptance (Cai et al. 2024). LOSSY: the output is NOT distributed as
+    the target's; use it only behind an explicit opt-in.
+
+    Node i is acceptable when p_parent(token_i) > min(posterior_threshold,
+    posterior_alpha * exp(-H(p_parent))), H the entropy: a flat target row accepts many
+    plausible tokens, a peaked one only likely ones. The deepest node whose path is
+    acceptable throughout wins (ties: the lowest index) and the final token is drawn from
+    its target row. One device-to-host transfer in all.
+    """
+    entropy = torch.special.entr(target_probs).sum(dim=-1)  # (N,) nats; entr(0) = 0
+    cutoff = (posterior_alpha * torch.exp(-entropy)).clamp(max=posterior_threshold)  # (N,)
+    parent_rows = _parent_rows(tree, target_probs.device)
+    acceptable = target_probs[parent_rows, tree.tokens] > cutoff[parent_rows]
+    best = _deepest_accepted(tree, acceptable).view(1)  # (1,): a 0-dim index would sync via .item()
+    final = torch.multinomial(target_probs[best], 1, generator=generator).view(1)
+    host = torch.cat([best, final, tree.tokens]).tolist()
+    return _tree_result(tree, host[0], host[2:], host[1])

@@ -67,6 +67,10 @@ class BenchConfig:
     ngram_min: int | None = None
     skip_layers: tuple[int, ...] | None = None  # layerskip (default: the demo target's tuned choice)
     layerskip_config: str | None = None
+    # Trained heads (``specdecode train``) for the medusa and eagle methods, and their tree size.
+    medusa_heads: str | None = None
+    eagle_heads: str | None = None
+    tree_size: int | None = None
     hf_lookup_tokens: int = DEFAULT_HF_LOOKUP_TOKENS
     repeats: int = 1
     warmup: bool = True
@@ -179,6 +183,18 @@ class Bench:
             config = replace(config, methods=tuple(m for m in config.methods if m != "layerskip"))
             if not config.quiet:
                 print("bench: layerskip left out (no --skip-layers or --layerskip-config for this target)", file=sys.stderr)
+        heads_given = {"medusa": config.medusa_heads, "eagle": config.eagle_heads}
+        if config.methods == DEFAULT_METHODS:
+            untrained = [m for m, folder in heads_given.items() if folder is None]
+            config = replace(config, methods=tuple(m for m in config.methods if m not in untrained))
+            if untrained and not config.quiet:
+                print(f"bench: {', '.join(untrained)} left out (no --{untrained[0]}-heads given)", file=sys.stderr)
+        for name in config.methods:
+            base = parse_method(name).base
+            if base in heads_given and heads_given[base] is None:
+                raise InvalidRequestError(
+                    f"Method {name} needs trained heads: pass --{base}-heads FOLDER (from `specdecode train {base}`)."
+                )
         self.config = config
         needs_draft = any(uses_draft_model(m) for m in config.methods)
         labels = {name: parse_method(name) for name in config.methods}
@@ -194,6 +210,15 @@ class Bench:
             target = self.decoder.target
             skip = resolve_skip_layers(target.name, target.config.num_layers, None, None)
             self.decoder = SpecDecoder(target, self.decoder.draft, replace(self.decoder.spec, skip_layers=skip), kv_dtype=config.kv_dtype)
+        from ..models.heads import load_heads
+
+        self.heads = {
+            kind: load_heads(folder, self.decoder.target.model.dtype, self.decoder.target.model.device)
+            for kind, folder in heads_given.items()
+            if folder is not None and any(parse_method(m).base == kind for m in config.methods)
+        }
+        for heads in self.heads.values():
+            self.decoder.attach_heads(heads, config.tree_size)
         # Quantized variants share one loaded model per (role, quantization) and get a decoder
         # per (target quant, draft quant) pair.
         loaded = {("target", "none"): self.decoder.target, ("draft", "none"): self.decoder.draft}
@@ -213,6 +238,8 @@ class Bench:
                 draft = model("draft", key[1]) if with_draft else None
                 spec = self.decoder.spec if with_draft else replace(self.decoder.spec, method="none")
                 decoders[key] = SpecDecoder(model("target", key[0]), draft, spec, kv_dtype=config.kv_dtype)
+                for heads in self.heads.values():  # trained on the unquantized target's features
+                    decoders[key].attach_heads(heads, config.tree_size)
             return decoders[key]
 
         self.device = self.decoder.target.model.device
@@ -250,6 +277,8 @@ class Bench:
             target = self.decoder.target.config
             kept = replace(target, num_layers=target.num_layers - len(self.decoder.spec.skip_layers))
             return weight_bytes_per_forward(kept, self.dtype, label.target_quant)
+        if label.base in self.heads:  # every head weight (the reduced LM head included)
+            return sum(p.numel() * p.element_size() for p in self.heads[label.base].parameters())
         if draft is None or not uses_draft_model(label.base):
             return 0
         return weight_bytes_per_forward(draft.config, self.dtype, label.draft_quant)

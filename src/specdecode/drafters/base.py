@@ -15,6 +15,7 @@ import torch
 
 from ..cache import KVCache
 from ..sampling import LogitsProcessor
+from ..tree import TokenTree
 
 
 @dataclass(slots=True)
@@ -52,3 +53,35 @@ class Drafter(Protocol):
 
     def on_verified(self, num_accepted: int) -> None:
         """The target accepted the first ``num_accepted`` tokens of the last proposal."""
+
+
+class TreeDrafter(Protocol):
+    """A drafter that proposes a token tree and reads the target's features (Medusa, EAGLE).
+
+    Instead of hearing back an accepted count, it is shown the target's features (the final
+    hidden states, ``ModelOutput.hidden``) of every committed position: the prompt's after
+    prefill, then the accepted path's after each verify pass.
+    """
+
+    max_tree_nodes: int  # the most nodes (root included) a proposed tree can have
+    last_forward_passes: int  # forward passes of draft heads the last proposal took
+
+    def start(self, prompt_len: int, capacity: int, target_cache: KVCache) -> None:
+        """A new request begins (as ``Drafter.start``)."""
+
+    def observe(self, features: torch.Tensor, start: int) -> None:  # features: (1, T, C)
+        """The target's features at positions start .. start + T - 1, now committed."""
+
+    def propose_tree(
+        self,
+        committed: torch.Tensor,  # (1, L) long
+        max_depth: int,
+        processor: LogitsProcessor,
+        generator: torch.Generator | None,
+    ) -> TokenTree:
+        """A tree rooted at the last committed token (node 0), at most ``max_depth`` deep; a
+        root-only tree decodes plainly."""
+
+
+def is_tree_drafter(drafter: object) -> bool:
+    return hasattr(drafter, "propose_tree")

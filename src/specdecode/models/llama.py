@@ -71,6 +71,17 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
     return torch.where(middle, blended, scaled)
 
 
+def rope_cos_sin(
+    inv_freq: torch.Tensor,  # (D/2,) float32
+    positions: torch.Tensor,  # (B, T) long
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (B, 1, T, D) for positions (B, T)."""
+    freqs = positions[..., None].float() * inv_freq.float()  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:  # x: (..., D)
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -182,9 +193,7 @@ class Transformer(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (B, 1, T, D) for positions (B, T)."""
-        freqs = positions[..., None].float() * self.inv_freq.float()  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_cos_sin(self.inv_freq, positions, dtype)
 
     def forward(
         self,
