@@ -222,3 +222,44 @@ def test_typical_acceptance_runs_and_is_opt_in(tiny_qwen2_dir: Path, medusa_dir:
     params = SamplingParams(temperature=0.7, max_new_tokens=20, seed=3, ignore_eos=True)
     result = dec.generate(PATTERN[:60], params, acceptance="typical")
     assert len(result.token_ids) == 20 and result.stats.tree_nodes_proposed > 0
+
+
+def test_cli_train_then_generate(capsys, tiny_qwen2_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from specdecode import cli
+
+    data = tmp_path / "pattern.txt"
+    data.write_text(PATTERN)
+    base = ["train", "medusa", "--target", str(tiny_qwen2_dir), "--data", str(data), "--max-tokens", "400",
+            "--seq-len", "64", "--epochs", "1", "--heads", "2", "--tree-size", "3", "--dtype", "fp32",
+            "--device", "cpu", "--out", str(tmp_path / "h"), "--quiet"]
+    assert cli.main(base) == 0
+    assert "held-apart top-1 accuracy per head" in capsys.readouterr().err
+    report = json.loads((tmp_path / "h" / "train_report.json").read_text())
+    assert report["train_tokens"] > 0 and len(report["tree"]) == 3
+    assert not (tmp_path / "h" / "checkpoint.pt").exists()
+    gen = ["generate", "def add(a, b):", "--target", str(tiny_qwen2_dir), "--method", "medusa", "--heads",
+           str(tmp_path / "h"), "--max-new-tokens", "8", "--dtype", "fp32", "--device", "cpu", "--json", "--quiet"]
+    assert cli.main(gen) == 0
+    out = json.loads(capsys.readouterr().out)
+    plain = cli.main(gen[:5] + ["none"] + gen[6:])
+    assert plain == 0 and json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
+    assert out["stats"]["tree_nodes_proposed"] > 0
+    bad = base[:5] + [str(tmp_path / "missing.txt")] + base[6:]
+    assert cli.main(bad) == cli.EXIT_USER_ERROR
+    assert "no such file or folder" in capsys.readouterr().err
+    assert cli.main(gen[:-2] + ["--method", "ngram", "--acceptance", "typical", "--quiet"]) == cli.EXIT_USER_ERROR
+    assert "typical applies to the tree methods" in capsys.readouterr().err
+
+
+def test_cost_aware_tree_size_follows_the_verify_costs() -> None:
+    from specdecode.drafters.medusa import cost_aware_tree_size
+
+    accuracy = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.1]]
+    flat = [1.0] * 13  # a GPU: extra rows cost nothing, so every node pays
+    steep = [1.0 + 0.25 * rows for rows in range(13)]  # a CPU: each row costs a quarter pass
+    assert cost_aware_tree_size(accuracy, flat) == 12
+    # Hand-computed: paths .6, .3, .2, .12 ... give (1 + .6) / 1.25 = 1.28, (1.9) / 1.5 = 1.27, ...
+    assert cost_aware_tree_size(accuracy, steep) == 1
+    assert cost_aware_tree_size(accuracy, [1.0 + 0.05 * rows for rows in range(13)]) > 3

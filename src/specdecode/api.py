@@ -23,7 +23,7 @@ from .drafters.auto import AutoDrafter
 from .drafters.base import Drafter, TreeDrafter
 from .drafters.eagle import DEFAULT_TREE_SIZE as EAGLE_TREE_SIZE
 from .drafters.eagle import EagleDrafter
-from .drafters.medusa import MedusaDrafter, build_static_tree
+from .drafters.medusa import MedusaDrafter, build_static_tree, cost_aware_tree_size
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.layer_skip import LayerSkipDrafter, check_skip_layers
 from .drafters.ngram import NgramDrafter
@@ -142,11 +142,11 @@ class SpecDecoder:
             self.drafters["draft"] = self.draft_drafter
         if spec.skip_layers:  # shares the target's weights and KV cache: costs no memory
             self.drafters["layerskip"] = LayerSkipDrafter(target.model, spec.skip_layers, spec.draft_confidence)
+        self.engine = SpecEngine(target.model, self.eos_token_ids, kv_dtype=kv_dtype)
+        self._draft_token_seconds: float | None = None  # the auto method's catch-up price
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
             self.attach_heads(heads, spec.tree_size)
-        self.engine = SpecEngine(target.model, self.eos_token_ids, kv_dtype=kv_dtype)
-        self._draft_token_seconds: float | None = None  # the auto method's catch-up price
 
     def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
         """Make method ``heads.config.kind`` (medusa or eagle) available with these heads."""
@@ -158,6 +158,11 @@ class SpecDecoder:
         """The Medusa (static tree from the heads' measured accuracies) or EAGLE drafter."""
         if isinstance(heads, MedusaHeads):
             tree = heads.config.tree
+            if tree_size is None and heads.config.rank_accuracy:
+                # As many nodes as pay on this machine: measured verify costs against the
+                # heads' held-apart accuracies.
+                costs = self.engine.verify_costs(max(len(tree), 1) + 1)
+                tree_size = cost_aware_tree_size(heads.config.rank_accuracy, costs)
             if tree_size is not None:
                 tree = build_static_tree(heads.config.rank_accuracy, tree_size)
             if not tree:

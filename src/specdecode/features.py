@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -69,7 +69,7 @@ def stdlib_files() -> list[Path]:
 
 def token_sequences(
     sources: Sequence[str],
-    encode: callable,  # text -> list of token ids
+    encode: Callable[[str], list[int]],  # text -> token ids
     seq_len: int,
     max_tokens: int,
 ) -> Iterator[list[int]]:
@@ -91,7 +91,7 @@ def token_sequences(
                     return
 
 
-def _source_token_lists(source: str, encode: callable) -> Iterator[list[int]]:
+def _source_token_lists(source: str, encode: Callable[[str], list[int]]) -> Iterator[list[int]]:
     if source == "stdlib":
         for path in stdlib_files():
             yield encode(path.read_text(errors="replace"))
@@ -139,7 +139,7 @@ def target_features(
 
 def extract(
     model: torch.nn.Module,
-    encode: callable,
+    encode: Callable[[str], list[int]],
     spec: FeatureSpec,
     out: Path,
     show_progress: bool = True,

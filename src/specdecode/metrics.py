@@ -107,6 +107,9 @@ class GenerationStats:
                 per_pos = " ".join(f"{a:.2f}" for a in self.acceptance_per_position)
                 line += f" acceptance={self.acceptance_rate:.2%} per_position=[{per_pos}]"
             parts.append(line)
+        if self.tree_nodes_proposed and self.verify_steps:
+            parts.append(f"tree nodes per step={self.tree_nodes_proposed / self.verify_steps:.1f} "
+                         "(acceptance and per-position figures are per tree depth)")
         if self.steps_by_source:
             parts.append("steps by source: " + " ".join(f"{k}={v}" for k, v in sorted(self.steps_by_source.items())))
         parts.append(

@@ -29,6 +29,25 @@ from ..tree import NO_PARENT, TokenTree
 DEFAULT_TREE_SIZE = 12  # drafted nodes (root excluded)
 
 
+def _best_paths(accuracy: Sequence[Sequence[float]], tree_size: int) -> list[tuple[float, tuple[int, ...]]]:
+    """Up to ``tree_size`` (probability, path) pairs, best first (see ``build_static_tree``)."""
+    if tree_size < 1:
+        raise InvalidRequestError(f"--tree-size must be at least 1, got {tree_size}.")
+    depth, ranks = len(accuracy), len(accuracy[0]) if accuracy else 0
+    if depth == 0 or ranks == 0:
+        raise InvalidRequestError("building a Medusa tree needs per-head top-k accuracies.")
+    chosen: list[tuple[float, tuple[int, ...]]] = []
+    heap: list[tuple[float, tuple[int, ...]]] = [(-accuracy[0][r], (r,)) for r in range(ranks)]
+    heapq.heapify(heap)
+    while heap and len(chosen) < tree_size:
+        neg_prob, path = heapq.heappop(heap)
+        chosen.append((-neg_prob, path))
+        if len(path) < depth:
+            for r in range(ranks):
+                heapq.heappush(heap, (neg_prob * accuracy[len(path)][r], (*path, r)))
+    return chosen
+
+
 def build_static_tree(accuracy: Sequence[Sequence[float]], tree_size: int) -> tuple[tuple[int, ...], ...]:
     """The ``tree_size`` paths with the largest expected acceptance.
 
@@ -38,21 +57,27 @@ def build_static_tree(accuracy: Sequence[Sequence[float]], tree_size: int) -> tu
     nodes' probabilities. A path's probability never exceeds its prefix's, so taking paths
     best-first from a heap that only offers extensions of chosen paths keeps the tree closed.
     """
-    if tree_size < 1:
-        raise InvalidRequestError(f"--tree-size must be at least 1, got {tree_size}.")
-    depth, ranks = len(accuracy), len(accuracy[0]) if accuracy else 0
-    if depth == 0 or ranks == 0:
-        raise InvalidRequestError("building a Medusa tree needs per-head top-k accuracies.")
-    chosen: list[tuple[int, ...]] = []
-    heap: list[tuple[float, tuple[int, ...]]] = [(-accuracy[0][r], (r,)) for r in range(ranks)]
-    heapq.heapify(heap)
-    while heap and len(chosen) < tree_size:
-        neg_prob, path = heapq.heappop(heap)
-        chosen.append(path)
-        if len(path) < depth:
-            for r in range(ranks):
-                heapq.heappush(heap, (neg_prob * accuracy[len(path)][r], (*path, r)))
-    return tuple(sorted(chosen, key=lambda path: (len(path), path)))
+    paths = [path for _, path in _best_paths(accuracy, tree_size)]
+    return tuple(sorted(paths, key=lambda path: (len(path), path)))
+
+
+def cost_aware_tree_size(accuracy: Sequence[Sequence[float]], verify_costs: Sequence[float]) -> int:
+    """The tree size with the most expected tokens per second of verification.
+
+    verify_costs[j]: seconds of a target pass over j + 1 rows (``SpecEngine.verify_costs``).
+    A tree of n nodes costs a pass over n + 1 rows and emits 1 + (the sum of its paths'
+    probabilities) tokens in expectation. On a CPU, where each extra row costs, this picks a
+    few nodes; on a GPU, where rows up to dozens cost about the same, a large tree. Drafting
+    (one small matmul per head) is left out of the cost.
+    """
+    gains = [prob for prob, _ in _best_paths(accuracy, len(verify_costs) - 1)]
+    best_size, best_rate, expected = 1, 0.0, 1.0
+    for size, gain in enumerate(gains, start=1):
+        expected += gain
+        rate = expected / verify_costs[size]
+        if rate > best_rate:
+            best_size, best_rate = size, rate
+    return best_size
 
 
 class MedusaDrafter:
