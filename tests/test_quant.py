@@ -266,7 +266,7 @@ def test_bench_method_labels() -> None:
     assert plain_counterpart("ngram@int4") == "none@int4"
     assert plain_counterpart("draft") == "none"
     for bad, message in [("none@int3", "must be one of"), ("hf@int8", "specdecode's methods only"),
-                         ("ngram@int8/int8", "only the draft method"), ("eagle@int8", "Unknown method")]:
+                         ("ngram@int8/int8", "only the draft method"), ("lora@int8", "Unknown method")]:
         with pytest.raises(InvalidRequestError, match=message):
             parse_method(bad)
 
