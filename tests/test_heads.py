@@ -3,6 +3,8 @@
 from pathlib import Path
 
 import pytest
+
+import specdecode.features
 import torch
 
 from specdecode import SamplingParams, SpecDecoder
@@ -263,3 +265,33 @@ def test_cost_aware_tree_size_follows_the_verify_costs() -> None:
     # Hand-computed: paths .6, .3, .2, .12 ... give (1 + .6) / 1.25 = 1.28, (1.9) / 1.5 = 1.27, ...
     assert cost_aware_tree_size(accuracy, steep) == 1
     assert cost_aware_tree_size(accuracy, [1.0 + 0.05 * rows for rows in range(13)]) > 3
+
+
+def test_feature_extraction_extends_a_smaller_run(tiny_qwen2_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "pattern.txt"
+    data.write_text(PATTERN)
+    loaded = load_model(str(tiny_qwen2_dir), torch.float32, torch.device("cpu"), show_progress=False)
+    calls = []
+
+    def encode(text: str) -> list[int]:
+        return list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    real = specdecode.features.target_features
+
+    def counting(model, tokens, top_k):
+        calls.append(len(tokens))
+        return real(model, tokens, top_k)
+
+    specdecode.features.target_features = counting
+    try:
+        small = FeatureSpec(target="tiny", sources=(str(data),), seq_len=32, max_tokens=32 * 20, top_k=4)
+        extract(loaded.model, encode, small, tmp_path / "f", show_progress=False)
+        first = sum(calls)
+        calls.clear()
+        large = FeatureSpec(target="tiny", sources=(str(data),), seq_len=32, max_tokens=32 * 40, top_k=4)
+        shards = read_shards(extract(loaded.model, encode, large, tmp_path / "f", show_progress=False))
+    finally:
+        specdecode.features.target_features = real
+    # 20 sequences = one full shard of 16 (kept) and one of 4 (redone in the larger run).
+    assert first == 32 * 20 and sum(calls) == 32 * 40 - 32 * 16
+    assert sum(seq.tokens.numel() for seq in iter_sequences(shards)) == 32 * 40

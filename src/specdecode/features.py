@@ -4,7 +4,8 @@ Medusa and EAGLE heads learn from the target's own features (final hidden states
 next-token distributions. Computing those is the expensive part (a full target pass per
 token), so it happens once: sequences are run through the target and written to shards in a
 folder, with a manifest; training then streams the shards, epoch after epoch. An interrupted
-extraction resumes at the first missing shard. A shard holds, for its sequences laid end to
+extraction resumes at the first missing shard, and a rerun with a larger ``--max-tokens``
+keeps the shards it shares with the smaller run. A shard holds, for its sequences laid end to
 end:
 
 - ``tokens`` (n,) long, ``offsets`` (S + 1,) long: where each sequence starts and ends;
@@ -150,13 +151,9 @@ def extract(
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST_FILE
     manifest = {"spec": asdict(spec), "key": spec.key(), "shards": [], "tokens": 0, "complete": False}
-    if manifest_path.exists():
-        old = json.loads(manifest_path.read_text())
-        if old.get("key") == spec.key():
-            manifest = old
-        else:
-            for shard in old.get("shards", []):
-                (out / shard).unlink(missing_ok=True)
+    old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    if old is not None and old.get("key") == spec.key():
+        manifest = old
     if manifest["complete"]:
         return out
     sequences = list(token_sequences(spec.sources, encode, spec.seq_len, spec.max_tokens))
@@ -164,6 +161,10 @@ def extract(
         raise InvalidRequestError("The training data gave no sequences of at least "
                                   f"{MIN_SEQUENCE_TOKENS} tokens.")
     groups = [sequences[i : i + SEQUENCES_PER_SHARD] for i in range(0, len(sequences), SEQUENCES_PER_SHARD)]
+    if old is not None and old.get("key") != spec.key():
+        # Another spec (more --max-tokens, say): shards holding exactly the sequences this
+        # one starts with are kept, so a larger run extends a smaller one.
+        manifest["shards"], manifest["tokens"] = _matching_prefix(out, old.get("shards", []), groups)
     done = len(manifest["shards"])
     total = sum(len(s) for s in sequences)
     bar = tqdm(total=total, initial=sum(len(s) for g in groups[:done] for s in g), unit="tok",
@@ -189,6 +190,26 @@ def extract(
     manifest["complete"] = True
     manifest_path.write_text(json.dumps(manifest, indent=2))
     return out
+
+
+def _matching_prefix(out: Path, shards: list[str], groups: list[list[list[int]]]) -> tuple[list[str], int]:
+    """The leading shards whose tokens equal ``groups``' (kept), and their token count; the
+    rest are deleted."""
+    kept: list[str] = []
+    tokens = 0
+    for index, name in enumerate(shards):
+        path = out / name
+        same = False
+        if index < len(groups) and path.exists() and name == SHARD_PATTERN.format(index):
+            stored = torch.load(path, weights_only=True)["tokens"]
+            wanted = torch.tensor([t for seq in groups[index] for t in seq], dtype=torch.long)
+            same = torch.equal(stored, wanted)
+        if not same or len(kept) < index:
+            path.unlink(missing_ok=True)
+            continue
+        kept.append(name)
+        tokens += int(stored.numel())
+    return kept, tokens
 
 
 @dataclass(slots=True)
