@@ -251,7 +251,8 @@ class SpecDecoder:
     def encode(self, prompt: str | Messages, chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)
 
-    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError when the prompt plus max_new_tokens exceed the context."""
         context = self.target.config.max_position_embeddings
         if self.draft is not None:
             context = min(context, self.draft.config.max_position_embeddings)
@@ -319,7 +320,7 @@ class SpecDecoder:
             prompt_ids = self.encode(prompt, chat)
         if not prompt_ids:
             raise InvalidRequestError("The prompt is empty.")
-        self._check_request(prompt_ids, params)
+        self.check_request(prompt_ids, params)
         stats = GenerationStats(method=method)
         drafter: Drafter | None
         if method == "auto":

@@ -18,6 +18,7 @@ from .config import (
     METHODS,
 )
 from .cache import KV_DTYPES
+from .cli_serve import add_serve_parser, cmd_serve
 from .cli_train import add_train_parser, add_tree_arguments, cmd_train
 from .errors import InvalidRequestError, SpecDecodeError
 from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tune_layerskip_parser(sub)
     _add_distill_parser(sub)
     add_train_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -510,6 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_distill(args)
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "serve":
+            return cmd_serve(args)
     except SpecDecodeError as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
