@@ -179,3 +179,20 @@ def test_parse_request_defaults_and_errors() -> None:
     assert err.value.status == 400
     body = json.loads(json.dumps(err.value.body()))
     assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_load_test_script_runs_against_the_server(served) -> None:
+    import asyncio
+    import importlib.util
+
+    base, _ = served
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "load_test.py"
+    spec = importlib.util.spec_from_file_location("load_test", path)
+    load_test = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules["load_test"] = load_test  # dataclasses look their module up there
+    spec.loader.exec_module(load_test)
+    row = asyncio.run(load_test.run_level(base, MODEL, "draft", concurrency=3, requests=4, max_tokens=6))
+    assert row["completed"] == 4 and not row["errors"] and row["completion_tokens"] > 0
+    assert row["ttft_seconds"]["p50"] is not None

@@ -1,0 +1,150 @@
+"""Drive a running ``specdecode serve`` with concurrent streaming clients; report throughput and latency.
+
+Loopback only, a fixed number of requests per level, stops by itself:
+
+    specdecode serve --port 8000 &            # the demo pair, method draft
+    python benchmarks/load_test.py --url http://127.0.0.1:8000 --concurrency 1,4 \
+        --methods none,draft --requests 8 --max-tokens 64 --out results/load.json
+
+For every (method, concurrency) it sends ``--requests`` chat requests (greedy, the request's
+``method`` extension field choosing plain or speculative decoding), ``--concurrency`` at a
+time, each streaming. It reports aggregate tokens/s (completion tokens of all requests over
+the level's wall time), time to first token and inter-token latency percentiles (p50, p90,
+p99; inter-token gaps are measured between streamed chunks and divided by the tokens a chunk
+carried, since one speculative step streams several tokens at once). Every request either
+completes or is counted as an error: nothing is silently lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain what a hash map is in two sentences.",
+    "Write a function that returns the n-th Fibonacci number iteratively.",
+    "List three differences between TCP and UDP.",
+    "Write a quicksort in Python.",
+    "What does the `yield` keyword do in Python?",
+    "Write a function that merges two sorted lists.",
+    "Summarise the rules of tic-tac-toe in one paragraph.",
+]
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds per token between chunks
+    error: str = ""
+
+
+async def one_request(client, url: str, model: str, method: str, prompt: str, max_tokens: int) -> RequestResult:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "method": method}
+    started = time.perf_counter()
+    last, ttft, gaps, tokens = started, None, [], 0
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
+            if response.status_code != 200:
+                return RequestResult(False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    return RequestResult(False, error=chunk["error"]["message"])
+                usage = chunk.get("usage")
+                if usage:
+                    tokens = usage["completion_tokens"]
+                if not chunk["choices"][0]["delta"].get("content"):
+                    continue
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - started
+                else:
+                    gaps.append(now - last)
+                last = now
+    except Exception as err:  # reported per request; the run goes on
+        return RequestResult(False, error=f"{type(err).__name__}: {err}")
+    # Spread each gap over the tokens it delivered on average (a step streams accepted + 1).
+    chunks = len(gaps) + 1
+    per_token = [g * chunks / max(tokens, 1) for g in gaps]
+    return RequestResult(True, tokens, time.perf_counter() - started, ttft, per_token)
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99)}
+
+
+async def run_level(url: str, model: str, method: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    import httpx
+
+    semaphore = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient() as client:
+        async def limited(i: int) -> RequestResult:
+            async with semaphore:
+                return await one_request(client, url, model, method, PROMPTS[i % len(PROMPTS)], max_tokens)
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(limited(i) for i in range(requests)))
+        wall = time.perf_counter() - started
+    done = [r for r in results if r.ok]
+    tokens = sum(r.tokens for r in done)
+    return {
+        "method": method, "concurrency": concurrency, "requests": requests, "completed": len(done),
+        "errors": [r.error for r in results if not r.ok], "wall_seconds": wall, "completion_tokens": tokens,
+        "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+        "ttft_seconds": percentiles([r.ttft for r in done if r.ttft is not None]),
+        "inter_token_seconds": percentiles([g for r in done for g in r.gaps]),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="model name (default: the server's first)")
+    parser.add_argument("--methods", default="none,draft")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=16, help="requests per (method, concurrency)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", help="write the table as JSON here")
+    args = parser.parse_args()
+    if urlparse(args.url).hostname not in LOOPBACK_HOSTS:
+        print("load_test: only loopback servers are driven (127.0.0.1, localhost, ::1)", file=sys.stderr)
+        return 2
+    import httpx
+
+    model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
+    rows = []
+    for method in [m for m in args.methods.split(",") if m]:
+        for level in [int(c) for c in args.concurrency.split(",") if c]:
+            row = asyncio.run(run_level(args.url, model, method, level, args.requests, args.max_tokens))
+            rows.append(row)
+            ttft, itl = row["ttft_seconds"]["p50"], row["inter_token_seconds"]["p50"]
+            print(f"{method:>8} c={level:<3} {row['completed']}/{row['requests']} ok  {row['tokens_per_second']:6.2f} tok/s  "
+                  f"TTFT p50 {ttft if ttft is None else round(ttft, 2)} s  ITL p50 {itl if itl is None else round(itl * 1000)} ms",
+                  flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"url": args.url, "model": model, "max_tokens": args.max_tokens,
+                                              "rows": rows}, indent=2) + "\n")
+    return 0 if all(not row["errors"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
