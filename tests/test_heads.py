@@ -1,5 +1,6 @@
 """Medusa and EAGLE heads: training learns, decoding with them is lossless, tree KV compaction is exact."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,10 @@ def test_static_tree_is_best_first_and_closed() -> None:
 def test_heads_round_trip_and_errors(tiny_qwen2_dir: Path, tiny_deep_dir: Path, medusa_dir: Path, tmp_path: Path) -> None:
     heads = load_heads(medusa_dir, torch.float32, torch.device("cpu"))
     assert heads.config.kind == "medusa" and heads.config.tree
+    with pytest.warns(UserWarning, match="were trained for"):
+        heads.config = replace(heads.config, target_name="another-model")
+        SpecDecoder.from_pretrained(str(tiny_qwen2_dir), method="none", dtype="fp32", device="cpu",
+                                    show_progress=False).attach_heads(heads)
     with pytest.raises(ModelLoadError, match="not a heads folder"):
         load_heads(tmp_path, torch.float32, torch.device("cpu"))
     with pytest.raises(InvalidRequestError, match="needs trained heads"):

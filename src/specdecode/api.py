@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -151,6 +152,14 @@ class SpecDecoder:
     def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
         """Make method ``heads.config.kind`` (medusa or eagle) available with these heads."""
         heads.config.check_target(self.target.config)
+        trained_for = heads.config.target_name
+        if trained_for and trained_for != self.target.name:
+            # Same shapes, maybe another model: the heads would load and quietly draft badly.
+            warnings.warn(
+                f"These {heads.config.kind} heads were trained for {trained_for!r}, not {self.target.name!r}; "
+                "if that is another model, acceptance will be poor (output stays lossless).",
+                stacklevel=2,
+            )
         self.heads[heads.config.kind] = heads
         self.drafters[heads.config.kind] = self._tree_drafter(heads, tree_size)
 
