@@ -123,13 +123,16 @@ def test_tree_cache_keeps_exactly_the_accepted_path(tiny_qwen2_dir: Path, eagle_
     dec = _decoder(tiny_qwen2_dir, "eagle", eagle_dir)
     result = dec.generate(PATTERN[:60], SamplingParams(max_new_tokens=30, ignore_eos=True))
     assert result.stats.draft_tokens_accepted > 0
+    assert_cache_equals_fresh_prefill(dec, dec.encode(PATTERN[:60]) + result.token_ids)
+
+
+def assert_cache_equals_fresh_prefill(dec: SpecDecoder, tokens: list[int]) -> None:
+    """Every committed slot of the engine's target cache equals a fresh prefill of ``tokens``."""
     cache = dec.engine._cache
-    prompt = dec.encode(PATTERN[:60])
-    sequence = torch.tensor([prompt + result.token_ids])
     valid = cache.lengths[0]
-    fresh = KVCache(cache.keys.__len__(), 1, cache.keys[0].shape[1], cache.keys[0].shape[3], valid, torch.float32, "cpu")
+    fresh = KVCache(len(cache.keys), 1, cache.keys[0].shape[1], cache.keys[0].shape[3], valid, torch.float32, "cpu")
     with torch.inference_mode():
-        dec.target.model.extend(fresh, sequence[:, :valid], 0)
+        dec.target.model.extend(fresh, torch.tensor([tokens])[:, :valid], 0)
     for layer in range(len(cache.keys)):
         torch.testing.assert_close(cache.keys[layer][:, :, :valid], fresh.keys[layer], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cache.values[layer][:, :, :valid], fresh.values[layer], rtol=1e-4, atol=1e-4)
@@ -174,14 +177,7 @@ def test_tree_kv_compaction_matches_recomputed_cache(tiny_qwen2_dir: Path) -> No
     emitted = [t for chunk in dec.engine.decode(prompt, params, oracle, 1, stats) for t in chunk]
     assert emitted == reference
     assert oracle.compacted_steps >= 5 and stats.tau > 3.5  # paths 0 -> 2 -> 4 -> 5 accepted
-    cache = dec.engine._cache
-    valid = cache.lengths[0]
-    fresh = KVCache(len(cache.keys), 1, cache.keys[0].shape[1], cache.keys[0].shape[3], valid, torch.float32, "cpu")
-    with torch.inference_mode():
-        dec.target.model.extend(fresh, torch.tensor([prompt + reference])[:, :valid], 0)
-    for layer in range(len(cache.keys)):
-        torch.testing.assert_close(cache.keys[layer][:, :, :valid], fresh.keys[layer], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(cache.values[layer][:, :, :valid], fresh.values[layer], rtol=1e-4, atol=1e-4)
+    assert_cache_equals_fresh_prefill(dec, prompt + reference)
 
 
 @pytest.mark.parametrize("cache_class", [KVCache, Int8KVCache])

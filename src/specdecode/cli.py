@@ -20,21 +20,12 @@ from .config import (
 from .cache import KV_DTYPES
 from .cli_serve import add_serve_parser, cmd_serve
 from .cli_train import add_train_parser, add_tree_arguments, cmd_train
+from .cli_train import positive_int as _positive_int
 from .errors import InvalidRequestError, SpecDecodeError
 from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

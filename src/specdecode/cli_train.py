@@ -10,8 +10,12 @@ from pathlib import Path
 from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
+def positive_int(text: str) -> int:
+    """argparse type for counts (shared with ``cli``: this module is imported by it)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -31,8 +35,8 @@ def add_tree_arguments(parser: argparse.ArgumentParser, bench: bool) -> None:
             help="medusa/eagle: 'typical' is Medusa's typical acceptance, faster and LOSSY under sampling "
             "(the output no longer follows the target's distribution); default lossless",
         )
-    parser.add_argument("--tree-size", type=_positive_int, default=None,
-                        help="medusa/eagle: drafted tree nodes per step (default: the heads' tree / 12 for eagle)")
+    parser.add_argument("--tree-size", type=positive_int, default=None,
+                        help="medusa/eagle: drafted tree nodes per step (default: Medusa sizes its tree from measured verify costs, EAGLE 4)")
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,14 +61,14 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "prompt_ids/answer_ids (`specdecode distill` data: the target's own answers) or text rows, "
         "a text file, or a folder of .py/.txt/.md files (default: stdlib)",
     )
-    parser.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS, help="training tokens in all")
-    parser.add_argument("--seq-len", type=_positive_int, default=DEFAULT_SEQ_LEN, help="tokens per training sequence")
-    parser.add_argument("--epochs", type=_positive_int, default=None, help="default: 2 (medusa), 3 (eagle)")
+    parser.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="training tokens in all")
+    parser.add_argument("--seq-len", type=positive_int, default=DEFAULT_SEQ_LEN, help="tokens per training sequence")
+    parser.add_argument("--epochs", type=positive_int, default=None, help="default: 2 (medusa), 3 (eagle)")
     parser.add_argument("--lr", type=float, default=None, help="default: 1e-3 (medusa), 3e-4 (eagle)")
-    parser.add_argument("--heads", type=_positive_int, default=DEFAULT_MEDUSA_HEADS, help="medusa: number of heads")
-    parser.add_argument("--draft-vocab", type=_positive_int, default=DEFAULT_DRAFT_VOCAB,
+    parser.add_argument("--heads", type=positive_int, default=DEFAULT_MEDUSA_HEADS, help="medusa: number of heads")
+    parser.add_argument("--draft-vocab", type=positive_int, default=DEFAULT_DRAFT_VOCAB,
                         help="tokens the heads can propose (most frequent in the data first)")
-    parser.add_argument("--tree-size", type=_positive_int, default=12, help="medusa: nodes of the static tree built after training")
+    parser.add_argument("--tree-size", type=positive_int, default=12, help="medusa: nodes of the static tree built after training")
     parser.add_argument("--noise", type=float, default=DEFAULT_NOISE, help="eagle: input-feature noise, relative to their RMS")
     parser.add_argument("--ce-weight", type=float, default=DEFAULT_CE_WEIGHT, help="eagle: weight of the token loss next to the feature loss")
     parser.add_argument("--eval-fraction", type=float, default=0.1, help="sequences held apart for the accuracy report")
