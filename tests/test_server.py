@@ -12,6 +12,7 @@ import pytest
 import uvicorn
 
 from specdecode import SamplingParams, SpecDecoder
+from specdecode.batch_worker import BatchWorker
 from specdecode.server import APIError, create_app, parse_request
 
 MODEL = "tiny"
@@ -30,7 +31,10 @@ def served(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path):
     dec = SpecDecoder.from_pretrained(str(tiny_qwen2_dir), str(tiny_close_draft_dir), draft_confidence=0.0,
                                       dtype="fp32", device="cpu", show_progress=False)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(dec, MODEL), host="127.0.0.1", port=port, log_level="warning"))
+    # As `specdecode serve` runs it: none/ngram/draft batched by a worker, the rest one at a time.
+    worker = BatchWorker(dec.batch_engine(max_batch=4, kv_cache_tokens=1024, cost_aware=False))
+    app = create_app(dec, MODEL, worker=worker)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 20
@@ -40,6 +44,7 @@ def served(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path):
     yield f"http://127.0.0.1:{port}", dec
     server.should_exit = True
     thread.join(timeout=10)
+    worker.close()
 
 
 def _client(base: str) -> openai.OpenAI:
@@ -93,6 +98,31 @@ def test_models_health_and_metrics(served) -> None:
     assert _metric(base, "specdecode_generated_tokens_total") >= 4
     assert _metric(base, "specdecode_tau") >= 1.0
     assert _metric(base, "specdecode_requests_running") == 0 and _metric(base, "specdecode_kv_cache_tokens") == 0
+    assert _metric(base, "specdecode_kv_blocks_used") == 0 and _metric(base, "specdecode_kv_blocks_total") > 0
+
+
+def test_concurrent_requests_share_the_batch_and_match_their_single_outputs(served) -> None:
+    """Greedy requests of mixed methods and lengths sent at once (batched ones and one on the
+    single-sequence engine) each get what they get alone; every KV block comes back."""
+    base, dec = served
+    cases = [("def quicksort(arr):", "draft", 14), ("The quick brown fox", "none", 9),
+             ("1, 2, 3, 4, 5,", "ngram", 16), ("x", "draft", 5), ("import numpy as np", "auto", 8)]
+    expected = [dec.generate(p, SamplingParams(max_new_tokens=n), method=m).text for p, m, n in cases]
+    results: list[str | None] = [None] * len(cases)
+
+    def ask(i: int) -> None:
+        prompt, method, n = cases[i]
+        out = _client(base).completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                               extra_body={"method": method})
+        results[i] = out.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == expected
+    assert _metric(base, "specdecode_kv_blocks_used") == 0 and _metric(base, "specdecode_batch_size") == 0
 
 
 @pytest.mark.parametrize(
@@ -138,22 +168,25 @@ def test_malformed_json_and_unknown_routes_and_the_server_keeps_serving(served) 
 
 def test_a_disconnected_stream_is_cancelled(served, monkeypatch) -> None:
     base, dec = served
-    real_stream = dec.stream
+    real_stream, real_token_stream = dec.stream, dec.token_stream
 
-    def slow_stream(*args, **kwargs):  # 50 ms per delta, so the client leaves mid-generation
-        stream = real_stream(*args, **kwargs)
+    class Slow:  # 50 ms per delta, so the client leaves mid-generation
+        def __init__(self, stream) -> None:
+            self.stream, self.stats = stream, stream.stats
 
-        class Slow:
-            stats = stream.stats
+        def __iter__(self):
+            for delta in self.stream:
+                time.sleep(0.05)
+                yield delta
 
-            def __iter__(self):
-                for delta in stream:
-                    time.sleep(0.05)
-                    yield delta
+    def slow_stream(*args, **kwargs):  # the single-sequence engine's path
+        return Slow(real_stream(*args, **kwargs))
 
-        return Slow()
+    def slow_token_stream(*args, **kwargs):  # the batched path
+        return Slow(real_token_stream(*args, **kwargs))
 
     monkeypatch.setattr(dec, "stream", slow_stream)
+    monkeypatch.setattr(dec, "token_stream", slow_token_stream)
     cancelled = _metric(base, 'specdecode_requests_total{status="cancelled"}')
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 0, "stream": True}
     with httpx.stream("POST", base + "/v1/completions", json=body) as response:
@@ -164,6 +197,10 @@ def test_a_disconnected_stream_is_cancelled(served, monkeypatch) -> None:
         assert time.time() < deadline, "the request was not cancelled"
         time.sleep(0.05)
     assert _metric(base, "specdecode_requests_running") == 0 and _metric(base, "specdecode_kv_cache_tokens") == 0
+    deadline = time.time() + 10
+    while _metric(base, "specdecode_kv_blocks_used") != 0:  # the worker frees them before its next step
+        assert time.time() < deadline, "the cancelled request kept its KV blocks"
+        time.sleep(0.05)
     monkeypatch.undo()
     assert _client(base).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0).usage.completion_tokens > 0
 

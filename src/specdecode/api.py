@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .batch_engine import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
 from .cache import check_kv_dtype
 from .config import (
     DRAFT_MODEL_METHODS,
@@ -35,11 +36,13 @@ from .models.heads import DraftHeads, EagleHead, MedusaHeads, load_heads
 from .models.loader import LoadedModel, load_model
 from .quant.apply import check_quant
 from .runtime import resolve_device, resolve_dtype
-from .schedule import CostAwareK, KSchedule, ThresholdK
+from .paged_cache import DEFAULT_BLOCK_SIZE
+from .schedule import CostAwareK, KSchedule, RowCosts, ThresholdK
 from .text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
 
 
 CATCH_UP_PROBE_ROWS = 64  # tokens in the timed draft pass that prices a catch-up per token
+BATCH_PROBE_MAX_ROWS = 64  # the largest pass timed for the batch engine's costs; larger ones extrapolate
 
 
 @dataclass(slots=True)
@@ -346,6 +349,45 @@ class SpecDecoder:
         chunks = self.engine.decode(
             prompt_ids, params, drafter, limit if drafter is not None else 0, stats, schedule, acceptance=acceptance
         )
+        return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
+
+    def batch_engine(
+        self,
+        *,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        policy: str = "async",
+        cost_aware: bool = True,
+    ) -> BatchEngine:
+        """A continuous-batching engine over this decoder's models (methods none, ngram, draft),
+        with paged KV pools of ``kv_cache_tokens`` slots per model.
+
+        ``cost_aware`` times the target (and draft) on a few row counts first (about ten seconds
+        for the demo pair on a 2-core CPU) so that the batch's draft length follows measured
+        costs and falls to plain decoding where speculation stops paying; without it every
+        speculative request drafts its own k each step.
+        """
+        if self.kv_dtype != "auto":
+            raise InvalidRequestError("The batch engine's paged KV cache stores the model dtype only; drop --kv-dtype int8.")
+        verify_costs = draft_costs = None
+        if cost_aware:
+            most_rows = max_batch * (self.spec.k_max + 1)
+            rows = sorted({1, 2, 4, 8, 16, 32, 64, most_rows} & set(range(1, min(most_rows, BATCH_PROBE_MAX_ROWS) + 1)))
+            live = self._live_costs()
+            verify_costs = RowCosts(time_passes(self.target.model, rows), live=live)
+            if self.draft is not None:
+                draft_rows = [r for r in rows if r <= 2 * max_batch] or [1]
+                draft_costs = RowCosts(time_passes(self.draft.model, draft_rows), live=live)
+        return BatchEngine(
+            self.target.model, None if self.draft is None else self.draft.model, self.eos_token_ids,
+            max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
+            k_max=self.spec.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
+            ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min, sync_timing=self.engine.sync_timing,
+        )
+
+    def token_stream(self, chunks: Iterator[list[int]], stats: GenerationStats, params: SamplingParams) -> GenerationStream:
+        """Text deltas (stop strings applied) over token chunks from any engine, e.g. ``BatchWorker.submit``."""
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
 
     def _live_costs(self) -> bool:

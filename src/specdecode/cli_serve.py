@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from .batch_engine import BATCH_POLICIES, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
     from .cache import KV_DTYPES
+    from .cli_train import non_negative_int, positive_int
     from .config import DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS
     from .quant.apply import QUANT_CHOICES
 
@@ -17,8 +20,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="serve the models over an OpenAI-compatible HTTP API",
         description=(
             "OpenAI-compatible /v1/completions and /v1/chat/completions (stream: true for server-sent "
-            "events), /v1/models, /health and /metrics (Prometheus). Requests are decoded one at a "
-            "time, in arrival order. Listens on loopback unless --host says otherwise."
+            "events), /v1/models, /health and /metrics (Prometheus). Requests with methods none, ngram "
+            "and draft are batched together (continuous batching over a paged KV cache); the other "
+            "methods run one at a time. Listens on loopback unless --host says otherwise."
         ),
     )
     parser.add_argument("--target", help="the model whose output is reproduced (default: demo 1.5B)")
@@ -35,11 +39,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--target-quant", choices=QUANT_CHOICES, default="none")
     parser.add_argument("--draft-quant", choices=QUANT_CHOICES, default="none")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
+    parser.add_argument("--max-batch", type=non_negative_int, default=DEFAULT_MAX_BATCH,
+                        help="most requests decoded together (0: no batching, one request at a time)")
+    parser.add_argument("--kv-cache-tokens", type=positive_int, default=DEFAULT_KV_CACHE_TOKENS,
+                        help="paged KV cache slots per model for the batch (requests wait or are preempted beyond it)")
+    parser.add_argument("--batch-policy", choices=BATCH_POLICIES, default="async",
+                        help="async: each request keeps all it accepts; sync: a step keeps the batch's fewest")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from . import SpecDecoder
+    from .batch_worker import BatchWorker
     from .errors import InvalidRequestError
     from .models import demo
 
@@ -57,5 +68,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype,
     )
     name = args.model_name or (args.target or demo.DEFAULT_TARGET)
-    serve(decoder, name, args.host, args.port, log_level=args.log_level)
+    worker = None
+    if args.max_batch > 0:
+        if args.kv_dtype != "auto":
+            print("--kv-dtype int8: the batch engine's paged cache has no int8 storage yet; requests run one at a time.",
+                  file=sys.stderr)
+        else:
+            print(f"Timing the models for the batch's cost-aware draft length (max batch {args.max_batch}) ...",
+                  file=sys.stderr)
+            engine = decoder.batch_engine(max_batch=args.max_batch, kv_cache_tokens=args.kv_cache_tokens,
+                                          policy=args.batch_policy)
+            worker = BatchWorker(engine)
+    serve(decoder, name, args.host, args.port, log_level=args.log_level, worker=worker)
     return 0

@@ -10,15 +10,24 @@ from pathlib import Path
 from .runtime import DEVICE_CHOICES, DTYPE_CHOICES
 
 
-def positive_int(text: str) -> int:
-    """argparse type for counts (shared with ``cli``: this module is imported by it)."""
+def _int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts (shared with ``cli``: this module is imported by it)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type for counts where 0 means "off"."""
+    return _int_at_least(text, 0)
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser, bench: bool) -> None:

@@ -214,3 +214,91 @@ class CostAwareK:
             self.draft_pass_seconds = blend(self.draft_pass_seconds, per_pass)
         if self.live_costs:
             update_verify_cost(self.verify_seconds, proposed, verify_seconds)
+
+
+class RowCosts:
+    """Seconds of one forward pass as a function of the rows (tokens) it carries, B x T padded.
+
+    Starts from a few measured row counts (``engine.time_passes``) and interpolates linearly
+    between them (extrapolating the last slope past the largest); live passes blend into the
+    table at their own row count, so the estimate follows what the batch really costs.
+    """
+
+    def __init__(self, measured: dict[int, float], live: bool = True) -> None:
+        if not measured or any(rows < 1 or seconds <= 0 for rows, seconds in measured.items()):
+            raise ValueError(f"RowCosts needs positive timings for row counts >= 1, got {measured}")
+        self.points = dict(measured)
+        self.live = live
+
+    def seconds(self, rows: int) -> float:
+        known = sorted(self.points)
+        if rows in self.points:
+            return self.points[rows]
+        if rows < known[0]:
+            return self.points[known[0]]
+        below = max(r for r in known if r < rows)
+        above = [r for r in known if r > rows]
+        if above:
+            upper = above[0]
+        elif len(known) >= 2:  # extrapolate the last segment's slope
+            upper, below = below, known[-2]
+        else:
+            return self.points[below] * rows / below
+        slope = (self.points[upper] - self.points[below]) / (upper - below)
+        return self.points[below] + slope * (rows - below)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if self.live and rows >= 1 and seconds > 0:
+            self.points[rows] = blend(self.seconds(rows), seconds)
+
+
+@dataclass(slots=True)
+class BatchK:
+    """One draft length for a whole batch: the k that maximises the batch's expected tokens per
+    second, sum_b E(a_b, k_b) / (k draft passes over the draft-model rows + one verify pass over
+    B x (max k_b + 1) rows, the batch padded to its longest row), with k_b = min(k, row b's cap).
+    k = 0 decodes the whole batch plainly: as the batch grows a plain pass gets relatively cheaper (more rows per weight read) and a speculative
+    one dearer (B x (k + 1) rows), so speculation fades out where it stops paying.
+
+    Without cost tables it drafts each row's cap (a fixed k). After ``PROBE_AFTER`` plain steps
+    in a row it drafts ``PROBE_K`` tokens, so the acceptance estimates stay current.
+    """
+
+    k_max: int
+    verify: RowCosts | None = None
+    draft: RowCosts | None = None
+    plain_streak: int = 0
+
+    def choose(self, speculative: Sequence[tuple[float, int, bool]], batch_size: int) -> int:
+        """``speculative``: (acceptance, cap, uses the draft model) per speculating row."""
+        if not speculative:
+            return 0
+        if self.verify is None:
+            return self.k_max
+        if self.plain_streak >= PROBE_AFTER:
+            return min(PROBE_K, self.k_max)
+        plain_rows = batch_size - len(speculative)
+        model_rows = sum(1 for _, _, uses_model in speculative if uses_model)
+        best, best_rate = 0, batch_size / self.verify.seconds(batch_size)
+        for k in range(1, self.k_max + 1):
+            capped = [(a, min(k, cap)) for a, cap, _ in speculative]
+            tokens = plain_rows + sum(expected_tokens(a, kb) for a, kb in capped)
+            rows = batch_size * (1 + max(kb for _, kb in capped))  # the pass is padded to the longest row
+            seconds = self.verify.seconds(rows)
+            if model_rows:
+                if self.draft is None:
+                    return self.k_max
+                seconds += k * self.draft.seconds(model_rows)
+            if tokens / seconds > best_rate * (1 + 1e-9):
+                best, best_rate = k, tokens / seconds
+        return best
+
+    def observe(
+        self, rows: int, drafted: int, verify_seconds: float, draft_rows: int, draft_passes: int, draft_seconds: float
+    ) -> None:
+        """A step's verify pass over ``rows`` rows (``drafted`` of them drafts) and its draft passes."""
+        self.plain_streak = 0 if drafted else self.plain_streak + 1
+        if self.verify is not None:
+            self.verify.observe(rows, verify_seconds)
+        if self.draft is not None and draft_passes > 0:
+            self.draft.observe(draft_rows, draft_seconds / draft_passes)

@@ -4,12 +4,13 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``
 as server-sent events), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus
 text format).
 
-Requests run one at a time, first come first served: the engine owns one KV cache, and a
-request waits for the one before it (``specdecode_requests_waiting`` counts them). Batching
-requests into one target pass is the next step (issue 6); this server's contract does not
-change with it. Generation runs in a worker thread so the event loop keeps answering; a
-streaming client that disconnects cancels its request between two decoding steps, and the
-next request starts at once.
+Requests with methods ``none``, ``ngram`` and ``draft`` are decoded together by a
+continuous-batching engine (``batch_engine.py``) stepping in one worker thread
+(``batch_worker.py``): they join and leave the batch between steps, share each target pass,
+and hold paged KV blocks only while they run. The other methods (``auto``, ``layerskip``,
+``medusa``, ``eagle``) keep the single-sequence engine and run one at a time, first come
+first served, beside the batch. A streaming client that disconnects cancels its request
+between two decoding steps, which frees its blocks.
 
 Bad input (malformed JSON, unknown model, wrong types, max_tokens or temperature out of
 range, a prompt over the context) gets a 4xx with an OpenAI-style body
@@ -32,7 +33,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api import SpecDecoder
+from .api import GenerationStream, SpecDecoder
+from .batch_engine import BATCH_METHODS
+from .batch_worker import BatchWorker
 from .config import METHODS, SamplingParams
 from .errors import SpecDecodeError
 from .metrics import GenerationStats
@@ -151,9 +154,10 @@ class ServerMetrics:
     emitted_by_steps: int = 0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
-    running: int = 0
+    running: int = 0  # single-sequence requests decoding (the batch's are counted by the worker)
     waiting: int = 0
-    kv_tokens: int = 0  # tokens in the running request's target KV cache
+    kv_tokens: int = 0  # tokens in the running single-sequence request's target KV cache
+    worker: BatchWorker | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, stats: GenerationStats, status: str) -> None:
@@ -169,6 +173,9 @@ class ServerMetrics:
     def prometheus(self) -> str:
         with self.lock:
             tau = self.emitted_by_steps / self.verify_steps if self.verify_steps else 0.0
+            engine = self.worker.engine if self.worker is not None else None
+            batch, queued = (engine.num_running, engine.num_waiting) if engine is not None else (0, 0)
+            pool = engine.target_cache if engine is not None else None
             acceptance = self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
             lines = ["# HELP specdecode_requests_total Finished requests by outcome.",
                      "# TYPE specdecode_requests_total counter"]
@@ -181,10 +188,14 @@ class ServerMetrics:
                 ("draft_tokens_accepted_total", "counter", "Draft tokens accepted.", self.draft_tokens_accepted),
                 ("tau", "gauge", "Mean tokens per verify pass, bonus token counted, since start.", tau),
                 ("acceptance_rate", "gauge", "Accepted over proposed draft tokens, since start.", acceptance),
-                ("requests_running", "gauge", "Requests decoding now.", self.running),
-                ("requests_waiting", "gauge", "Requests queued behind the running one.", self.waiting),
-                ("batch_size", "gauge", "Sequences in the current target pass.", self.running),
-                ("kv_cache_tokens", "gauge", "Tokens held in the target's KV cache by running requests.", self.kv_tokens),
+                ("requests_running", "gauge", "Requests decoding now.", self.running + batch),
+                ("requests_waiting", "gauge", "Requests queued for the batch or the single-sequence engine.", self.waiting + queued),
+                ("batch_size", "gauge", "Sequences in the batch engine's current step.", batch),
+                ("kv_blocks_used", "gauge", "Target KV blocks held by batched requests.", pool.used_blocks if pool else 0),
+                ("kv_blocks_total", "gauge", "Target KV blocks in the batch engine's pool.", pool.usable_blocks if pool else 0),
+                ("preemptions_total", "counter", "Batched requests preempted for KV blocks (recomputed later).",
+                 engine.scheduler.preemptions if engine is not None else 0),
+                ("kv_cache_tokens", "gauge", "Tokens in the single-sequence engine's target KV cache.", self.kv_tokens),
             ]
             for name, kind, help_text, value in rows:
                 lines += [f"# HELP specdecode_{name} {help_text}", f"# TYPE specdecode_{name} {kind}", f"specdecode_{name} {value}"]
@@ -213,10 +224,13 @@ class Generation:
 
     def _run(self) -> None:
         metrics = self.state.metrics
-        with metrics.lock:
-            metrics.waiting += 1
         status = "error"
         try:
+            if self.state.batched(self.request):
+                status = self._decode()
+                return
+            with metrics.lock:
+                metrics.waiting += 1
             with self.state.engine_lock:
                 with metrics.lock:
                     metrics.waiting -= 1
@@ -240,14 +254,22 @@ class Generation:
     def _decode(self) -> str:
         if self.cancelled.is_set():  # the client left while waiting
             return "cancelled"
-        req = self.request
-        stream = self.state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k)
+        req, state = self.request, self.state
+        stream: GenerationStream
+        if state.batched(req):
+            assert state.worker is not None and isinstance(req.prompt, list)
+            chunks, stats = state.worker.submit(req.prompt, req.params, state.method_of(req), state.k_of(req))
+            stream = state.decoder.token_stream(chunks, stats, req.params)
+        else:
+            stream = state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k)
         self.stats = stream.stats
+        batched = state.batched(req)
         deltas = iter(stream)
         try:
             for delta in deltas:
-                with self.state.metrics.lock:
-                    self.state.metrics.kv_tokens = stream.stats.prompt_tokens + stream.stats.new_tokens
+                if not batched:
+                    with self.state.metrics.lock:
+                        self.state.metrics.kv_tokens = stream.stats.prompt_tokens + stream.stats.new_tokens
                 if self.cancelled.is_set():
                     return "cancelled"
                 self._put(delta)
@@ -268,9 +290,22 @@ class ServerState:
     decoder: SpecDecoder
     model_name: str
     aliases: tuple[str, ...]
+    worker: BatchWorker | None = None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     engine_lock: threading.Lock = field(default_factory=threading.Lock)
     started: int = field(default_factory=lambda: int(time.time()))
+
+    def method_of(self, request: ParsedRequest) -> str:
+        return request.method or self.decoder.spec.method
+
+    def batched(self, request: ParsedRequest) -> bool:
+        """Whether the batch engine decodes this request (else the single-sequence engine)."""
+        return self.worker is not None and self.method_of(request) in BATCH_METHODS
+
+    def k_of(self, request: ParsedRequest) -> int | None:
+        if self.method_of(request) == "none":
+            return None
+        return request.k if request.k is not None else self.decoder.spec.num_speculative_tokens
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -303,12 +338,15 @@ def _spec_metrics(stats: GenerationStats | None) -> dict[str, Any]:
             "tokens_per_second": stats.tokens_per_second, "target_forward_passes": stats.target_forward_passes}
 
 
-def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] = ()) -> Any:
-    """The FastAPI application serving ``decoder`` as ``model_name``."""
+def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] = (),
+               worker: BatchWorker | None = None) -> Any:
+    """The FastAPI application serving ``decoder`` as ``model_name``; with ``worker`` (a
+    ``BatchWorker`` over ``decoder.batch_engine()``) the batchable methods share target passes."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-    state = ServerState(decoder, model_name, aliases)
+    state = ServerState(decoder, model_name, aliases, worker)
+    state.metrics.worker = worker
     app = FastAPI(title="specdecode", version="1")
     app.state.specdecode = state
 
@@ -360,6 +398,9 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
             if any(not 0 <= t < vocab for t in prompt_ids):
                 raise APIError(400, f"Prompt token ids must lie in [0, {vocab}).", "prompt")
             decoder.check_request(prompt_ids, req.params)
+            if state.batched(req):
+                assert worker is not None
+                worker.engine.check_request(len(prompt_ids), req.params, state.method_of(req), state.k_of(req))
         except (SpecDecodeError, APIError) as err:
             with state.metrics.lock:
                 state.metrics.requests["rejected"] += 1
@@ -445,7 +486,11 @@ async def _events(generation: Generation, request_id: str, created: int, model: 
 
 
 def serve(decoder: SpecDecoder, model_name: str, host: str, port: int, aliases: tuple[str, ...] = (),
-          log_level: str = "info") -> None:
+          log_level: str = "info", worker: BatchWorker | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(decoder, model_name, aliases), host=host, port=port, log_level=log_level)
+    try:
+        uvicorn.run(create_app(decoder, model_name, aliases, worker), host=host, port=port, log_level=log_level)
+    finally:
+        if worker is not None:
+            worker.close()

@@ -42,7 +42,8 @@ class NgramDrafter:
         self.history = []
         self._continuation_start = {n: {} for n in range(self.ngram_min, self.ngram_max + 1)}
 
-    def _append(self, tokens: list[int]) -> None:
+    def extend(self, tokens: list[int]) -> None:
+        """Append newly committed tokens (host ints) to the history and the n-gram maps."""
         for token in tokens:
             end = len(self.history)  # index of the token being appended
             for n, table in self._continuation_start.items():
@@ -73,7 +74,7 @@ class NgramDrafter:
     ) -> DraftProposal:
         if committed.shape[0] != 1:
             raise InvalidRequestError("The n-gram drafter handles one sequence at a time.")
-        self._append(committed[0, len(self.history) :].tolist())
+        self.extend(committed[0, len(self.history) :].tolist())
         proposal, self.last_match_size = self.match(num_tokens)
         tokens = torch.tensor([proposal], dtype=torch.long).reshape(1, len(proposal)).to(committed.device)
         return DraftProposal(tokens=tokens, probs=None)

@@ -1,0 +1,145 @@
+"""A draft model proposing for many sequences at once, over its own paged KV cache.
+
+The batched twin of ``DraftModelDrafter``: the same bookkeeping per sequence (after a step in
+which the target accepted n of k drafted tokens, the draft cache keeps the old committed
+sequence plus min(n, k - 1) drafted tokens), but one forward pass serves every sequence of the
+batch: a catch-up pass feeds each row the committed tokens it has not seen (one or two,
+padded to the longest row), then each further pass feeds every still-drafting row its last
+drafted token. Rows may draft different numbers of tokens.
+
+Sampling is per row with that request's processor and generator, so each request's q is the
+distribution its own tokens were drawn from and verification stays lossless row by row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..models.llama import Transformer
+from ..paged_cache import PagedKVCache
+from ..sampling import LogitsProcessor, draw
+from .base import DraftProposal
+
+
+@dataclass(slots=True)
+class _DraftState:
+    cached_len: int = 0  # committed tokens whose K/V sit in the draft cache
+    proposed_base: int = 0  # committed length when the last proposal was made
+    proposed_count: int = 0
+
+
+@dataclass(slots=True)
+class DraftRow:
+    """One sequence's request for drafts this step."""
+
+    seq: int
+    committed: torch.Tensor  # (L,) long, on the device: the committed tokens
+    num_tokens: int  # >= 1
+    processor: LogitsProcessor
+    generator: torch.Generator | None
+
+
+class BatchDraftModel:
+    def __init__(self, model: Transformer, cache: PagedKVCache, target_vocab_size: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.target_vocab_size = target_vocab_size
+        self._states: dict[int, _DraftState] = {}
+
+    def slots_needed(self, seq: int, committed_len: int, num_tokens: int) -> int:
+        """Draft-cache slots ``seq`` uses while drafting ``num_tokens`` after ``committed_len``."""
+        return committed_len + num_tokens - 1
+
+    def add(self, seq: int, committed: torch.Tensor) -> int:  # committed: (L,) long
+        """Prefill a new sequence's committed tokens but the last (one pass); returns passes run.
+        The scheduler has already given ``seq`` a block table in the draft pool."""
+        state = self._states[seq] = _DraftState()
+        length = committed.shape[0]
+        if length <= 1:
+            return 0
+        self.cache.reserve(seq, length - 1)
+        view, positions = self.cache.view([seq], [list(range(length - 1))], self.model.config.sliding_window)
+        self.model(committed[None, : length - 1], positions, view, view, compute_logits=False)
+        self.cache.commit(seq, length - 1)
+        state.cached_len = length - 1
+        return 1
+
+    def forget(self, seq: int) -> None:
+        """The sequence left the pool (the scheduler freed its blocks): drop its bookkeeping."""
+        self._states.pop(seq, None)
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # (..., V_draft) -> (..., V_target)
+        extra = self.target_vocab_size - logits.shape[-1]
+        if extra < 0:
+            return logits[..., : self.target_vocab_size]
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+        return logits
+
+    def _pass(self, seqs: list[int], inputs: list[torch.Tensor], starts: list[int]) -> torch.Tensor:
+        """Feed row b ``inputs[b]`` (T_b,) at positions starts[b]..; logits (B, V) of each row's last token."""
+        width = max(x.shape[0] for x in inputs)
+        host_positions = [list(range(start, start + x.shape[0])) for x, start in zip(inputs, starts, strict=True)]
+        for seq, row in zip(seqs, host_positions, strict=True):
+            self.cache.reserve(seq, row[-1] + 1)
+        view, positions = self.cache.view(seqs, host_positions, self.model.config.sliding_window)
+        tokens = torch.stack([torch.nn.functional.pad(x, (0, width - x.shape[0])) for x in inputs])
+        out = self.model(tokens, positions, view, view, compute_logits=False)
+        last = torch.tensor([x.shape[0] - 1 for x in inputs], device=tokens.device)
+        hidden = out.hidden[torch.arange(len(seqs), device=tokens.device), last]  # (B, C)
+        # Lengths are settled in on_verified, which keeps the accepted drafts' slots and frees the rest.
+        return self._to_target_vocab(self.model.lm_head(hidden).float())
+
+    def propose(self, rows: Sequence[DraftRow]) -> tuple[list[DraftProposal], int]:
+        """Drafts for every row (row b gets up to ``rows[b].num_tokens``) and the passes run."""
+        if not rows:
+            return [], 0
+        tokens: list[list[torch.Tensor]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        states = [self._states[row.seq] for row in rows]
+        # Catch up on committed tokens the draft has not seen, then one token per pass.
+        logits = self._pass(
+            [row.seq for row in rows],
+            [row.committed[state.cached_len :] for row, state in zip(rows, states, strict=True)],
+            [state.cached_len for state in states],
+        )
+        passes = 1
+        active = list(range(len(rows)))
+        step = 0
+        while True:
+            for i, row_logits in zip(active, logits, strict=True):
+                row = rows[i]
+                token, q = draw(row_logits[None], row.processor, row.generator)
+                tokens[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+            step += 1
+            active = [i for i in active if rows[i].num_tokens > step]
+            if not active:
+                break
+            logits = self._pass(
+                [rows[i].seq for i in active],
+                [tokens[i][-1] for i in active],
+                [rows[i].committed.shape[0] + step - 1 for i in active],
+            )
+            passes += 1
+        proposals = []
+        for row, state, row_tokens, row_probs in zip(rows, states, tokens, probs, strict=True):
+            state.proposed_base = row.committed.shape[0]
+            state.proposed_count = len(row_tokens)
+            proposals.append(DraftProposal(
+                tokens=torch.stack(row_tokens, dim=1),
+                probs=torch.stack(row_probs, dim=1) if row_probs else None,
+                forward_passes=passes,
+            ))
+        return proposals, passes
+
+    def on_verified(self, seq: int, num_accepted: int) -> None:
+        """Keep the committed prefix plus the accepted drafts that were fed (all but the last)."""
+        state = self._states[seq]
+        valid = state.proposed_base + min(num_accepted, state.proposed_count - 1)
+        self.cache.commit(seq, valid)
+        state.cached_len = valid
