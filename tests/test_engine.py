@@ -212,10 +212,10 @@ def test_speculative_sampling_matches_target_distribution(
     assert stat < CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}"
 
 
-def install_wrong_residual(monkeypatch) -> None:
-    """Make the engine recover rejected tokens from p instead of the residual (a wrong sampler
-    whose acceptance is unchanged), for power checks of the distribution tests."""
-    real = specdecode.engine.rejection_verify
+def install_wrong_residual(monkeypatch, module=specdecode.engine) -> None:
+    """Make the engine (``module``'s) recover rejected tokens from p instead of the residual (a
+    wrong sampler whose acceptance is unchanged), for power checks of the distribution tests."""
+    real = module.rejection_verify
 
     def recover_from_p(draft_tokens, draft_probs, target_probs, generator):
         result = real(draft_tokens, draft_probs, target_probs, generator)
@@ -225,7 +225,7 @@ def install_wrong_residual(monkeypatch) -> None:
             result.tokens[row, n] = torch.multinomial(target_probs[row, n], 1, generator=generator)
         return result
 
-    monkeypatch.setattr(specdecode.engine, "rejection_verify", recover_from_p)
+    monkeypatch.setattr(module, "rejection_verify", recover_from_p)
 
 
 def test_distribution_test_catches_wrong_residual(sampling_setup, monkeypatch) -> None:

@@ -90,8 +90,9 @@ class Scheduler:
             if any(pool.blocks_needed(None, need) > pool.free_blocks for pool in self._pools(seq)):
                 break
             self.waiting.popleft()
-            for pool in self._pools(seq):
+            for pool in self._pools(seq):  # reserved now, so the next request sees what is left
                 pool.add(seq.seq_id)
+                pool.reserve(seq.seq_id, need)
             seq.admitted = True
             self.running.append(seq)
             admitted.append(seq)

@@ -1,0 +1,243 @@
+"""The batch engine: batch invariance under greedy, the distribution test inside a batch,
+preemption, block accounting after every way a request can end, the worker thread, and the
+batch's draft-length chooser."""
+
+import itertools
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import decoder
+from test_engine import CHI2_CRITICAL_P001, NEW_TOKENS, PROMPTS, TOP_K, exact_sequence_distribution, install_wrong_residual
+
+import specdecode.batch_engine
+from specdecode import SamplingParams
+from specdecode.batch_engine import BatchEngine
+from specdecode.batch_worker import BatchWorker
+from specdecode.errors import InvalidRequestError
+from specdecode.schedule import BatchK, RowCosts
+
+METHODS = ("draft", "ngram", "none")
+
+
+@pytest.fixture(scope="module")
+def dec(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path):
+    return decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+
+
+def engine(dec, **kwargs) -> BatchEngine:
+    options = {"max_batch": 4, "kv_cache_tokens": 512, "block_size": 4} | kwargs
+    return BatchEngine(dec.target.model, dec.draft.model, dec.eos_token_ids, **options)
+
+
+def assert_pools_empty(eng: BatchEngine) -> None:
+    for pool in (eng.target_cache, eng.drafter.cache):
+        assert pool.free_blocks == pool.usable_blocks and not pool.tables
+
+
+def single_outputs(dec, cases) -> list[list[int]]:
+    return [dec.generate(prompt, SamplingParams(max_new_tokens=n), method="none").token_ids for prompt, _, _, n in cases]
+
+
+def mixed_cases() -> list[tuple[str, str, int, int]]:
+    """(prompt, method, k, max_new_tokens): every prompt length, method and several k and lengths."""
+    return [(prompt, method, k, n) for prompt, method, k, n in zip(
+        PROMPTS, itertools.cycle(METHODS), itertools.cycle([1, 3, 5, 8]), itertools.cycle([24, 7, 16, 30, 2]))]
+
+
+@pytest.mark.parametrize("policy", ["async", "sync"])
+def test_batch_invariance_greedy(dec, policy: str) -> None:
+    """Each request's tokens are the same alone (plain decoding) or in a batch of mixed prompt
+    lengths, methods, k and output lengths, with requests joining as others leave."""
+    cases = mixed_cases()
+    eng = engine(dec, policy=policy)
+    ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=n), m, k) for p, m, k, n in cases]
+    outputs = eng.run()
+    assert [outputs[i] for i in ids] == single_outputs(dec, cases)
+    assert_pools_empty(eng)
+
+
+def test_preemption_recomputes_and_keeps_every_output(dec) -> None:
+    """A pool too small for the whole batch: sequences are preempted, recomputed from their
+    tokens later, and still produce exactly their single-request output."""
+    cases = [(p, m, 4, 30) for p, m in zip(PROMPTS, itertools.cycle(METHODS))]
+    eng = engine(dec, max_batch=8, kv_cache_tokens=96, block_size=4)
+    ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=n), m, k) for p, m, k, n in cases]
+    outputs = eng.run()
+    assert eng.scheduler.preemptions > 0
+    assert [outputs[i] for i in ids] == single_outputs(dec, cases)
+    assert_pools_empty(eng)
+
+
+def test_a_request_that_can_never_fit_is_refused_up_front(dec) -> None:
+    eng = engine(dec, kv_cache_tokens=64)
+    with pytest.raises(InvalidRequestError, match="kv-cache-tokens"):
+        eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=100), "draft", 4)
+    with pytest.raises(InvalidRequestError, match="methods"):
+        eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=4), "eagle", 4)
+    with pytest.raises(InvalidRequestError, match="k must be"):
+        eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=4), "draft", 99)
+    assert not eng.has_unfinished
+
+
+def test_blocks_return_after_abort_and_after_a_failed_step(dec, monkeypatch) -> None:
+    eng = engine(dec)
+    ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=20), m, 3) for p, m in zip(PROMPTS, METHODS)]
+    eng.step()
+    eng.step()
+    assert eng.target_cache.used_blocks > 0 and eng.drafter.cache.used_blocks > 0
+    used = eng.target_cache.used_blocks
+    assert eng.abort(ids[0]).stats.stop_reason == "cancelled"  # a running request
+    assert eng.target_cache.used_blocks < used
+    assert eng.abort(ids[0]) is None  # twice is harmless
+    eng.step()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(specdecode.batch_engine.BatchEngine, "_verify", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    failed = eng.abort_all(RuntimeError("injected failure"))
+    assert {o.request_id for o in failed} == set(ids[1:]) and all(o.stats.stop_reason == "error" for o in failed)
+    assert not eng.has_unfinished
+    assert_pools_empty(eng)
+
+
+def batch_chi_square(dec, policy: str) -> tuple[float, int]:
+    """The end-to-end distribution test's statistic (see test_engine: first three tokens,
+    temperature 1, top-k 3, 1,500 seeded draws, chi-square at p = 0.001), with the draws made
+    as requests sharing batches of 16 with draft-model, lookup and plain requests of other
+    prompts and sampling settings in between."""
+    prompt_ids = dec.encode("def quicksort(arr):")
+    exact = exact_sequence_distribution(dec, prompt_ids)
+    eng = BatchEngine(dec.target.model, dec.draft.model, dec.eos_token_ids, max_batch=16, kv_cache_tokens=2048,
+                      block_size=8, policy=policy)
+    draws = 1500
+    ids = []
+    for seed in range(draws):
+        params = SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=NEW_TOKENS, seed=seed, ignore_eos=True)
+        ids.append(eng.add_request(prompt_ids, params, "draft", 2))
+        if seed % 10 == 0:
+            other = SamplingParams(temperature=0.7, max_new_tokens=5, seed=seed)
+            eng.add_request(dec.encode(PROMPTS[seed % len(PROMPTS)]), other, METHODS[seed % 3], 3)
+    outputs = eng.run()
+    assert_pools_empty(eng)
+    counts = Counter(tuple(outputs[i]) for i in ids)
+    assert set(counts) <= set(exact), "sampled a sequence the target cannot produce"
+    cells = [seq for seq, p in exact.items() if p * draws >= 5]
+    stat = sum((counts[s] - draws * exact[s]) ** 2 / (draws * exact[s]) for s in cells)
+    other_p = 1.0 - sum(exact[s] for s in cells)
+    if other_p * draws >= 5:
+        other_count = draws - sum(counts[s] for s in cells)
+        return stat + (other_count - draws * other_p) ** 2 / (draws * other_p), len(cells)
+    return stat, len(cells) - 1
+
+
+@pytest.mark.parametrize("policy", ["async", "sync"])
+def test_sampling_inside_a_batch_matches_the_target_distribution(
+    policy: str, tiny_qwen2_dir: Path, tiny_far_draft_dir: Path
+) -> None:
+    stat, df = batch_chi_square(decoder(tiny_qwen2_dir, tiny_far_draft_dir), policy)
+    assert stat < CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}"
+
+
+def test_batch_distribution_test_catches_a_wrong_residual(tiny_qwen2_dir: Path, tiny_far_draft_dir: Path, monkeypatch) -> None:
+    install_wrong_residual(monkeypatch, specdecode.batch_engine)
+    stat, df = batch_chi_square(decoder(tiny_qwen2_dir, tiny_far_draft_dir), "async")
+    assert stat > CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}: the test has no power"
+
+
+def test_sync_policy_emits_the_batch_minimum_per_step(dec) -> None:
+    """Under sync every drafting row keeps the fewest accepted tokens of the step, so its tau is
+    below async's for the same requests (and the outputs still match, see above)."""
+    taus = {}
+    for policy in ("async", "sync"):
+        eng = engine(dec, policy=policy)
+        stats = []
+        for prompt in PROMPTS[:4]:
+            eng.add_request(dec.encode(prompt), SamplingParams(max_new_tokens=24), "draft", 4)
+        while eng.has_unfinished:
+            stats += [o.stats for o in eng.step() if o.finished]
+        taus[policy] = sum(s.emitted_by_steps for s in stats) / sum(s.verify_steps for s in stats)
+    assert taus["sync"] < taus["async"]
+
+
+def test_worker_serves_threads_and_an_early_close_cancels(dec) -> None:
+    worker = BatchWorker(engine(dec))
+    try:
+        cases = mixed_cases()[:5]
+        expected = single_outputs(dec, cases)
+        results: list[list[int] | None] = [None] * len(cases)
+
+        def run(i: int) -> None:
+            prompt, method, k, n = cases[i]
+            chunks, _ = worker.submit(dec.encode(prompt), SamplingParams(max_new_tokens=n), method, k)
+            results[i] = [t for chunk in chunks for t in chunk]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert results == expected
+        chunks, stats = worker.submit(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=200), "draft", 3)
+        next(chunks)
+        chunks.close()  # the caller leaves after the first chunk
+        deadline = threading.Event()
+        for _ in range(200):
+            if not worker.engine.has_unfinished:
+                break
+            deadline.wait(0.05)
+        assert not worker.engine.has_unfinished and stats.stop_reason == "cancelled"
+        assert_pools_empty(worker.engine)
+        with pytest.raises(InvalidRequestError):
+            worker.submit(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=4), "medusa", 3)
+    finally:
+        worker.close()
+
+
+def test_row_costs_interpolate_extrapolate_and_follow_live_passes() -> None:
+    costs = RowCosts({1: 1.0, 4: 1.3, 8: 2.0})
+    assert costs.seconds(2) == pytest.approx(1.1) and costs.seconds(16) == pytest.approx(3.4)
+    costs.observe(4, 2.3)
+    assert 1.3 < costs.seconds(4) < 2.3
+    with pytest.raises(ValueError):
+        RowCosts({0: 1.0})
+
+
+def test_batch_k_falls_back_to_plain_as_the_batch_grows() -> None:
+    # Memory-bound until 8 rows, then compute-bound: 60 ms per row.
+    verify = RowCosts({1: 0.2, 8: 0.21, 16: 0.7, 64: 3.6})
+    draft = RowCosts({1: 0.05, 8: 0.06, 16: 0.12})
+    chooser = BatchK(k_max=8, verify=verify, draft=draft)
+    alone = chooser.choose([(0.8, 8, True)], batch_size=1)
+    crowd = chooser.choose([(0.8, 8, True)] * 16, batch_size=16)
+    assert alone >= 3 and crowd == 0
+    assert BatchK(k_max=5).choose([(0.1, 5, True)], 1) == 5  # no costs: a fixed k
+    assert chooser.choose([], batch_size=4) == 0  # nothing speculative
+    for _ in range(12):
+        chooser.observe(rows=16, drafted=0, verify_seconds=0.7, draft_rows=0, draft_passes=0, draft_seconds=0.0)
+    assert chooser.choose([(0.8, 8, True)] * 16, batch_size=16) == 2  # the probe after 12 plain steps
+
+
+def test_plain_batch_step_costs_one_target_pass_for_every_row(dec) -> None:
+    eng = engine(dec)
+    for prompt in PROMPTS[:4]:
+        eng.add_request(dec.encode(prompt), SamplingParams(max_new_tokens=6), "none")
+    calls = []
+    real_forward = dec.target.model.forward
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real_forward(*args, **kwargs)
+
+    dec.target.model.forward = counting
+    try:
+        eng.step()  # admits all four (four prefills), then one decode pass of 4 rows
+        eng.step()
+    finally:
+        del dec.target.model.forward
+    assert calls[-1] == torch.Size([4, 1]) and calls[-2] == torch.Size([4, 1]) and len(calls) == 6
