@@ -6,7 +6,8 @@ Loopback only, a fixed number of requests per level, stops by itself:
     python benchmarks/load_test.py --url http://127.0.0.1:8000 --concurrency 1,4 \
         --methods none,draft --requests 8 --max-tokens 64 --out results/load.json
 
-For every (method, concurrency) it sends ``--requests`` chat requests (greedy, the request's
+For every (method, concurrency) it sends ``--requests`` chat requests (at least as many as the
+concurrency) (greedy, the request's
 ``method`` extension field choosing plain or speculative decoding), ``--concurrency`` at a
 time, each streaming. It reports aggregate tokens/s (completion tokens of all requests over
 the level's wall time), time to first token and inter-token latency percentiles (p50, p90,
@@ -120,7 +121,8 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
     parser.add_argument("--methods", default="none,draft")
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--requests", type=int, default=16, help="requests per (method, concurrency)")
+    parser.add_argument("--requests", type=int, default=8,
+                        help="requests per (method, concurrency); a level sends at least its concurrency")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", help="write the table as JSON here")
     args = parser.parse_args()
@@ -133,7 +135,7 @@ def main() -> int:
     rows = []
     for method in [m for m in args.methods.split(",") if m]:
         for level in [int(c) for c in args.concurrency.split(",") if c]:
-            row = asyncio.run(run_level(args.url, model, method, level, args.requests, args.max_tokens))
+            row = asyncio.run(run_level(args.url, model, method, level, max(args.requests, level), args.max_tokens))
             rows.append(row)
             ttft, itl = row["ttft_seconds"]["p50"], row["inter_token_seconds"]["p50"]
             print(f"{method:>8} c={level:<3} {row['completed']}/{row['requests']} ok  {row['tokens_per_second']:6.2f} tok/s  "

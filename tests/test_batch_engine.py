@@ -236,8 +236,9 @@ def test_plain_batch_step_costs_one_target_pass_for_every_row(dec) -> None:
 
     dec.target.model.forward = counting
     try:
-        eng.step()  # admits all four (four prefills), then one decode pass of 4 rows
+        eng.step()  # admits all four (one padded prefill pass), then one decode pass of 4 rows
         eng.step()
     finally:
         del dec.target.model.forward
-    assert calls[-1] == torch.Size([4, 1]) and calls[-2] == torch.Size([4, 1]) and len(calls) == 6
+    longest_prefill = max(len(dec.encode(p)) for p in PROMPTS[:4]) - 1
+    assert calls == [torch.Size([4, longest_prefill]), torch.Size([4, 1]), torch.Size([4, 1])]

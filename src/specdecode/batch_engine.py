@@ -219,8 +219,9 @@ class BatchEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Admit, draft, verify and commit once for the whole batch; what each request got."""
-        for seq in self.scheduler.admit():
-            self._prefill(seq)
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted)
         running = list(self.scheduler.running)
         if not running:
             return []
@@ -257,22 +258,35 @@ class BatchEngine:
         # A step emits at most k + 1 tokens: never draft past max_new_tokens.
         return max(0, min(request.k, request.remaining - 1))
 
-    def _prefill(self, seq: ScheduledSequence) -> None:
-        """Fill a newly admitted (or readmitted) sequence's caches with its committed tokens but
-        the last, which the first verify pass feeds."""
-        request: _Request = seq.state
-        length = len(request.tokens)
+    def _prefill(self, seqs: list[ScheduledSequence]) -> None:
+        """Fill newly admitted (or readmitted) sequences' caches with their committed tokens but
+        the last, which the first verify pass feeds: one padded pass per model for all of them."""
         started = time.perf_counter()
-        if length > 1:
-            self.target_cache.reserve(seq.seq_id, length - 1)
-            view, positions = self.target_cache.view([seq.seq_id], [list(range(length - 1))], self.target.config.sliding_window)
-            self.target(request.committed[None, : length - 1], positions, view, view, compute_logits=False)
-            request.stats.target_forward_passes += 1
-        self.target_cache.commit(seq.seq_id, length - 1)
-        if request.method == "draft":
+        requests: list[_Request] = [seq.state for seq in seqs]
+        rows = [(seq, request) for seq, request in zip(seqs, requests, strict=True) if len(request.tokens) > 1]
+        if rows:
+            host_positions = [list(range(len(request.tokens) - 1)) for _, request in rows]
+            width = max(len(p) for p in host_positions)
+            view, positions = self.target_cache.view([seq.seq_id for seq, _ in rows], host_positions,
+                                                     self.target.config.sliding_window)
+            tokens = torch.stack([
+                torch.nn.functional.pad(request.committed[: len(request.tokens) - 1], (0, width - len(request.tokens) + 1))
+                for _, request in rows
+            ])
+            self.target(tokens, positions, view, view, compute_logits=False)
+        for seq, request in zip(seqs, requests, strict=True):
+            self.target_cache.commit(seq.seq_id, len(request.tokens) - 1)
+            request.stats.target_forward_passes += int(len(request.tokens) > 1)
+        drafting = [(seq.seq_id, request.committed[: len(request.tokens)]) for seq, request in zip(seqs, requests, strict=True)
+                    if request.method == "draft"]
+        if drafting:
             assert self.drafter is not None
-            request.stats.draft_forward_passes += self.drafter.add(seq.seq_id, request.committed[:length])
-        request.stats.prefill_seconds += time.perf_counter() - started
+            passes = self.drafter.add(drafting)
+            for request in requests:
+                request.stats.draft_forward_passes += passes if request.method == "draft" else 0
+        elapsed = time.perf_counter() - started
+        for request in requests:
+            request.stats.prefill_seconds += elapsed
 
     def _draft(
         self, running: list[ScheduledSequence], wanted: dict[int, int]

@@ -53,18 +53,27 @@ class BatchDraftModel:
         """Draft-cache slots ``seq`` uses while drafting ``num_tokens`` after ``committed_len``."""
         return committed_len + num_tokens - 1
 
-    def add(self, seq: int, committed: torch.Tensor) -> int:  # committed: (L,) long
-        """Prefill a new sequence's committed tokens but the last (one pass); returns passes run.
-        The scheduler has already given ``seq`` a block table in the draft pool."""
-        state = self._states[seq] = _DraftState()
-        length = committed.shape[0]
-        if length <= 1:
+    def add(self, sequences: Sequence[tuple[int, torch.Tensor]]) -> int:
+        """Prefill new sequences, (seq, committed (L,) long) each, with their committed tokens but
+        the last, in one padded pass; returns the passes run (0 or 1). The scheduler has already
+        given each ``seq`` a block table in the draft pool."""
+        rows = []
+        for seq, committed in sequences:
+            self._states[seq] = _DraftState()
+            if committed.shape[0] > 1:
+                rows.append((seq, committed[:-1]))
+        if not rows:
             return 0
-        self.cache.reserve(seq, length - 1)
-        view, positions = self.cache.view([seq], [list(range(length - 1))], self.model.config.sliding_window)
-        self.model(committed[None, : length - 1], positions, view, view, compute_logits=False)
-        self.cache.commit(seq, length - 1)
-        state.cached_len = length - 1
+        host_positions = [list(range(tokens.shape[0])) for _, tokens in rows]
+        width = max(len(p) for p in host_positions)
+        for (seq, _), row in zip(rows, host_positions, strict=True):
+            self.cache.reserve(seq, len(row))
+        view, positions = self.cache.view([seq for seq, _ in rows], host_positions, self.model.config.sliding_window)
+        tokens = torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[0])) for _, t in rows])
+        self.model(tokens, positions, view, view, compute_logits=False)
+        for seq, tokens in rows:
+            self.cache.commit(seq, tokens.shape[0])
+            self._states[seq].cached_len = tokens.shape[0]
         return 1
 
     def forget(self, seq: int) -> None:
