@@ -1,6 +1,6 @@
 """Batched speculative decoding: many requests share each draft and verify pass.
 
-Each step: the scheduler admits waiting requests (each is prefilled alone, one pass per model),
+Each step: the scheduler admits waiting requests (prefilled together in one padded target pass),
 the batch's draft length k is chosen from live acceptance and measured costs
 (``schedule.BatchK``; k = 0 decodes the whole batch plainly), every running sequence reserves
 its KV slots, the drafters propose (prompt lookup per row on the host; the draft model for all
@@ -259,8 +259,9 @@ class BatchEngine:
         return max(0, min(request.k, request.remaining - 1))
 
     def _prefill(self, seqs: list[ScheduledSequence]) -> None:
-        """Fill newly admitted (or readmitted) sequences' caches with their committed tokens but
-        the last, which the first verify pass feeds: one padded pass per model for all of them."""
+        """Fill newly admitted (or readmitted) sequences' target caches with their committed tokens
+        but the last, which the first verify pass feeds: one padded pass for all of them. The draft
+        model reads them the first time a sequence drafts (``BatchDraftModel.add``)."""
         started = time.perf_counter()
         requests: list[_Request] = [seq.state for seq in seqs]
         rows = [(seq, request) for seq, request in zip(seqs, requests, strict=True) if len(request.tokens) > 1]
@@ -277,13 +278,10 @@ class BatchEngine:
         for seq, request in zip(seqs, requests, strict=True):
             self.target_cache.commit(seq.seq_id, len(request.tokens) - 1)
             request.stats.target_forward_passes += int(len(request.tokens) > 1)
-        drafting = [(seq.seq_id, request.committed[: len(request.tokens)]) for seq, request in zip(seqs, requests, strict=True)
-                    if request.method == "draft"]
-        if drafting:
-            assert self.drafter is not None
-            passes = self.drafter.add(drafting)
-            for request in requests:
-                request.stats.draft_forward_passes += passes if request.method == "draft" else 0
+        for seq, request in zip(seqs, requests, strict=True):
+            if request.method == "draft":
+                assert self.drafter is not None
+                self.drafter.add(seq.seq_id)  # reads the prompt when it first drafts
         elapsed = time.perf_counter() - started
         for request in requests:
             request.stats.prefill_seconds += elapsed

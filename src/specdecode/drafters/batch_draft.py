@@ -5,7 +5,9 @@ which the target accepted n of k drafted tokens, the draft cache keeps the old c
 sequence plus min(n, k - 1) drafted tokens), but one forward pass serves every sequence of the
 batch: a catch-up pass feeds each row the committed tokens it has not seen (one or two,
 padded to the longest row), then each further pass feeds every still-drafting row its last
-drafted token. Rows may draft different numbers of tokens.
+drafted token. Rows may draft different numbers of tokens. A row further behind (a new
+sequence, or one the batch decoded plainly for a while) first reads its backlog in a read-ahead
+pass of its own, so the draft model costs nothing for requests that never draft.
 
 Sampling is per row with that request's processor and generator, so each request's q is the
 distribution its own tokens were drawn from and verification stays lossless row by row.
@@ -22,6 +24,8 @@ from ..models.llama import Transformer
 from ..paged_cache import PagedKVCache
 from ..sampling import LogitsProcessor, draw
 from .base import DraftProposal
+
+CATCH_UP_WIDTH = 2  # unseen tokens after a verify step: the bonus token, plus the last draft if all were accepted
 
 
 @dataclass(slots=True)
@@ -53,27 +57,33 @@ class BatchDraftModel:
         """Draft-cache slots ``seq`` uses while drafting ``num_tokens`` after ``committed_len``."""
         return committed_len + num_tokens - 1
 
-    def add(self, sequences: Sequence[tuple[int, torch.Tensor]]) -> int:
-        """Prefill new sequences, (seq, committed (L,) long) each, with their committed tokens but
-        the last, in one padded pass; returns the passes run (0 or 1). The scheduler has already
-        given each ``seq`` a block table in the draft pool."""
-        rows = []
-        for seq, committed in sequences:
-            self._states[seq] = _DraftState()
-            if committed.shape[0] > 1:
-                rows.append((seq, committed[:-1]))
-        if not rows:
+    def add(self, seq: int) -> None:
+        """A new (or readmitted) sequence; the scheduler has given it a block table in the draft
+        pool. Nothing runs yet: the draft reads the prompt the first time the sequence drafts,
+        so a request that the batch decodes plainly (k = 0 under load) never costs a draft pass."""
+        self._states[seq] = _DraftState()
+
+    def _read_ahead(self, rows: Sequence[DraftRow], states: Sequence[_DraftState]) -> int:
+        """Feed rows that are far behind (new sequences, or after plain steps) all their unseen
+        committed tokens but the last, in one padded pass; returns the passes run (0 or 1).
+        Keeps the catch-up pass that follows one or two tokens wide for every row."""
+        behind = [(row, state) for row, state in zip(rows, states, strict=True)
+                  if row.committed.shape[0] - state.cached_len > CATCH_UP_WIDTH]
+        if not behind:
             return 0
-        host_positions = [list(range(tokens.shape[0])) for _, tokens in rows]
+        host_positions = [list(range(state.cached_len, row.committed.shape[0] - 1)) for row, state in behind]
         width = max(len(p) for p in host_positions)
-        for (seq, _), row in zip(rows, host_positions, strict=True):
-            self.cache.reserve(seq, len(row))
-        view, positions = self.cache.view([seq for seq, _ in rows], host_positions, self.model.config.sliding_window)
-        tokens = torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[0])) for _, t in rows])
+        for (row, _), positions in zip(behind, host_positions, strict=True):
+            self.cache.reserve(row.seq, positions[-1] + 1)
+        view, positions = self.cache.view([row.seq for row, _ in behind], host_positions, self.model.config.sliding_window)
+        tokens = torch.stack([
+            torch.nn.functional.pad(row.committed[state.cached_len : -1], (0, width - len(p)))
+            for (row, state), p in zip(behind, host_positions, strict=True)
+        ])
         self.model(tokens, positions, view, view, compute_logits=False)
-        for seq, tokens in rows:
-            self.cache.commit(seq, tokens.shape[0])
-            self._states[seq].cached_len = tokens.shape[0]
+        for row, state in behind:
+            state.cached_len = row.committed.shape[0] - 1
+            self.cache.commit(row.seq, state.cached_len)
         return 1
 
     def forget(self, seq: int) -> None:
@@ -109,13 +119,14 @@ class BatchDraftModel:
         tokens: list[list[torch.Tensor]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         states = [self._states[row.seq] for row in rows]
+        passes = self._read_ahead(rows, states)
         # Catch up on committed tokens the draft has not seen, then one token per pass.
         logits = self._pass(
             [row.seq for row in rows],
             [row.committed[state.cached_len :] for row, state in zip(rows, states, strict=True)],
             [state.cached_len for state in states],
         )
-        passes = 1
+        passes += 1
         active = list(range(len(rows)))
         step = 0
         while True:
