@@ -17,7 +17,7 @@ from specdecode import SamplingParams
 from specdecode.batch_engine import BatchEngine
 from specdecode.batch_worker import BatchWorker
 from specdecode.errors import InvalidRequestError
-from specdecode.schedule import BatchK, RowCosts
+from specdecode.schedule import BatchK, BatchRow, RowCosts
 
 METHODS = ("draft", "ngram", "none")
 
@@ -213,14 +213,34 @@ def test_batch_k_falls_back_to_plain_as_the_batch_grows() -> None:
     verify = RowCosts({1: 0.2, 8: 0.21, 16: 0.7, 64: 3.6})
     draft = RowCosts({1: 0.05, 8: 0.06, 16: 0.12})
     chooser = BatchK(k_max=8, verify=verify, draft=draft)
-    alone = chooser.choose([(0.8, 8, True)], batch_size=1)
-    crowd = chooser.choose([(0.8, 8, True)] * 16, batch_size=16)
-    assert alone >= 3 and crowd == 0
-    assert BatchK(k_max=5).choose([(0.1, 5, True)], 1) == 5  # no costs: a fixed k
+    row = BatchRow(acceptance=0.8, cap=8, uses_draft_model=True)
+    assert chooser.choose([row], batch_size=1) >= 3
+    assert chooser.choose([row] * 16, batch_size=16) == 0
+    assert chooser.choose([BatchRow(0.8, 2, True)], batch_size=1) == 2  # a row's cap bounds the useful k
+    assert BatchK(k_max=5).choose([BatchRow(0.1, 5, True)], 1) == 5  # no costs: a fixed k
     assert chooser.choose([], batch_size=4) == 0  # nothing speculative
-    for _ in range(12):
-        chooser.observe(rows=16, drafted=0, verify_seconds=0.7, draft_rows=0, draft_passes=0, draft_seconds=0.0)
-    assert chooser.choose([(0.8, 8, True)] * 16, batch_size=16) == 2  # the probe after 12 plain steps
+
+
+def test_batch_k_prices_the_draft_backlog_and_backs_off_its_probes() -> None:
+    verify = RowCosts({1: 0.2, 4: 0.22, 8: 0.3, 16: 0.6})
+    draft = RowCosts({1: 0.05, 4: 0.06, 64: 0.5, 128: 1.0})
+    chooser = BatchK(k_max=8, verify=verify, draft=draft)
+    caught_up = [BatchRow(0.8, 8, True)] * 2
+    behind = [BatchRow(0.8, 8, True, backlog=60)] * 2
+    assert chooser.choose(caught_up, 2) > 0 and chooser.choose(behind, 2) == 0
+
+    def plain_steps(n: int) -> None:
+        for _ in range(n):
+            chooser.observe(rows=2, drafted=0, verify_seconds=0.2, draft_rows=0, draft_passes=0, draft_seconds=0.0)
+
+    plain_steps(12)
+    assert chooser.choose(behind, 2) == 2  # the probe after 12 plain steps
+    chooser.observe(rows=6, drafted=4, verify_seconds=0.25, draft_rows=2, draft_passes=2, draft_seconds=0.1)
+    assert chooser.choose(behind, 2) == 0 and chooser.probe_after == 24  # it did not pay: wait twice as long
+    plain_steps(12)
+    assert chooser.choose(behind, 2) == 0
+    plain_steps(12)
+    assert chooser.choose(behind, 2) == 2
 
 
 def test_plain_batch_step_costs_one_target_pass_for_every_row(dec) -> None:

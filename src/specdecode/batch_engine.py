@@ -39,7 +39,7 @@ from .metrics import GenerationStats, Stopwatch
 from .models.llama import Transformer
 from .paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from .sampling import LogitsProcessor, make_generator
-from .schedule import AcceptanceEstimate, BatchK, RowCosts
+from .schedule import AcceptanceEstimate, BatchK, BatchRow, RowCosts
 from .scheduler import ScheduledSequence, Scheduler
 from .verify import PAD_TOKEN, greedy_verify, rejection_verify
 
@@ -226,10 +226,9 @@ class BatchEngine:
         if not running:
             return []
         requests: list[_Request] = [seq.state for seq in running]
-        k = self.chooser.choose(
-            [(r.acceptance.rate, self._k_cap(r), r.method == "draft") for r in requests if r.method != "none"],
-            len(requests),
-        )
+        plans = [self._plan_row(seq) for seq in running if seq.state.method != "none"]
+        k = self.chooser.choose(plans, len(requests))
+        read_ahead = k > 0 and any(plan.backlog for plan in plans)
         wanted = {seq.seq_id: (min(k, self._k_cap(seq.state)) if seq.state.method != "none" else 0) for seq in running}
 
         def needs(seq: ScheduledSequence) -> tuple[int, int]:
@@ -250,9 +249,18 @@ class BatchEngine:
         self.chooser.observe(
             rows=len(proposals) * (1 + max(p.num_tokens for p in proposals)), drafted=sum(p.num_tokens for p in proposals),
             verify_seconds=verify_watch.elapsed,
-            draft_rows=draft_rows, draft_passes=draft_passes, draft_seconds=draft_watch.elapsed,
+            # A step that read a backlog first says little about one draft pass: not timed.
+            draft_rows=draft_rows, draft_passes=0 if read_ahead else draft_passes, draft_seconds=draft_watch.elapsed,
         )
         return self._commit(running, proposals, emitted, draft_watch.elapsed, verify_watch.elapsed, draft_passes)
+
+    def _plan_row(self, seq: ScheduledSequence) -> BatchRow:
+        request: _Request = seq.state
+        backlog = 0
+        if request.method == "draft":
+            assert self.drafter is not None
+            backlog = self.drafter.backlog(seq.seq_id, len(request.tokens))
+        return BatchRow(request.acceptance.rate, self._k_cap(request), request.method == "draft", backlog)
 
     def _k_cap(self, request: _Request) -> int:
         # A step emits at most k + 1 tokens: never draft past max_new_tokens.

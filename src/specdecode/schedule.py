@@ -41,6 +41,7 @@ GOODPUT_DECAY = 0.97
 COST_DECAY = 0.8  # weight of the old cost estimate in a live update
 PROBE_AFTER = 12  # plain steps in a row before drafting again
 PROBE_K = 2
+MAX_PROBE_AFTER = 96  # the batch engine's longest wait between probes
 RAISE_ABOVE = 0.8
 DROP_BELOW = 0.4
 
@@ -252,47 +253,70 @@ class RowCosts:
             self.points[rows] = blend(self.seconds(rows), seconds)
 
 
+@dataclass(slots=True, frozen=True)
+class BatchRow:
+    """A speculating row, as the batch's draft-length choice sees it."""
+
+    acceptance: float
+    cap: int  # the most tokens this row may draft this step
+    uses_draft_model: bool
+    backlog: int = 0  # committed tokens the draft model must read before this row can draft
+
+
 @dataclass(slots=True)
 class BatchK:
     """One draft length for a whole batch: the k that maximises the batch's expected tokens per
     second, sum_b E(a_b, k_b) / (k draft passes over the draft-model rows + one verify pass over
     B x (max k_b + 1) rows, the batch padded to its longest row), with k_b = min(k, row b's cap).
-    k = 0 decodes the whole batch plainly: as the batch grows a plain pass gets relatively cheaper (more rows per weight read) and a speculative
-    one dearer (B x (k + 1) rows), so speculation fades out where it stops paying.
+    Drafting after plain steps first costs a read-ahead pass over the rows' backlogs, priced in.
+    k = 0 decodes the whole batch plainly: as the batch grows a plain pass gets relatively
+    cheaper (more rows per weight read) and a speculative one dearer (B x (k + 1) rows), so
+    speculation fades out where it stops paying.
 
-    Without cost tables it drafts each row's cap (a fixed k). After ``PROBE_AFTER`` plain steps
-    in a row it drafts ``PROBE_K`` tokens, so the acceptance estimates stay current.
+    Without cost tables it drafts each row's cap (a fixed k). After ``probe_after`` plain steps
+    in a row it drafts ``PROBE_K`` tokens, so the acceptance estimates stay current; each probe
+    that does not bring speculation back doubles the wait (up to ``MAX_PROBE_AFTER``), so a load
+    where speculation never pays costs few probes.
     """
 
     k_max: int
     verify: RowCosts | None = None
     draft: RowCosts | None = None
     plain_streak: int = 0
+    probe_after: int = PROBE_AFTER
+    probing: bool = False
 
-    def choose(self, speculative: Sequence[tuple[float, int, bool]], batch_size: int) -> int:
-        """``speculative``: (acceptance, cap, uses the draft model) per speculating row."""
+    def choose(self, speculative: Sequence[BatchRow], batch_size: int) -> int:
         if not speculative:
             return 0
         if self.verify is None:
             return self.k_max
-        if self.plain_streak >= PROBE_AFTER:
+        if self.plain_streak >= self.probe_after:
+            self.probing = True
             return min(PROBE_K, self.k_max)
+        model_rows = [row for row in speculative if row.uses_draft_model]
+        if model_rows and self.draft is None:
+            return self.k_max
         plain_rows = batch_size - len(speculative)
-        model_rows = sum(1 for _, _, uses_model in speculative if uses_model)
+        behind = [row.backlog for row in model_rows if row.backlog > 0]
+        read_ahead = self.draft.seconds(len(behind) * max(behind)) if behind and self.draft is not None else 0.0
         best, best_rate = 0, batch_size / self.verify.seconds(batch_size)
         for k in range(1, self.k_max + 1):
-            capped = [(a, min(k, cap)) for a, cap, _ in speculative]
+            capped = [(row.acceptance, min(k, row.cap)) for row in speculative]
             tokens = plain_rows + sum(expected_tokens(a, kb) for a, kb in capped)
             rows = batch_size * (1 + max(kb for _, kb in capped))  # the pass is padded to the longest row
             seconds = self.verify.seconds(rows)
             if model_rows:
-                if self.draft is None:
-                    return self.k_max
-                seconds += k * self.draft.seconds(model_rows)
+                assert self.draft is not None
+                seconds += k * self.draft.seconds(len(model_rows)) + read_ahead
             if tokens / seconds > best_rate * (1 + 1e-9):
                 best, best_rate = k, tokens / seconds
+        if best > 0:
+            self.probe_after = PROBE_AFTER  # speculation pays again: probe at the usual rate later
+        elif self.probing:
+            self.probe_after = min(2 * self.probe_after, MAX_PROBE_AFTER)
+        self.probing = False
         return best
-
     def observe(
         self, rows: int, drafted: int, verify_seconds: float, draft_rows: int, draft_passes: int, draft_seconds: float
     ) -> None:

@@ -63,6 +63,11 @@ class BatchDraftModel:
         so a request that the batch decodes plainly (k = 0 under load) never costs a draft pass."""
         self._states[seq] = _DraftState()
 
+    def backlog(self, seq: int, committed_len: int) -> int:
+        """Committed tokens ``seq``'s next proposal reads ahead first (0 when it is caught up)."""
+        unseen = committed_len - self._states[seq].cached_len
+        return unseen - 1 if unseen > CATCH_UP_WIDTH else 0
+
     def _read_ahead(self, rows: Sequence[DraftRow], states: Sequence[_DraftState]) -> int:
         """Feed rows that are far behind (new sequences, or after plain steps) all their unseen
         committed tokens but the last, in one padded pass; returns the passes run (0 or 1).
