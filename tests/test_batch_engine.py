@@ -219,28 +219,40 @@ def test_batch_k_falls_back_to_plain_as_the_batch_grows() -> None:
     assert chooser.choose([BatchRow(0.8, 2, True)], batch_size=1) == 2  # a row's cap bounds the useful k
     assert BatchK(k_max=5).choose([BatchRow(0.1, 5, True)], 1) == 5  # no costs: a fixed k
     assert chooser.choose([], batch_size=4) == 0  # nothing speculative
+    for _ in range(12):
+        chooser.observe(rows=16, drafted=0, verify_seconds=0.7, draft_rows=0, draft_passes=0, draft_seconds=0.0)
+    # No probe: even drafts accepted 90% of the time would not pay for 16 rows here.
+    assert chooser.choose([row] * 16, batch_size=16) == 0 and chooser.plain_streak == 0
 
 
 def test_batch_k_prices_the_draft_backlog_and_backs_off_its_probes() -> None:
     verify = RowCosts({1: 0.2, 4: 0.22, 8: 0.3, 16: 0.6})
-    draft = RowCosts({1: 0.05, 4: 0.06, 64: 0.5, 128: 1.0})
+    draft = RowCosts({1: 0.05, 4: 0.06, 64: 0.5, 128: 1.0, 1024: 8.0})
     chooser = BatchK(k_max=8, verify=verify, draft=draft)
     caught_up = [BatchRow(0.8, 8, True)] * 2
-    behind = [BatchRow(0.8, 8, True, backlog=60)] * 2
+    behind = [BatchRow(0.8, 8, True, backlog=500, remaining=100)] * 2  # a read-ahead of ~8 s
     assert chooser.choose(caught_up, 2) > 0 and chooser.choose(behind, 2) == 0
+    # The same backlog spread over a long future pays; over a short one it does not.
+    assert chooser.choose([BatchRow(0.8, 8, True, backlog=60, remaining=100)] * 2, 2) > 0
+    assert chooser.choose([BatchRow(0.8, 8, True, backlog=60, remaining=4)] * 2, 2) == 0
+    # A row never verified is given the optimistic acceptance once.
+    assert chooser.choose([BatchRow(0.2, 8, True, observed=False)], 1) > 0
+    assert chooser.choose([BatchRow(0.2, 8, True)], 1) == 0
 
     def plain_steps(n: int) -> None:
         for _ in range(n):
             chooser.observe(rows=2, drafted=0, verify_seconds=0.2, draft_rows=0, draft_passes=0, draft_seconds=0.0)
 
+    poor = [BatchRow(0.3, 8, True)] * 2
+    assert chooser.choose(poor, 2) == 0
     plain_steps(12)
-    assert chooser.choose(behind, 2) == 2  # the probe after 12 plain steps
+    assert chooser.choose(poor, 2) == 2  # the probe after 12 plain steps
     chooser.observe(rows=6, drafted=4, verify_seconds=0.25, draft_rows=2, draft_passes=2, draft_seconds=0.1)
-    assert chooser.choose(behind, 2) == 0 and chooser.probe_after == 24  # it did not pay: wait twice as long
+    assert chooser.choose(poor, 2) == 0 and chooser.probe_after == 24  # it did not pay: wait twice as long
     plain_steps(12)
-    assert chooser.choose(behind, 2) == 0
+    assert chooser.choose(poor, 2) == 0
     plain_steps(12)
-    assert chooser.choose(behind, 2) == 2
+    assert chooser.choose(poor, 2) == 2
 
 
 def test_plain_batch_step_costs_one_target_pass_for_every_row(dec) -> None:
@@ -262,3 +274,17 @@ def test_plain_batch_step_costs_one_target_pass_for_every_row(dec) -> None:
         del dec.target.model.forward
     longest_prefill = max(len(dec.encode(p)) for p in PROMPTS[:4]) - 1
     assert calls == [torch.Size([4, longest_prefill]), torch.Size([4, 1]), torch.Size([4, 1])]
+
+
+def test_generate_batch_equals_generate_per_prompt(dec) -> None:
+    params = [SamplingParams(max_new_tokens=n, stop=stop) for n, stop in zip([12, 20, 6, 16], [(), (), (), ("\n",)])]
+    eng = dec.batch_engine(max_batch=3, kv_cache_tokens=512, cost_aware=False)
+    for method in ("draft", "ngram", "none"):
+        results = dec.generate_batch(PROMPTS[:4], params, method=method, k=3, engine=eng)
+        for prompt, p, result in zip(PROMPTS[:4], params, results):
+            alone = dec.generate(prompt, p, method="none")
+            assert (result.text, result.token_ids) == (alone.text, alone.token_ids)
+            assert result.stats.method == method and result.stats.new_tokens >= len(result.token_ids)
+    assert_pools_empty(eng)
+    with pytest.raises(InvalidRequestError, match="SamplingParams"):
+        dec.generate_batch(PROMPTS[:2], params, engine=eng)

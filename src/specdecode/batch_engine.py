@@ -260,7 +260,8 @@ class BatchEngine:
         if request.method == "draft":
             assert self.drafter is not None
             backlog = self.drafter.backlog(seq.seq_id, len(request.tokens))
-        return BatchRow(request.acceptance.rate, self._k_cap(request), request.method == "draft", backlog)
+        return BatchRow(request.acceptance.rate, self._k_cap(request), request.method == "draft", backlog,
+                        observed=request.acceptance.trials > 0, remaining=request.remaining)
 
     def _k_cap(self, request: _Request) -> int:
         # A step emits at most k + 1 tokens: never draft past max_new_tokens.

@@ -42,6 +42,8 @@ COST_DECAY = 0.8  # weight of the old cost estimate in a live update
 PROBE_AFTER = 12  # plain steps in a row before drafting again
 PROBE_K = 2
 MAX_PROBE_AFTER = 96  # the batch engine's longest wait between probes
+OPTIMISTIC_ACCEPTANCE = 0.9  # the batch engine probes only if drafts accepted this often would pay
+READ_AHEAD_HORIZON = 16  # steps over which the batch engine spreads a draft read-ahead's cost
 RAISE_ABOVE = 0.8
 DROP_BELOW = 0.4
 
@@ -261,6 +263,8 @@ class BatchRow:
     cap: int  # the most tokens this row may draft this step
     uses_draft_model: bool
     backlog: int = 0  # committed tokens the draft model must read before this row can draft
+    observed: bool = True  # False: no draft of this row verified yet (``acceptance`` is a prior)
+    remaining: int = 1 << 30  # tokens the request may still generate
 
 
 @dataclass(slots=True)
@@ -268,13 +272,16 @@ class BatchK:
     """One draft length for a whole batch: the k that maximises the batch's expected tokens per
     second, sum_b E(a_b, k_b) / (k draft passes over the draft-model rows + one verify pass over
     B x (max k_b + 1) rows, the batch padded to its longest row), with k_b = min(k, row b's cap).
-    Drafting after plain steps first costs a read-ahead pass over the rows' backlogs, priced in.
+    Drafting after plain steps first costs a read-ahead pass over the rows' backlogs, priced in
+    (spread over the next ``READ_AHEAD_HORIZON`` steps, since the rows then stay caught up). A
+    row whose drafts were never verified counts as ``OPTIMISTIC_ACCEPTANCE`` until they are.
     k = 0 decodes the whole batch plainly: as the batch grows a plain pass gets relatively
     cheaper (more rows per weight read) and a speculative one dearer (B x (k + 1) rows), so
     speculation fades out where it stops paying.
 
     Without cost tables it drafts each row's cap (a fixed k). After ``probe_after`` plain steps
-    in a row it drafts ``PROBE_K`` tokens, so the acceptance estimates stay current; each probe
+    in a row it drafts ``PROBE_K`` tokens, so the acceptance estimates stay current, but only
+    if speculation would pay with optimistic acceptance (``OPTIMISTIC_ACCEPTANCE``); each probe
     that does not bring speculation back doubles the wait (up to ``MAX_PROBE_AFTER``), so a load
     where speculation never pays costs few probes.
     """
@@ -289,20 +296,48 @@ class BatchK:
     def choose(self, speculative: Sequence[BatchRow], batch_size: int) -> int:
         if not speculative:
             return 0
-        if self.verify is None:
+        if self.verify is None or (self.draft is None and any(row.uses_draft_model for row in speculative)):
             return self.k_max
         if self.plain_streak >= self.probe_after:
-            self.probing = True
-            return min(PROBE_K, self.k_max)
+            # Probe only where fresh estimates could change the answer: if even drafts accepted
+            # at OPTIMISTIC_ACCEPTANCE would not pay at this batch size, the estimates are not
+            # what keeps the batch plain.
+            if self._best(speculative, batch_size, OPTIMISTIC_ACCEPTANCE) > 0:
+                self.probing = True
+                return min(PROBE_K, self.k_max)
+            self.plain_streak = 0
+        best = self._best(speculative, batch_size)
+        if best > 0:
+            self.probe_after = PROBE_AFTER  # speculation pays again: probe at the usual rate later
+        elif self.probing:
+            self.probe_after = min(2 * self.probe_after, MAX_PROBE_AFTER)
+        self.probing = False
+        return best
+
+    def _best(self, speculative: Sequence[BatchRow], batch_size: int, acceptance: float | None = None) -> int:
+        """The k with the highest expected rate; ``acceptance`` replaces every row's estimate."""
+        assert self.verify is not None
         model_rows = [row for row in speculative if row.uses_draft_model]
-        if model_rows and self.draft is None:
-            return self.k_max
         plain_rows = batch_size - len(speculative)
-        behind = [row.backlog for row in model_rows if row.backlog > 0]
-        read_ahead = self.draft.seconds(len(behind) * max(behind)) if behind and self.draft is not None else 0.0
+        behind = [row for row in model_rows if row.backlog > 0]
+        read_ahead = 0.0
+        if behind:
+            assert self.draft is not None
+            # One pass reads every backlog; the rows then draft for many steps: spread its cost
+            # over as many steps as they are likely to have left (two tokens a step).
+            horizon = max(1, min(READ_AHEAD_HORIZON, min(row.remaining for row in behind) // 2))
+            read_ahead = self.draft.seconds(len(behind) * max(row.backlog for row in behind)) / horizon
         best, best_rate = 0, batch_size / self.verify.seconds(batch_size)
+
+        def rate_of(row: BatchRow) -> float:
+            if acceptance is not None:
+                return acceptance
+            # A row not yet verified is given the benefit of the doubt once: its first step
+            # measures its acceptance (as CostAwareK drafts its first k before any measurement).
+            return row.acceptance if row.observed else OPTIMISTIC_ACCEPTANCE
+
         for k in range(1, self.k_max + 1):
-            capped = [(row.acceptance, min(k, row.cap)) for row in speculative]
+            capped = [(rate_of(row), min(k, row.cap)) for row in speculative]
             tokens = plain_rows + sum(expected_tokens(a, kb) for a, kb in capped)
             rows = batch_size * (1 + max(kb for _, kb in capped))  # the pass is padded to the longest row
             seconds = self.verify.seconds(rows)
@@ -311,12 +346,8 @@ class BatchK:
                 seconds += k * self.draft.seconds(len(model_rows)) + read_ahead
             if tokens / seconds > best_rate * (1 + 1e-9):
                 best, best_rate = k, tokens / seconds
-        if best > 0:
-            self.probe_after = PROBE_AFTER  # speculation pays again: probe at the usual rate later
-        elif self.probing:
-            self.probe_after = min(2 * self.probe_after, MAX_PROBE_AFTER)
-        self.probing = False
         return best
+
     def observe(
         self, rows: int, drafted: int, verify_seconds: float, draft_rows: int, draft_passes: int, draft_seconds: float
     ) -> None:
