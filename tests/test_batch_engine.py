@@ -17,7 +17,7 @@ from specdecode import SamplingParams
 from specdecode.batch_engine import BatchEngine
 from specdecode.batch_worker import BatchWorker
 from specdecode.errors import InvalidRequestError
-from specdecode.schedule import BatchK, BatchRow, RowCosts
+from specdecode.batch_schedule import BatchK, BatchRow, PassCosts
 
 METHODS = ("draft", "ngram", "none")
 
@@ -199,19 +199,22 @@ def test_worker_serves_threads_and_an_early_close_cancels(dec) -> None:
         worker.close()
 
 
-def test_row_costs_interpolate_extrapolate_and_follow_live_passes() -> None:
-    costs = RowCosts({1: 1.0, 4: 1.3, 8: 2.0})
-    assert costs.seconds(2) == pytest.approx(1.1) and costs.seconds(16) == pytest.approx(3.4)
-    costs.observe(4, 2.3)
-    assert 1.3 < costs.seconds(4) < 2.3
+def test_pass_costs_interpolate_scale_and_learn_each_shape() -> None:
+    costs = PassCosts({1: 1.0, 4: 1.3, 8: 2.0})
+    assert costs.seconds(2, 1) == pytest.approx(1.1) and costs.seconds(4, 4) == pytest.approx(3.4)
+    costs.observe(4, 1, 2.6)  # a batched pass of 4 rows cost twice the 4-token prior
+    assert costs.seconds(4, 1) == 2.6  # a shape's first timing is taken as is
+    assert costs.seconds(2, 4) == pytest.approx(2.0 * (0.8 + 0.2 * 2.0))  # unseen shapes: prior x scale
+    costs.observe(4, 1, 1.6)
+    assert 1.6 < costs.seconds(4, 1) < 2.6
     with pytest.raises(ValueError):
-        RowCosts({0: 1.0})
+        PassCosts({0: 1.0})
 
 
 def test_batch_k_falls_back_to_plain_as_the_batch_grows() -> None:
     # Memory-bound until 8 rows, then compute-bound: 60 ms per row.
-    verify = RowCosts({1: 0.2, 8: 0.21, 16: 0.7, 64: 3.6})
-    draft = RowCosts({1: 0.05, 8: 0.06, 16: 0.12})
+    verify = PassCosts({1: 0.2, 8: 0.21, 16: 0.7, 64: 3.6})
+    draft = PassCosts({1: 0.05, 8: 0.06, 16: 0.12})
     chooser = BatchK(k_max=8, verify=verify, draft=draft)
     row = BatchRow(acceptance=0.8, cap=8, uses_draft_model=True)
     assert chooser.choose([row], batch_size=1) >= 3
@@ -220,14 +223,14 @@ def test_batch_k_falls_back_to_plain_as_the_batch_grows() -> None:
     assert BatchK(k_max=5).choose([BatchRow(0.1, 5, True)], 1) == 5  # no costs: a fixed k
     assert chooser.choose([], batch_size=4) == 0  # nothing speculative
     for _ in range(12):
-        chooser.observe(rows=16, drafted=0, verify_seconds=0.7, draft_rows=0, draft_passes=0, draft_seconds=0.0)
+        chooser.observe(batch=16, width=1, drafted=0, verify_seconds=0.7, draft_rows=0, draft_passes=0, draft_seconds=0.0)
     # No probe: even drafts accepted 90% of the time would not pay for 16 rows here.
     assert chooser.choose([row] * 16, batch_size=16) == 0 and chooser.plain_streak == 0
 
 
 def test_batch_k_prices_the_draft_backlog_and_backs_off_its_probes() -> None:
-    verify = RowCosts({1: 0.2, 4: 0.22, 8: 0.3, 16: 0.6})
-    draft = RowCosts({1: 0.05, 4: 0.06, 64: 0.5, 128: 1.0, 1024: 8.0})
+    verify = PassCosts({1: 0.2, 4: 0.22, 8: 0.3, 16: 0.6})
+    draft = PassCosts({1: 0.05, 4: 0.06, 64: 0.5, 128: 1.0, 1024: 8.0})
     chooser = BatchK(k_max=8, verify=verify, draft=draft)
     caught_up = [BatchRow(0.8, 8, True)] * 2
     behind = [BatchRow(0.8, 8, True, backlog=500, remaining=100)] * 2  # a read-ahead of ~8 s
@@ -241,13 +244,13 @@ def test_batch_k_prices_the_draft_backlog_and_backs_off_its_probes() -> None:
 
     def plain_steps(n: int) -> None:
         for _ in range(n):
-            chooser.observe(rows=2, drafted=0, verify_seconds=0.2, draft_rows=0, draft_passes=0, draft_seconds=0.0)
+            chooser.observe(batch=2, width=1, drafted=0, verify_seconds=0.2, draft_rows=0, draft_passes=0, draft_seconds=0.0)
 
     poor = [BatchRow(0.3, 8, True)] * 2
     assert chooser.choose(poor, 2) == 0
     plain_steps(12)
     assert chooser.choose(poor, 2) == 2  # the probe after 12 plain steps
-    chooser.observe(rows=6, drafted=4, verify_seconds=0.25, draft_rows=2, draft_passes=2, draft_seconds=0.1)
+    chooser.observe(batch=2, width=3, drafted=4, verify_seconds=0.25, draft_rows=2, draft_passes=2, draft_seconds=0.1)
     assert chooser.choose(poor, 2) == 0 and chooser.probe_after == 24  # it did not pay: wait twice as long
     plain_steps(12)
     assert chooser.choose(poor, 2) == 0
@@ -288,3 +291,13 @@ def test_generate_batch_equals_generate_per_prompt(dec) -> None:
     assert_pools_empty(eng)
     with pytest.raises(InvalidRequestError, match="SamplingParams"):
         dec.generate_batch(PROMPTS[:2], params, engine=eng)
+
+
+def test_cost_aware_engine_times_batched_shapes(dec) -> None:
+    eng = dec.batch_engine(max_batch=4, kv_cache_tokens=512)
+    assert set(eng.chooser.verify.shapes) == {(4, 1), (4, 3)} and set(eng.chooser.draft.shapes) == {(4, 1)}
+    assert eng.chooser.verify.scale > 0
+    cases = mixed_cases()[:6]
+    ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=n), m, k) for p, m, k, n in cases]
+    outputs = eng.run()
+    assert [outputs[i] for i in ids] == single_outputs(dec, cases)

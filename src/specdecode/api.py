@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .batch_engine import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
+from .batch_engine import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine, time_batched_passes
 from .cache import check_kv_dtype
 from .config import (
     DRAFT_MODEL_METHODS,
@@ -37,7 +37,8 @@ from .models.loader import LoadedModel, load_model
 from .quant.apply import check_quant
 from .runtime import resolve_device, resolve_dtype
 from .paged_cache import DEFAULT_BLOCK_SIZE
-from .schedule import CostAwareK, KSchedule, RowCosts, ThresholdK
+from .batch_schedule import PassCosts
+from .schedule import CostAwareK, KSchedule, ThresholdK
 from .text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
 
 
@@ -363,8 +364,8 @@ class SpecDecoder:
         """A continuous-batching engine over this decoder's models (methods none, ngram, draft),
         with paged KV pools of ``kv_cache_tokens`` slots per model.
 
-        ``cost_aware`` times the target (and draft) on a few row counts first (about ten seconds
-        for the demo pair on a 2-core CPU) so that the batch's draft length follows measured
+        ``cost_aware`` times the target (and draft) on a few pass shapes first (about 25 seconds
+        for the demo pair and a batch of 16 on a 2-core CPU) so that the batch's draft length follows measured
         costs and falls to plain decoding where speculation stops paying; without it every
         speculative request drafts its own k each step.
         """
@@ -375,10 +376,16 @@ class SpecDecoder:
             most_rows = max_batch * (self.spec.k_max + 1)
             rows = sorted({1, 2, 4, 8, 16, 32, 64, most_rows} & set(range(1, min(most_rows, BATCH_PROBE_MAX_ROWS) + 1)))
             live = self._live_costs()
-            verify_costs = RowCosts(time_passes(self.target.model, rows), live=live)
+            # Batched shapes the engine will run often: plain steps and short drafts, at a
+            # middling and the largest batch.
+            shapes = sorted({(b, t) for b in {min(4, max_batch), max_batch} if b > 1 for t in (1, 3)})
+            verify_costs = PassCosts(time_passes(self.target.model, rows), live=live,
+                                     shapes=time_batched_passes(self.target.model, shapes) if shapes else None)
             if self.draft is not None:
                 draft_rows = [r for r in rows if r <= 2 * max_batch] or [1]
-                draft_costs = RowCosts(time_passes(self.draft.model, draft_rows), live=live)
+                draft_shapes = [(b, 1) for b, t in shapes if t == 1]
+                draft_costs = PassCosts(time_passes(self.draft.model, draft_rows), live=live,
+                                        shapes=time_batched_passes(self.draft.model, draft_shapes) if draft_shapes else None)
         return BatchEngine(
             self.target.model, None if self.draft is None else self.draft.model, self.eos_token_ids,
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,

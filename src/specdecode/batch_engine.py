@@ -2,7 +2,7 @@
 
 Each step: the scheduler admits waiting requests (prefilled together in one padded target pass),
 the batch's draft length k is chosen from live acceptance and measured costs
-(``schedule.BatchK``; k = 0 decodes the whole batch plainly), every running sequence reserves
+(``batch_schedule.BatchK``; k = 0 decodes the whole batch plainly), every running sequence reserves
 its KV slots, the drafters propose (prompt lookup per row on the host; the draft model for all
 its rows in one pass per drafted token), the target scores every row's last committed token and
 drafts in ONE padded pass, and each row is verified on its own with its request's sampling
@@ -39,7 +39,8 @@ from .metrics import GenerationStats, Stopwatch
 from .models.llama import Transformer
 from .paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from .sampling import LogitsProcessor, make_generator
-from .schedule import AcceptanceEstimate, BatchK, BatchRow, RowCosts
+from .batch_schedule import BatchK, BatchRow, PassCosts
+from .schedule import AcceptanceEstimate
 from .scheduler import ScheduledSequence, Scheduler
 from .verify import PAD_TOKEN, greedy_verify, rejection_verify
 
@@ -47,6 +48,36 @@ BATCH_METHODS = ("none", "ngram", "draft")
 BATCH_POLICIES = ("async", "sync")
 DEFAULT_MAX_BATCH = 8
 DEFAULT_KV_CACHE_TOKENS = 16384  # per model; the demo target's bf16 KV: 28 KiB a token, 0.45 GiB
+
+
+COST_PROBE_CONTEXT = 64  # cached tokens per sequence before a timed batched pass
+
+
+@torch.inference_mode()
+def time_batched_passes(model: Transformer, shapes: Sequence[tuple[int, int]], repeats: int = 2) -> dict[tuple[int, int], float]:
+    """Seconds of one forward pass of B sequences x T new tokens, for each (B, T) in ``shapes``
+    (best of ``repeats`` after a warm-up), each sequence holding ``COST_PROBE_CONTEXT`` tokens
+    in a scratch paged pool: the batch engine's own pass shapes, to seed its cost tables."""
+    most_batch = max(b for b, _ in shapes)
+    most_width = max(t for _, t in shapes)
+    per_sequence = COST_PROBE_CONTEXT + most_width
+    pool = PagedKVCache(model.config, most_batch * (per_sequence // DEFAULT_BLOCK_SIZE + 1) + 1, model.dtype, model.device)
+    for seq in range(most_batch):
+        pool.add(seq)
+        pool.reserve(seq, per_sequence)
+        pool.commit(seq, COST_PROBE_CONTEXT)  # frees the blocks past the context ...
+        pool.reserve(seq, per_sequence)  # ... which the timed tokens write into
+    measured = {}
+    for batch, width in shapes:
+        view, positions = pool.view(list(range(batch)), [list(range(COST_PROBE_CONTEXT, COST_PROBE_CONTEXT + width))] * batch)
+        tokens = torch.zeros((batch, width), dtype=torch.long, device=model.device)
+        samples = []
+        for _ in range(repeats + 1):
+            with Stopwatch(model.device, True) as watch:
+                model(tokens, positions, view, view)
+            samples.append(watch.elapsed)
+        measured[(batch, width)] = min(samples[1:])
+    return measured
 
 
 @dataclass(slots=True)
@@ -96,8 +127,8 @@ class BatchEngine:
         block_size: int = DEFAULT_BLOCK_SIZE,
         policy: str = "async",
         k_max: int = DEFAULT_K_MAX,
-        verify_costs: RowCosts | None = None,
-        draft_costs: RowCosts | None = None,
+        verify_costs: PassCosts | None = None,
+        draft_costs: PassCosts | None = None,
         ngram_max: int = DEFAULT_NGRAM_MAX,
         ngram_min: int = DEFAULT_NGRAM_MIN,
         sync_timing: bool = False,
@@ -247,10 +278,10 @@ class BatchEngine:
         with verify_watch:
             emitted = self._verify(running, proposals)
         self.chooser.observe(
-            rows=len(proposals) * (1 + max(p.num_tokens for p in proposals)), drafted=sum(p.num_tokens for p in proposals),
-            verify_seconds=verify_watch.elapsed,
-            # A step that read a backlog first says little about one draft pass: not timed.
-            draft_rows=draft_rows, draft_passes=0 if read_ahead else draft_passes, draft_seconds=draft_watch.elapsed,
+            batch=len(proposals), width=1 + max(p.num_tokens for p in proposals), drafted=sum(p.num_tokens for p in proposals),
+            verify_seconds=verify_watch.elapsed, draft_rows=draft_rows,
+            # A step that read a backlog first says little about one draft pass: not learnt from.
+            draft_passes=0 if read_ahead else draft_passes, draft_seconds=draft_watch.elapsed,
         )
         return self._commit(running, proposals, emitted, draft_watch.elapsed, verify_watch.elapsed, draft_passes)
 
