@@ -10,7 +10,8 @@ For every (method, concurrency) it sends ``--requests`` chat requests (at least 
 concurrency) (greedy, the request's
 ``method`` extension field choosing plain or speculative decoding), ``--concurrency`` at a
 time, each streaming. It reports aggregate tokens/s (completion tokens of all requests over
-the level's wall time), time to first token and inter-token latency percentiles (p50, p90,
+the level's wall time; with ``--repeats`` the median over repeats, the methods taking turns
+within each repeat), time to first token and inter-token latency percentiles (p50, p90,
 p99; inter-token gaps are measured between streamed chunks and divided by the tokens a chunk
 carried, since one speculative step streams several tokens at once). Every request either
 completes or is counted as an error: nothing is silently lost.
@@ -112,6 +113,7 @@ async def run_level(url: str, model: str, method: str, concurrency: int, request
         "tokens_per_second": tokens / wall if wall > 0 else 0.0,
         "ttft_seconds": percentiles([r.ttft for r in done if r.ttft is not None]),
         "inter_token_seconds": percentiles([g for r in done for g in r.gaps]),
+        "_ttfts": [r.ttft for r in done if r.ttft is not None], "_gaps": [g for r in done for g in r.gaps],
     }
 
 
@@ -124,6 +126,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8,
                         help="requests per (method, concurrency); a level sends at least its concurrency")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every (method, concurrency), methods taking turns")
     parser.add_argument("--out", help="write the table as JSON here")
     args = parser.parse_args()
     if urlparse(args.url).hostname not in LOOPBACK_HOSTS:
@@ -132,20 +135,51 @@ def main() -> int:
     import httpx
 
     model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
-    rows = []
-    for method in [m for m in args.methods.split(",") if m]:
-        for level in [int(c) for c in args.concurrency.split(",") if c]:
-            row = asyncio.run(run_level(args.url, model, method, level, max(args.requests, level), args.max_tokens))
-            rows.append(row)
-            ttft, itl = row["ttft_seconds"]["p50"], row["inter_token_seconds"]["p50"]
-            print(f"{method:>8} c={level:<3} {row['completed']}/{row['requests']} ok  {row['tokens_per_second']:6.2f} tok/s  "
-                  f"TTFT p50 {ttft if ttft is None else round(ttft, 2)} s  ITL p50 {itl if itl is None else round(itl * 1000)} ms",
+    methods = [m for m in args.methods.split(",") if m]
+    rows, summary = [], []
+    for level in [int(c) for c in args.concurrency.split(",") if c]:
+        runs: dict[str, list[dict]] = {method: [] for method in methods}
+        # Methods take turns within each repeat, so drift in the machine's speed hits them alike.
+        for repeat in range(args.repeats):
+            for method in methods:
+                row = asyncio.run(run_level(args.url, model, method, level, max(args.requests, level), args.max_tokens))
+                row["repeat"] = repeat
+                rows.append(row)
+                runs[method].append(row)
+        for method in methods:
+            summary.append(summarise(runs[method]))
+            line = summary[-1]
+            ttft, itl = line["ttft_seconds"]["p50"], line["inter_token_seconds"]["p50"]
+            ratio = line["tokens_per_second"] / summary[len(summary) - len(methods)]["tokens_per_second"]
+            print(f"{method:>8} c={level:<3} {line['completed']}/{line['requests']} ok  {line['tokens_per_second']:6.2f} tok/s "
+                  f"(median of {args.repeats}; {ratio:.2f}x {methods[0]})  TTFT p50 {fmt(ttft, 's')}  ITL p50 {fmt(itl, 'ms')}",
                   flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"url": args.url, "model": model, "max_tokens": args.max_tokens,
-                                              "rows": rows}, indent=2) + "\n")
+                                              "repeats": args.repeats, "summary": summary, "rows": rows}, indent=2) + "\n")
     return 0 if all(not row["errors"] for row in rows) else 1
+
+
+def summarise(runs: list[dict]) -> dict:
+    """One (method, concurrency): the median tokens/s over repeats, latencies pooled over them."""
+    import statistics
+
+    return {
+        "method": runs[0]["method"], "concurrency": runs[0]["concurrency"], "repeats": len(runs),
+        "requests": sum(r["requests"] for r in runs), "completed": sum(r["completed"] for r in runs),
+        "errors": [e for r in runs for e in r["errors"]],
+        "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
+        "tokens_per_second_runs": [r["tokens_per_second"] for r in runs],
+        "ttft_seconds": percentiles([t for r in runs for t in r["_ttfts"]]),
+        "inter_token_seconds": percentiles([g for r in runs for g in r["_gaps"]]),
+    }
+
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if unit == "ms" else f"{value:.2f} s"
 
 
 if __name__ == "__main__":
