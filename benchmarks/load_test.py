@@ -146,11 +146,11 @@ def main() -> int:
                 row["repeat"] = repeat
                 rows.append(row)
                 runs[method].append(row)
-        for method in methods:
-            summary.append(summarise(runs[method]))
-            line = summary[-1]
+        level_summary = [summarise(runs[method]) for method in methods]
+        summary += level_summary
+        for method, line in zip(methods, level_summary):
             ttft, itl = line["ttft_seconds"]["p50"], line["inter_token_seconds"]["p50"]
-            ratio = line["tokens_per_second"] / summary[len(summary) - len(methods)]["tokens_per_second"]
+            ratio = line["tokens_per_second"] / level_summary[0]["tokens_per_second"]
             print(f"{method:>8} c={level:<3} {line['completed']}/{line['requests']} ok  {line['tokens_per_second']:6.2f} tok/s "
                   f"(median of {args.repeats}; {ratio:.2f}x {methods[0]})  TTFT p50 {fmt(ttft, 's')}  ITL p50 {fmt(itl, 'ms')}",
                   flush=True)

@@ -301,3 +301,15 @@ def test_cost_aware_engine_times_batched_shapes(dec) -> None:
     ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=n), m, k) for p, m, k, n in cases]
     outputs = eng.run()
     assert [outputs[i] for i in ids] == single_outputs(dec, cases)
+
+
+def test_a_new_request_starts_from_the_pooled_acceptance(dec) -> None:
+    eng = engine(dec)
+    eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=16), "draft", 3)
+    eng.run()
+    pooled = eng._pooled_acceptance["draft"]
+    assert pooled.trials > 0
+    request_id = eng.add_request(dec.encode(PROMPTS[1]), SamplingParams(max_new_tokens=4), "draft", 3)
+    fresh = eng._requests[request_id].state.acceptance
+    assert 0 < fresh.trials <= 6.0 and fresh.rate == pytest.approx(pooled.rate, abs=0.1)
+    eng.run()

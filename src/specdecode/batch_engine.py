@@ -47,6 +47,8 @@ from .verify import PAD_TOKEN, greedy_verify, rejection_verify
 BATCH_METHODS = ("none", "ngram", "draft")
 BATCH_POLICIES = ("async", "sync")
 DEFAULT_MAX_BATCH = 8
+POOLED_ACCEPTANCE_DECAY = 0.98  # the engine-wide estimate forgets over ~50 steps
+POOLED_PRIOR_TRIALS = 6.0  # how many of its trials a new request's estimate inherits, at most
 DEFAULT_KV_CACHE_TOKENS = 16384  # per model; the demo target's bf16 KV: 28 KiB a token, 0.45 GiB
 
 
@@ -149,6 +151,9 @@ class BatchEngine:
         self.ngram_sizes = (ngram_max, ngram_min)
         self.sync_timing = sync_timing
         self._ids = itertools.count()
+        # Acceptance pooled over every request of a method: a new request starts from it (the
+        # model pair and the workload decide acceptance more than any one request does).
+        self._pooled_acceptance = {method: AcceptanceEstimate(decay=POOLED_ACCEPTANCE_DECAY) for method in BATCH_METHODS}
         self._requests: dict[str, ScheduledSequence] = {}
 
     @property
@@ -184,6 +189,10 @@ class BatchEngine:
             ngram=NgramDrafter(*self.ngram_sizes) if method == "ngram" else None,
         )
         request.stats.method, request.stats.prompt_tokens = method, prompt_len
+        pooled = self._pooled_acceptance[method]
+        if pooled.trials > 0:
+            weight = min(1.0, POOLED_PRIOR_TRIALS / pooled.trials)
+            request.acceptance = AcceptanceEstimate(trials=pooled.trials * weight, accepted=pooled.accepted * weight)
         if request.ngram is not None:
             request.ngram.start(prompt_len, capacity)
         seq = ScheduledSequence(next(self._ids), prompt_len, capacity, uses_draft=method == "draft", state=request)
@@ -407,6 +416,7 @@ class BatchEngine:
             stats.record_step(proposal.num_tokens, accepted_len)
             if proposal.num_tokens > 0:
                 request.acceptance.observe(proposal.num_tokens, accepted_len)
+                self._pooled_acceptance[request.method].observe(proposal.num_tokens, accepted_len)
             new_tokens = row[: request.remaining]
             stop_reason = ""
             if not request.params.ignore_eos:
