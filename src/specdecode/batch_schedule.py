@@ -7,7 +7,7 @@ k and remaining tokens). The choice maximises the batch's expected tokens per se
                          B rows x (max k_b + 1) tokens, the batch padded to its longest row)
 
 with E(a, k) = (1 - a^(k+1)) / (1 - a) (``schedule.expected_tokens``). k = 0 decodes the whole
-batch plainly. On a bandwidth-bound device a plain pass over B rows costs little more than one
+batch plainly, and is kept unless some k is predicted to beat it by ``SPECULATION_MARGIN``. On a bandwidth-bound device a plain pass over B rows costs little more than one
 over a single row, while a speculative pass carries B x (k + 1) rows, so as the batch grows
 speculation stops paying and the choice falls to plain decoding by itself.
 
@@ -27,6 +27,7 @@ from .schedule import PROBE_AFTER, PROBE_K, blend, expected_tokens
 MAX_PROBE_AFTER = 96  # the longest wait between probes
 OPTIMISTIC_ACCEPTANCE = 0.9  # probe only if drafts accepted this often would pay
 READ_AHEAD_HORIZON = 16  # steps over which a draft read-ahead's cost is spread
+SPECULATION_MARGIN = 0.1  # the predicted gain over a plain step that speculation must show
 
 
 class PassCosts:
@@ -152,7 +153,9 @@ class BatchK:
             # its acceptance (as CostAwareK drafts its first k before any measurement).
             return row.acceptance if row.observed else OPTIMISTIC_ACCEPTANCE
 
-        best, best_rate = 0, batch_size / self.verify.seconds(batch_size, 1)
+        # Speculate only for a clear predicted gain: the cost model's error on a busy CPU is
+        # about this size, and a marginal gain is lost to read-aheads and probes.
+        best, best_rate = 0, batch_size / self.verify.seconds(batch_size, 1) * (1 + SPECULATION_MARGIN)
         for k in range(1, self.k_max + 1):
             capped = [(rate_of(row), min(k, row.cap)) for row in speculative]
             tokens = plain_rows + sum(expected_tokens(a, kb) for a, kb in capped)
