@@ -47,12 +47,13 @@ def mixed_cases() -> list[tuple[str, str, int, int]]:
         PROMPTS, itertools.cycle(METHODS), itertools.cycle([1, 3, 5, 8]), itertools.cycle([24, 7, 16, 30, 2]))]
 
 
-@pytest.mark.parametrize("policy", ["async", "sync"])
-def test_batch_invariance_greedy(dec, policy: str) -> None:
+@pytest.mark.parametrize(("policy", "confidence"), [("async", 0.0), ("sync", 0.0), ("async", 0.5)])
+def test_batch_invariance_greedy(dec, policy: str, confidence: float) -> None:
     """Each request's tokens are the same alone (plain decoding) or in a batch of mixed prompt
-    lengths, methods, k and output lengths, with requests joining as others leave."""
+    lengths, methods, k and output lengths, with requests joining as others leave (and with
+    the draft model's confidence cut-off ending rows' drafts early)."""
     cases = mixed_cases()
-    eng = engine(dec, policy=policy)
+    eng = engine(dec, policy=policy, draft_confidence=confidence)
     ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=n), m, k) for p, m, k, n in cases]
     outputs = eng.run()
     assert [outputs[i] for i in ids] == single_outputs(dec, cases)
@@ -106,7 +107,7 @@ def test_blocks_return_after_abort_and_after_a_failed_step(dec, monkeypatch) -> 
     assert_pools_empty(eng)
 
 
-def batch_chi_square(dec, policy: str) -> tuple[float, int]:
+def batch_chi_square(dec, policy: str, confidence: float = 0.0) -> tuple[float, int]:
     """The end-to-end distribution test's statistic (see test_engine: first three tokens,
     temperature 1, top-k 3, 1,500 seeded draws, chi-square at p = 0.001), with the draws made
     as requests sharing batches of 16 with draft-model, lookup and plain requests of other
@@ -114,7 +115,7 @@ def batch_chi_square(dec, policy: str) -> tuple[float, int]:
     prompt_ids = dec.encode("def quicksort(arr):")
     exact = exact_sequence_distribution(dec, prompt_ids)
     eng = BatchEngine(dec.target.model, dec.draft.model, dec.eos_token_ids, max_batch=16, kv_cache_tokens=2048,
-                      block_size=8, policy=policy)
+                      block_size=8, policy=policy, draft_confidence=confidence)
     draws = 1500
     ids = []
     for seed in range(draws):
@@ -136,11 +137,13 @@ def batch_chi_square(dec, policy: str) -> tuple[float, int]:
     return stat, len(cells) - 1
 
 
-@pytest.mark.parametrize("policy", ["async", "sync"])
+@pytest.mark.parametrize(("policy", "confidence"), [("async", 0.0), ("sync", 0.0), ("async", 0.5)])
 def test_sampling_inside_a_batch_matches_the_target_distribution(
-    policy: str, tiny_qwen2_dir: Path, tiny_far_draft_dir: Path
+    policy: str, confidence: float, tiny_qwen2_dir: Path, tiny_far_draft_dir: Path
 ) -> None:
-    stat, df = batch_chi_square(decoder(tiny_qwen2_dir, tiny_far_draft_dir), policy)
+    # 0.5: rows stop drafting when the draft doubts its own token, so draft lengths depend on
+    # the draft's samples; verification must stay exact.
+    stat, df = batch_chi_square(decoder(tiny_qwen2_dir, tiny_far_draft_dir), policy, confidence)
     assert stat < CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}"
 
 
@@ -148,6 +151,18 @@ def test_batch_distribution_test_catches_a_wrong_residual(tiny_qwen2_dir: Path, 
     install_wrong_residual(monkeypatch, specdecode.batch_engine)
     stat, df = batch_chi_square(decoder(tiny_qwen2_dir, tiny_far_draft_dir), "async")
     assert stat > CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}: the test has no power"
+
+
+def test_confidence_cut_off_shortens_batched_drafts(dec) -> None:
+    proposed = {}
+    for confidence in (0.0, 0.9):
+        eng = engine(dec, draft_confidence=confidence)
+        ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=16), "draft", 6) for p in PROMPTS[:4]]
+        stats = {}
+        while eng.has_unfinished:
+            stats |= {o.request_id: o.stats for o in eng.step() if o.finished}
+        proposed[confidence] = sum(stats[i].draft_tokens_proposed for i in ids)
+    assert proposed[0.9] < proposed[0.0]
 
 
 def test_sync_policy_emits_the_batch_minimum_per_step(dec) -> None:

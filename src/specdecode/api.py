@@ -390,7 +390,8 @@ class SpecDecoder:
             self.target.model, None if self.draft is None else self.draft.model, self.eos_token_ids,
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
             k_max=self.spec.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
-            ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min, sync_timing=self.engine.sync_timing,
+            ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min, draft_confidence=self.spec.draft_confidence,
+            sync_timing=self.engine.sync_timing,
         )
 
     def token_stream(self, chunks: Iterator[list[int]], stats: GenerationStats, params: SamplingParams) -> GenerationStream:

@@ -133,6 +133,7 @@ class BatchEngine:
         draft_costs: PassCosts | None = None,
         ngram_max: int = DEFAULT_NGRAM_MAX,
         ngram_min: int = DEFAULT_NGRAM_MIN,
+        draft_confidence: float = 0.0,
         sync_timing: bool = False,
     ) -> None:
         if policy not in BATCH_POLICIES:
@@ -149,6 +150,7 @@ class BatchEngine:
         self.scheduler = Scheduler(self.target_cache, self.drafter.cache if self.drafter else None, max_batch, k_max + 1)
         self.chooser = BatchK(k_max, verify_costs, draft_costs)
         self.ngram_sizes = (ngram_max, ngram_min)
+        self.draft_confidence = draft_confidence  # the draft model's per-row cut-off (batch_draft.DraftRow)
         self.sync_timing = sync_timing
         self._ids = itertools.count()
         # Acceptance pooled over every request of a method: a new request starts from it (the
@@ -354,7 +356,8 @@ class BatchEngine:
                     proposals[index] = DraftProposal(tokens=torch.tensor([match], dtype=torch.long, device=self.device), probs=None)
             elif request.method == "draft":
                 length = len(request.tokens)
-                model_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator))
+                model_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator,
+                                           self.draft_confidence))
                 model_index.append(index)
         passes = 0
         if model_rows:

@@ -24,6 +24,7 @@ from ..models.llama import Transformer
 from ..paged_cache import PagedKVCache
 from ..sampling import LogitsProcessor, draw
 from .base import DraftProposal
+from .draft_model import draft_confidence
 
 CATCH_UP_WIDTH = 2  # unseen tokens after a verify step: the bonus token, plus the last draft if all were accepted
 
@@ -44,6 +45,10 @@ class DraftRow:
     num_tokens: int  # >= 1
     processor: LogitsProcessor
     generator: torch.Generator | None
+    # Stop this row's drafting once the draft's own probability for the token it just proposed
+    # falls below this (0: never), as ``DraftModelDrafter`` does; decided from draft-side
+    # information only, so verification stays lossless.
+    confidence_threshold: float = 0.0
 
 
 class BatchDraftModel:
@@ -135,14 +140,22 @@ class BatchDraftModel:
         active = list(range(len(rows)))
         step = 0
         while True:
+            confidences: list[torch.Tensor] = []
             for i, row_logits in zip(active, logits, strict=True):
                 row = rows[i]
                 token, q = draw(row_logits[None], row.processor, row.generator)
                 tokens[i].append(token)
                 if q is not None:
                     probs[i].append(q)
+                if row.confidence_threshold > 0:
+                    confidences.append(draft_confidence(row_logits[None], q, token))
             step += 1
-            active = [i for i in active if rows[i].num_tokens > step]
+            doubtful: set[int] = set()
+            if confidences:
+                # One host read per pass for every row that has a cut-off (a sync on GPUs).
+                values = iter(torch.cat(confidences).tolist())
+                doubtful = {i for i in active if rows[i].confidence_threshold > 0 and next(values) < rows[i].confidence_threshold}
+            active = [i for i in active if rows[i].num_tokens > step and i not in doubtful]
             if not active:
                 break
             logits = self._pass(

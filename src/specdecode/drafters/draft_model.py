@@ -107,8 +107,15 @@ def doubts(
     (0 disables the check). Reads one scalar on the host (a device sync on GPUs)."""
     if threshold <= 0:
         return False
+    return draft_confidence(logits, q, token).item() < threshold
+
+
+def draft_confidence(
+    logits: torch.Tensor,  # (1, V)
+    q: torch.Tensor | None,  # (1, V) sampling distribution, None when greedy
+    token: torch.Tensor,  # (1,)
+) -> torch.Tensor:
+    """(1,) the drafter's own probability for the token it proposed (greedy: the argmax's)."""
     if q is None:
-        confidence = torch.softmax(logits.float(), dim=-1).max()
-    else:
-        confidence = q[0, token[0]]
-    return confidence.item() < threshold
+        return torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+    return q[0, token[0]].reshape(1)
