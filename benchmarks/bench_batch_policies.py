@@ -1,5 +1,6 @@
 """The batch engine's policies side by side, offline: plain, async and sync with a fixed k, and
-the cost-aware draft length, on the same chat prompts at one batch size.
+the cost-aware draft length, on the same chat prompts at one batch size; and the
+single-sequence engine decoding them one after another, for reference.
 
     python benchmarks/bench_batch_policies.py --batch 4 --k 4 --max-tokens 64 --repeats 2
 
@@ -41,13 +42,17 @@ def main() -> None:
         "cost-aware": decoder.batch_engine(max_batch=args.batch),
     }
     variants = [("plain", "none", engines["async"]), (f"async k={args.k}", "draft", engines["async"]),
-                (f"sync k={args.k}", "draft", engines["sync"]), ("async, cost-aware k", "draft", engines["cost-aware"])]
+                (f"sync k={args.k}", "draft", engines["sync"]), ("async, cost-aware k", "draft", engines["cost-aware"]),
+                (f"one at a time, k={args.k}", "draft", None)]
     decoder.generate_batch(prompts, SamplingParams(max_new_tokens=4), method="none", engine=engines["async"])  # warm-up
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     for _ in range(args.repeats):
         for name, method, engine in variants:
             started = time.perf_counter()
-            results = decoder.generate_batch(prompts, params, chat=True, method=method, k=args.k, engine=engine)
+            if engine is None:  # the single-sequence engine, requests one after another
+                results = [decoder.generate(prompt, params, chat=True, method=method, k=args.k) for prompt in prompts]
+            else:
+                results = decoder.generate_batch(prompts, params, chat=True, method=method, k=args.k, engine=engine)
             seconds = time.perf_counter() - started
             tokens = sum(len(r.token_ids) for r in results)
             steps = sum(r.stats.verify_steps for r in results)
