@@ -49,6 +49,9 @@ BATCH_POLICIES = ("async", "sync")
 DEFAULT_MAX_BATCH = 8
 POOLED_ACCEPTANCE_DECAY = 0.98  # the engine-wide estimate forgets over ~50 steps
 POOLED_PRIOR_TRIALS = 6.0  # how many of its trials a new request's estimate inherits, at most
+# Below this many tried draft positions a row's estimate is too thin to stop drafting on (one
+# rejected first token would read as 40% acceptance): the chooser treats it as unobserved.
+MIN_OBSERVED_TRIALS = 3.0
 DEFAULT_KV_CACHE_TOKENS = 16384  # per model; the demo target's bf16 KV: 28 KiB a token, 0.45 GiB
 
 
@@ -303,7 +306,7 @@ class BatchEngine:
             assert self.drafter is not None
             backlog = self.drafter.backlog(seq.seq_id, len(request.tokens))
         return BatchRow(request.acceptance.rate, self._k_cap(request), request.method == "draft", backlog,
-                        observed=request.acceptance.trials > 0, remaining=request.remaining)
+                        observed=request.acceptance.trials >= MIN_OBSERVED_TRIALS, remaining=request.remaining)
 
     def _k_cap(self, request: _Request) -> int:
         # A step emits at most k + 1 tokens: never draft past max_new_tokens.
