@@ -34,10 +34,11 @@ from .config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, Samplin
 from .drafters.base import DraftProposal
 from .drafters.batch_draft import BatchDraftModel, DraftRow
 from .drafters.ngram import NgramDrafter
+from .engine import COST_PROBE_CONTEXT, best_seconds
 from .errors import InvalidRequestError
 from .metrics import GenerationStats, Stopwatch
 from .models.llama import Transformer
-from .paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
+from .paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, stack_padded
 from .sampling import LogitsProcessor, make_generator
 from .batch_schedule import BatchK, BatchRow, PassCosts
 from .schedule import AcceptanceEstimate
@@ -55,13 +56,10 @@ MIN_OBSERVED_TRIALS = 3.0
 DEFAULT_KV_CACHE_TOKENS = 16384  # per model; the demo target's bf16 KV: 28 KiB a token, 0.45 GiB
 
 
-COST_PROBE_CONTEXT = 64  # cached tokens per sequence before a timed batched pass
-
-
 @torch.inference_mode()
 def time_batched_passes(model: Transformer, shapes: Sequence[tuple[int, int]], repeats: int = 2) -> dict[tuple[int, int], float]:
     """Seconds of one forward pass of B sequences x T new tokens, for each (B, T) in ``shapes``
-    (best of ``repeats`` after a warm-up), each sequence holding ``COST_PROBE_CONTEXT`` tokens
+    (best of ``repeats`` after a warm-up), each sequence holding ``engine.COST_PROBE_CONTEXT`` tokens
     in a scratch paged pool: the batch engine's own pass shapes, to seed its cost tables."""
     most_batch = max(b for b, _ in shapes)
     most_width = max(t for _, t in shapes)
@@ -76,12 +74,7 @@ def time_batched_passes(model: Transformer, shapes: Sequence[tuple[int, int]], r
     for batch, width in shapes:
         view, positions = pool.view(list(range(batch)), [list(range(COST_PROBE_CONTEXT, COST_PROBE_CONTEXT + width))] * batch)
         tokens = torch.zeros((batch, width), dtype=torch.long, device=model.device)
-        samples = []
-        for _ in range(repeats + 1):
-            with Stopwatch(model.device, True) as watch:
-                model(tokens, positions, view, view)
-            samples.append(watch.elapsed)
-        measured[(batch, width)] = min(samples[1:])
+        measured[(batch, width)] = best_seconds(lambda: model(tokens, positions, view, view), model.device, repeats)
     return measured
 
 
@@ -106,7 +99,6 @@ class _Request:
     generator: torch.Generator | None
     tokens: list[int]  # committed, host
     committed: torch.Tensor  # (capacity,) long, device: the same tokens
-    prompt_len: int
     stats: GenerationStats
     started: float
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
@@ -189,7 +181,7 @@ class BatchEngine:
         request = _Request(
             request_id=request_id, params=params, method=method, k=k, processor=processor,
             generator=None if processor.greedy else make_generator(params.seed, self.device),
-            tokens=list(prompt_ids), committed=committed, prompt_len=prompt_len,
+            tokens=list(prompt_ids), committed=committed,
             stats=stats or GenerationStats(), started=time.perf_counter(),
             ngram=NgramDrafter(*self.ngram_sizes) if method == "ngram" else None,
         )
@@ -321,13 +313,9 @@ class BatchEngine:
         rows = [(seq, request) for seq, request in zip(seqs, requests, strict=True) if len(request.tokens) > 1]
         if rows:
             host_positions = [list(range(len(request.tokens) - 1)) for _, request in rows]
-            width = max(len(p) for p in host_positions)
             view, positions = self.target_cache.view([seq.seq_id for seq, _ in rows], host_positions,
                                                      self.target.config.sliding_window)
-            tokens = torch.stack([
-                torch.nn.functional.pad(request.committed[: len(request.tokens) - 1], (0, width - len(request.tokens) + 1))
-                for _, request in rows
-            ])
+            tokens = stack_padded([request.committed[: len(request.tokens) - 1] for _, request in rows])
             self.target(tokens, positions, view, view, compute_logits=False)
         for seq, request in zip(seqs, requests, strict=True):
             self.target_cache.commit(seq.seq_id, len(request.tokens) - 1)
@@ -378,9 +366,8 @@ class BatchEngine:
             length = len(request.tokens)
             inputs.append(torch.cat([request.committed[length - 1 : length], proposal.tokens[0]]))
             host_positions.append(list(range(length - 1, length + proposal.num_tokens)))
-        width = max(len(row) for row in host_positions)
         view, positions = self.target_cache.view([seq.seq_id for seq in running], host_positions, self.target.config.sliding_window)
-        tokens = torch.stack([torch.nn.functional.pad(x, (0, width - x.shape[0])) for x in inputs])
+        tokens = stack_padded(inputs)
         logits = self.target(tokens, positions, view, view).logits  # (B, T, V)
         rows = []
         for b, (seq, proposal) in enumerate(zip(running, proposals, strict=True)):
@@ -391,8 +378,8 @@ class BatchEngine:
                 result = greedy_verify(proposal.tokens, row_logits)
             else:
                 result = rejection_verify(proposal.tokens, proposal.probs, request.processor.probs(row_logits), request.generator)
-            rows.append(torch.nn.functional.pad(result.tokens[0], (0, width - k - 1), value=PAD_TOKEN))
-        emitted = torch.stack(rows).tolist()  # the one host read of the step
+            rows.append(result.tokens[0])
+        emitted = stack_padded(rows, PAD_TOKEN).tolist()  # the one host read of the step
         return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in emitted]
 
     def _commit(

@@ -52,7 +52,6 @@ class BatchWorker:
         self._next_id = 0
         self._id_lock = threading.Lock()
         self._stopped = threading.Event()
-        self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="specdecode-batch", daemon=True)
         self._thread.start()
 
@@ -129,7 +128,6 @@ class BatchWorker:
                 self._take_commands(block=False)
             try:
                 outputs = self.engine.step()
-                self.steps += 1
             except Exception as err:  # one bad step must not take the server down
                 outputs = self.engine.abort_all(err)
             for output in outputs:

@@ -13,7 +13,7 @@ together with the draft tokens, at positions L - 1 .. L - 1 + k.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,13 +63,22 @@ def time_passes(
     tokens = torch.zeros((1, max_rows), dtype=torch.long, device=model.device)
     measured = {}
     for rows in row_counts:
-        samples = []
-        for _ in range(repeats + 1):  # the first call per shape warms up
-            with Stopwatch(model.device, True) as watch:
-                model.extend(scratch, tokens[:, :rows], COST_PROBE_CONTEXT, logits_last=logits_last, layers=layers)
-            samples.append(watch.elapsed)
-        measured[rows] = min(samples[1:])  # the least disturbed run
+        measured[rows] = best_seconds(
+            lambda: model.extend(scratch, tokens[:, :rows], COST_PROBE_CONTEXT, logits_last=logits_last, layers=layers),
+            model.device, repeats,
+        )
     return measured
+
+
+def best_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Seconds of the least disturbed of ``repeats`` synchronised calls of ``run``, after one
+    warm-up call (the first call per shape pays for kernel selection)."""
+    samples = []
+    for _ in range(repeats + 1):
+        with Stopwatch(device, True) as watch:
+            run()
+        samples.append(watch.elapsed)
+    return min(samples[1:])
 
 
 @dataclass(slots=True)

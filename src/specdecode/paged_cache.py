@@ -41,6 +41,13 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def stack_padded(rows: Sequence[torch.Tensor], value: int = 0) -> torch.Tensor:
+    """Rows of different lengths (T_b,) as one (B, T_max) tensor, padded at the end with
+    ``value``: the token layout of a ragged batch that ``PagedKVCache.view`` describes."""
+    width = max(row.shape[0] for row in rows)
+    return torch.stack([torch.nn.functional.pad(row, (0, width - row.shape[0]), value=value) for row in rows])
+
+
 @dataclass(slots=True)
 class BlockTable:
     blocks: list[int] = field(default_factory=list)
@@ -92,10 +99,6 @@ class PagedKVCache:
     @property
     def device(self) -> torch.device:
         return self.keys[0].device
-
-    def bytes_per_block(self) -> int:
-        per_layer = 2 * self.block_size * self.keys[0].shape[1] * self.keys[0].shape[2] * self.keys[0].element_size()
-        return per_layer * len(self.keys)
 
     def length(self, seq: int) -> int:
         return self.tables[seq].length

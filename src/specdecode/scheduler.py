@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidRequestError
@@ -33,8 +33,6 @@ class ScheduledSequence:
     max_tokens: int  # the most committed tokens it can reach (prompt + max_new_tokens)
     uses_draft: bool  # keeps a sequence in the draft model's pool
     state: Any = None
-    preemptions: int = 0
-    admitted: bool = field(default=False)
 
 
 class Scheduler:
@@ -93,7 +91,6 @@ class Scheduler:
             for pool in self._pools(seq):  # reserved now, so the next request sees what is left
                 pool.add(seq.seq_id)
                 pool.reserve(seq.seq_id, need)
-            seq.admitted = True
             self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -125,7 +122,6 @@ class Scheduler:
     def preempt(self, seq: ScheduledSequence) -> None:
         """Free the sequence's blocks and queue it first, to be recomputed from its tokens."""
         self._release(seq)
-        seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -138,7 +134,6 @@ class Scheduler:
 
     def _release(self, seq: ScheduledSequence) -> None:
         self.running.remove(seq)
-        seq.admitted = False
         for pool in self._pools(seq):
             pool.free(seq.seq_id)
 

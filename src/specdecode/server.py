@@ -255,15 +255,15 @@ class Generation:
         if self.cancelled.is_set():  # the client left while waiting
             return "cancelled"
         req, state = self.request, self.state
+        batched = state.batched(req)
         stream: GenerationStream
-        if state.batched(req):
+        if batched:
             assert state.worker is not None and isinstance(req.prompt, list)
             chunks, stats = state.worker.submit(req.prompt, req.params, state.method_of(req), state.k_of(req))
             stream = state.decoder.token_stream(chunks, stats, req.params)
         else:
             stream = state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k)
         self.stats = stream.stats
-        batched = state.batched(req)
         deltas = iter(stream)
         try:
             for delta in deltas:

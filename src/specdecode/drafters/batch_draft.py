@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from ..models.llama import Transformer
-from ..paged_cache import PagedKVCache
+from ..paged_cache import PagedKVCache, stack_padded
 from ..sampling import LogitsProcessor, draw
 from .base import DraftProposal
-from .draft_model import draft_confidence
+from .draft_model import draft_confidence, to_target_vocab
 
 CATCH_UP_WIDTH = 2  # unseen tokens after a verify step: the bonus token, plus the last draft if all were accepted
 
@@ -58,10 +58,6 @@ class BatchDraftModel:
         self.target_vocab_size = target_vocab_size
         self._states: dict[int, _DraftState] = {}
 
-    def slots_needed(self, seq: int, committed_len: int, num_tokens: int) -> int:
-        """Draft-cache slots ``seq`` uses while drafting ``num_tokens`` after ``committed_len``."""
-        return committed_len + num_tokens - 1
-
     def add(self, seq: int) -> None:
         """A new (or readmitted) sequence; the scheduler has given it a block table in the draft
         pool. Nothing runs yet: the draft reads the prompt the first time the sequence drafts,
@@ -82,14 +78,10 @@ class BatchDraftModel:
         if not behind:
             return 0
         host_positions = [list(range(state.cached_len, row.committed.shape[0] - 1)) for row, state in behind]
-        width = max(len(p) for p in host_positions)
         for (row, _), positions in zip(behind, host_positions, strict=True):
             self.cache.reserve(row.seq, positions[-1] + 1)
         view, positions = self.cache.view([row.seq for row, _ in behind], host_positions, self.model.config.sliding_window)
-        tokens = torch.stack([
-            torch.nn.functional.pad(row.committed[state.cached_len : -1], (0, width - len(p)))
-            for (row, state), p in zip(behind, host_positions, strict=True)
-        ])
+        tokens = stack_padded([row.committed[state.cached_len : -1] for row, state in behind])
         self.model(tokens, positions, view, view, compute_logits=False)
         for row, state in behind:
             state.cached_len = row.committed.shape[0] - 1
@@ -100,27 +92,18 @@ class BatchDraftModel:
         """The sequence left the pool (the scheduler freed its blocks): drop its bookkeeping."""
         self._states.pop(seq, None)
 
-    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # (..., V_draft) -> (..., V_target)
-        extra = self.target_vocab_size - logits.shape[-1]
-        if extra < 0:
-            return logits[..., : self.target_vocab_size]
-        if extra > 0:
-            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
-        return logits
-
     def _pass(self, seqs: list[int], inputs: list[torch.Tensor], starts: list[int]) -> torch.Tensor:
         """Feed row b ``inputs[b]`` (T_b,) at positions starts[b]..; logits (B, V) of each row's last token."""
-        width = max(x.shape[0] for x in inputs)
         host_positions = [list(range(start, start + x.shape[0])) for x, start in zip(inputs, starts, strict=True)]
         for seq, row in zip(seqs, host_positions, strict=True):
             self.cache.reserve(seq, row[-1] + 1)
         view, positions = self.cache.view(seqs, host_positions, self.model.config.sliding_window)
-        tokens = torch.stack([torch.nn.functional.pad(x, (0, width - x.shape[0])) for x in inputs])
+        tokens = stack_padded(inputs)
         out = self.model(tokens, positions, view, view, compute_logits=False)
         last = torch.tensor([x.shape[0] - 1 for x in inputs], device=tokens.device)
         hidden = out.hidden[torch.arange(len(seqs), device=tokens.device), last]  # (B, C)
         # Lengths are settled in on_verified, which keeps the accepted drafts' slots and frees the rest.
-        return self._to_target_vocab(self.model.lm_head(hidden).float())
+        return to_target_vocab(self.model.lm_head(hidden).float(), self.target_vocab_size)
 
     def propose(self, rows: Sequence[DraftRow]) -> tuple[list[DraftProposal], int]:
         """Drafts for every row (row b gets up to ``rows[b].num_tokens``) and the passes run."""

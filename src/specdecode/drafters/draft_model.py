@@ -42,22 +42,11 @@ class DraftModelDrafter:
         self.cache = reusable_cache(self.cache, self.model.config, capacity, self.model.dtype, self.model.device, self.kv_dtype)
         self._cached_len = 0
 
-    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # (B, V_draft) -> (B, V_target)
-        """Vocabularies may differ by padding rows: cut the draft's extra rows, or give the
-        target's extra rows -inf so the draft never proposes them. q stays the distribution
-        the proposed tokens were drawn from, so verification stays lossless."""
-        extra = self.target_vocab_size - logits.shape[-1]
-        if extra < 0:
-            return logits[..., : self.target_vocab_size]
-        if extra > 0:
-            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
-        return logits
-
     def _forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:  # (1, T) -> (1, V_target)
         assert self.cache is not None
         out = self.model.extend(self.cache, tokens, start, logits_last=1)
         self.cache.commit(0, start + tokens.shape[1])
-        return self._to_target_vocab(out.logits[:, -1])
+        return to_target_vocab(out.logits[:, -1], self.target_vocab_size)
 
     def propose(
         self,
@@ -95,6 +84,18 @@ class DraftModelDrafter:
         assert self.cache is not None
         self.cache.rollback(0, valid)
         self._cached_len = valid
+
+
+def to_target_vocab(logits: torch.Tensor, target_vocab_size: int) -> torch.Tensor:  # (..., V_draft) -> (..., V_target)
+    """Vocabularies may differ by padding rows: cut the draft's extra rows, or give the
+    target's extra rows -inf so the draft never proposes them. q stays the distribution the
+    proposed tokens were drawn from, so verification stays lossless."""
+    extra = target_vocab_size - logits.shape[-1]
+    if extra < 0:
+        return logits[..., :target_vocab_size]
+    if extra > 0:
+        return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+    return logits
 
 
 def doubts(
