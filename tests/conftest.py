@@ -71,3 +71,31 @@ def tiny_close_draft_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPath
 def tiny_far_draft_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 target plus 10% weight noise: q differs from p enough that the residual matters."""
     return _noisy_copy(tiny_qwen2_dir, tmp_path_factory.mktemp("tiny_far_draft"), 0.10)
+
+
+@pytest.fixture(scope="session")
+def pattern_features(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    """The tiny Qwen2 target's feature shards over a strongly repeating text (see helpers)."""
+    from helpers import pattern_features as extract_pattern_features
+
+    return extract_pattern_features(tiny_qwen2_dir, tmp_path_factory.mktemp("pattern"))
+
+
+@pytest.fixture(scope="session")
+def medusa_dir(pattern_features, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 Medusa heads trained 12 epochs on the repeating text (held-apart top-1 ~0.75)."""
+    from helpers import train_pattern_heads
+
+    out = tmp_path_factory.mktemp("medusa")
+    train_pattern_heads("medusa", pattern_features, out, epochs=12)
+    return out
+
+
+@pytest.fixture(scope="session")
+def eagle_dir(pattern_features, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An EAGLE head trained 12 epochs on the repeating text (held-apart depth-1 top-1 ~0.85)."""
+    from helpers import train_pattern_heads
+
+    out = tmp_path_factory.mktemp("eagle")
+    train_pattern_heads("eagle", pattern_features, out, epochs=12)
+    return out

@@ -167,9 +167,9 @@ def exact_sequence_distribution(dec, prompt_ids: list[int]) -> dict[tuple[int, .
     for _ in range(NEW_TOKENS):
         grown = {}
         for seq, prob in dist.items():
-            ids = torch.tensor([prompt_ids + list(seq)])
+            ids = torch.tensor([prompt_ids + list(seq)], device=dec.engine.device)
             with torch.inference_mode():
-                logits = model(ids, torch.arange(ids.shape[1])[None]).logits[0, -1]
+                logits = model(ids, torch.arange(ids.shape[1], device=ids.device)[None]).logits[0, -1]
             probs = processor.probs(logits)
             for token in torch.nonzero(probs > 0).flatten().tolist():
                 grown[seq + (token,)] = prob * probs[token].item()

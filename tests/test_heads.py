@@ -19,44 +19,10 @@ from specdecode.models.heads import HeadConfig, load_heads, new_heads
 from specdecode.models.loader import load_model
 from specdecode.train_heads import TrainConfig, medusa_accuracy, train_heads
 
+from helpers import PATTERN, train_pattern_heads
 from test_engine import CHI2_CRITICAL_P001, chi_square
 
-# A strongly repeating text: a head that learns anything predicts it well.
-PATTERN = "def add(a, b):\n    return a + b\n\n" * 100
 PROMPTS = ["def add(a, b):", "class Counter:", "return fibonacci(n - 1)"]
-
-
-@pytest.fixture(scope="module")
-def pattern_features(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
-    data = tmp_path_factory.mktemp("pattern") / "pattern.txt"
-    data.write_text(PATTERN)
-    loaded = load_model(str(tiny_qwen2_dir), torch.float32, torch.device("cpu"), show_progress=False)
-    tokenizer = loaded.tokenizer
-    spec = FeatureSpec(target="tiny", sources=(str(data),), seq_len=64, max_tokens=2_000, top_k=4)
-    out = extract(loaded.model, lambda t: list(tokenizer(t, add_special_tokens=False)["input_ids"]), spec,
-                  data.parent / "features", show_progress=False)
-    return tiny_qwen2_dir, read_shards(out)
-
-
-def _train(kind: str, pattern_features, out: Path, epochs: int) -> dict:
-    target_dir, shards = pattern_features
-    loaded = load_model(str(target_dir), torch.float32, torch.device("cpu"), show_progress=False)
-    cfg = TrainConfig(kind=kind, epochs=epochs, lr=3e-3, num_heads=3, eval_fraction=0.2, tree_size=6)
-    return train_heads(loaded.model, loaded.model.lm_head.weight, shards, cfg, out, show_progress=False)
-
-
-@pytest.fixture(scope="module")
-def medusa_dir(pattern_features, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("medusa")
-    _train("medusa", pattern_features, out, epochs=12)
-    return out
-
-
-@pytest.fixture(scope="module")
-def eagle_dir(pattern_features, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("eagle")
-    _train("eagle", pattern_features, out, epochs=12)
-    return out
 
 
 def _decoder(target: Path, method: str, heads: Path, tree_size: int | None = None) -> SpecDecoder:
@@ -103,7 +69,7 @@ def test_greedy_tree_decoding_equals_plain(method: str, tiny_qwen2_dir: Path, me
 
 
 def test_one_token_prompt_and_untrained_heads(tiny_qwen2_dir: Path, pattern_features, tmp_path: Path) -> None:
-    _train("eagle", pattern_features, tmp_path / "e", epochs=1)
+    train_pattern_heads("eagle", pattern_features, tmp_path / "e", epochs=1)
     dec = _decoder(tiny_qwen2_dir, "eagle", tmp_path / "e")
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     one = dec.encode("def")[:1]

@@ -1,0 +1,149 @@
+"""Speed of the engine on an accelerator, with random weights of the demo models' shapes.
+
+    python benchmarks/bench_device.py --device cuda --out device.json [--shape demo|tiny]
+
+No weights can reach a lent GPU machine, so this builds random bf16 models with the shapes of
+the demo pair (Qwen2.5-1.5B target, Qwen2.5-0.5B draft; ``--shape tiny`` for a quick try on a
+CPU) and measures what does not depend on the weights:
+- one target pass over 1..16 rows (the verify cost curve; flat = verifying is nearly free);
+- plain greedy decoding through the engine against the same model's bare one-row pass (the
+  engine's overhead per step), and against transformers' ``generate`` on the same weights;
+- speculative decoding with the target as its own draft (acceptance 1: the ceiling of what
+  speculation can give at this k), ours against transformers' assisted generation with the
+  same self-assistant;
+- the 0.5B-shaped draft's pass cost (its acceptance with random weights means nothing).
+Medians over ``--repeats``; every figure is a ratio or a per-pass time measured in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny_models import make_tiny_tokenizer  # noqa: E402  (the tests' small tokenizer)
+
+from specdecode import SamplingParams, SpecDecoder  # noqa: E402
+from specdecode.engine import time_passes  # noqa: E402
+
+SHAPES = {  # name -> (hidden, layers, heads, kv heads, intermediate, vocab)
+    "demo-target": (1536, 28, 12, 2, 8960, 151936),
+    "demo-draft": (896, 24, 14, 2, 4864, 151936),
+    "tiny-target": (256, 4, 4, 2, 512, 4096),
+    "tiny-draft": (128, 2, 4, 2, 256, 4096),
+}
+
+
+def build(shape: str, out: Path, device: torch.device, seed: int) -> Path:
+    """A random bf16 Qwen2 model of ``shape`` saved as safetensors with the tiny tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    hidden, layers, heads, kv_heads, intermediate, vocab = SHAPES[shape]
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    with device:  # random init on the accelerator: seconds, not minutes, for 1.5B weights
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    make_tiny_tokenizer(out)
+    del model
+    return out
+
+
+def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
+    """Median seconds of ``repeats`` synchronised calls after one warm-up; the last result."""
+    result = fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples), result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", choices=("demo", "tiny"), default="demo")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    results: dict[str, object] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                                  "torch": torch.__version__, "shape": args.shape, "new_tokens": args.new_tokens}
+
+    def save() -> None:
+        print(json.dumps(results, indent=1))
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
+
+    work = Path(tempfile.mkdtemp())
+    target_dir = build(f"{args.shape}-target", work / "target", device, seed=0)
+    draft_dir = build(f"{args.shape}-draft", work / "draft", device, seed=1)
+    prompt = torch.randint(2, 4000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+
+    common = dict(dtype="bf16", device=args.device, show_progress=False, draft_confidence=0.0)
+    selfspec = SpecDecoder.from_pretrained(str(target_dir), str(target_dir), method="draft", **common)
+    costs = time_passes(selfspec.engine.target, (1, 2, 4, 8, 16), repeats=5)
+    results["target_pass_ms_by_rows"] = {rows: round(1000 * s, 3) for rows, s in costs.items()}
+
+    def run(dec: SpecDecoder, method: str, k: int):
+        return dec.generate(prompt, params, method=method, k=k)
+
+    plain_s, plain = timed(lambda: run(selfspec, "none", 0), device, args.repeats)
+    self_s, spec = timed(lambda: run(selfspec, "draft", args.k), device, args.repeats)
+    assert spec.token_ids == plain.token_ids, "self-speculation changed the greedy output"
+    step_ms = 1000 * plain_s / args.new_tokens
+    results["plain"] = {"tok_per_s": args.new_tokens / plain_s, "ms_per_token": step_ms,
+                        "engine_overhead_ms_per_step": step_ms - 1000 * costs[1]}
+    results["self_draft"] = {"tok_per_s": args.new_tokens / self_s, "speedup_vs_plain": plain_s / self_s,
+                             "tau": spec.stats.tau, "k": args.k,
+                             "draft_share": spec.stats.draft_seconds / max(spec.stats.total_seconds, 1e-9)}
+    save()
+    del selfspec
+
+    small = SpecDecoder.from_pretrained(str(target_dir), str(draft_dir), method="draft", **common)
+    _, drafted = timed(lambda: run(small, "draft", args.k), device, 1)
+    results["small_draft"] = {"draft_pass_ms": 1000 * drafted.stats.draft_seconds / max(drafted.stats.draft_forward_passes, 1),
+                              "tau": drafted.stats.tau}
+    del small
+    save()
+
+    try:  # transformers on the same weights, the reference a user would compare against
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(device).eval()
+        assistant = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(device).eval()
+        ids = torch.tensor([prompt], device=device)
+        gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+        hf_plain_s, hf_out = timed(lambda: hf.generate(ids, **gen), device, args.repeats)
+        results["hf_plain"] = {"tok_per_s": args.new_tokens / hf_plain_s, "ours_plain_over_hf": hf_plain_s / plain_s,
+                               "same_tokens": hf_out[0, len(prompt):].tolist() == plain.token_ids}
+        gen_assisted = dict(gen, assistant_model=assistant, num_assistant_tokens=args.k,
+                            num_assistant_tokens_schedule="constant")
+        hf_self_s, _ = timed(lambda: hf.generate(ids, **gen_assisted), device, args.repeats)
+        results["hf_assisted_self"] = {"tok_per_s": args.new_tokens / hf_self_s, "ours_self_over_hf": hf_self_s / self_s}
+    except Exception as err:  # noqa: BLE001 - report, do not lose the figures above
+        results["hf_error"] = repr(err)
+    save()
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
