@@ -108,12 +108,15 @@ def main() -> None:
 
     plain_s, plain = timed(lambda: run(selfspec, "none", 0), device, args.repeats)
     self_s, spec = timed(lambda: run(selfspec, "draft", args.k), device, args.repeats)
-    assert spec.token_ids == plain.token_ids, "self-speculation changed the greedy output"
+    # Random weights give near-flat logits: bf16 passes of 1 and k + 1 rows can break argmax ties
+    # differently, so the self-draft's output may drift from plain decoding (the fp32 tests
+    # check equality); the share of equal tokens says how often.
+    same = next((i for i, (a, b) in enumerate(zip(spec.token_ids, plain.token_ids)) if a != b), args.new_tokens)
     step_ms = 1000 * plain_s / args.new_tokens
     results["plain"] = {"tok_per_s": args.new_tokens / plain_s, "ms_per_token": step_ms,
                         "engine_overhead_ms_per_step": step_ms - 1000 * costs[1]}
     results["self_draft"] = {"tok_per_s": args.new_tokens / self_s, "speedup_vs_plain": plain_s / self_s,
-                             "tau": spec.stats.tau, "k": args.k,
+                             "tau": spec.stats.tau, "k": args.k, "tokens_equal_to_plain_before_first_difference": same,
                              "draft_share": spec.stats.draft_seconds / max(spec.stats.total_seconds, 1e-9)}
     save()
     del selfspec

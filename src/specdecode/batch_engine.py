@@ -39,6 +39,7 @@ from .errors import InvalidRequestError
 from .metrics import GenerationStats, Stopwatch
 from .models.llama import Transformer
 from .paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, stack_padded
+from .runtime import host_to_device
 from .sampling import LogitsProcessor, make_generator
 from .batch_schedule import BatchK, BatchRow, PassCosts
 from .schedule import AcceptanceEstimate
@@ -176,7 +177,7 @@ class BatchEngine:
         prompt_len = len(prompt_ids)
         capacity = prompt_len + params.max_new_tokens
         committed = torch.zeros(capacity + 1, dtype=torch.long, device=self.device)
-        committed[:prompt_len] = torch.tensor(list(prompt_ids), dtype=torch.long)
+        committed[:prompt_len] = host_to_device(list(prompt_ids), torch.long, self.device)
         processor = LogitsProcessor.from_params(params)
         request = _Request(
             request_id=request_id, params=params, method=method, k=k, processor=processor,
@@ -344,7 +345,7 @@ class BatchEngine:
                 request.ngram.extend(request.tokens[len(request.ngram.history):])
                 match, _ = request.ngram.match(k)
                 if match:
-                    proposals[index] = DraftProposal(tokens=torch.tensor([match], dtype=torch.long, device=self.device), probs=None)
+                    proposals[index] = DraftProposal(tokens=host_to_device([match], torch.long, self.device), probs=None)
             elif request.method == "draft":
                 length = len(request.tokens)
                 model_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator,
@@ -419,7 +420,7 @@ class BatchEngine:
                         break
             count = len(new_tokens)
             length = len(request.tokens)
-            request.committed[length : length + count] = torch.tensor(new_tokens, dtype=torch.long, device=self.device)
+            request.committed[length : length + count] = host_to_device(new_tokens, torch.long, self.device)
             request.tokens.extend(new_tokens)
             seq.num_tokens = len(request.tokens)
             self.target_cache.commit(seq.seq_id, length + min(accepted_len, count - 1))

@@ -24,6 +24,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import InvalidRequestError
+from .runtime import host_to_device
 
 KV_DTYPES = ("auto", "int8")  # auto: the model's dtype
 INT8_MAX = 127
@@ -147,7 +148,7 @@ class KVCache:
         if list(nodes) == list(range(len(nodes))):
             return  # already in place (a chain, or the first branch all along)
         device = self.keys[0].device
-        source = torch.tensor([start + node for node in nodes], dtype=torch.long, device=device)
+        source = host_to_device([start + node for node in nodes], torch.long, device)
         for tensors in self._storages():
             for storage in tensors:
                 storage[seq, :, start : start + len(nodes)] = storage[seq, :, source]

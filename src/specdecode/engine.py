@@ -24,6 +24,7 @@ from .drafters.base import Drafter, TreeDrafter, is_tree_drafter
 from .errors import InvalidRequestError
 from .metrics import GenerationStats, Stopwatch
 from .models.llama import Transformer
+from .runtime import host_to_device
 from .sampling import LogitsProcessor, make_generator
 from .schedule import KSchedule
 from .tree import tree_view
@@ -172,7 +173,7 @@ class SpecEngine:
         processor = LogitsProcessor.from_params(params)
         generator = None if processor.greedy else make_generator(params.seed, device)
         committed = torch.empty((1, capacity), dtype=torch.long, device=device)
-        committed[0, :prompt_len] = torch.tensor(list(prompt_ids), dtype=torch.long)
+        committed[0, :prompt_len] = host_to_device(list(prompt_ids), torch.long, device)
         stats.prompt_tokens = prompt_len
         watches = (Stopwatch(device, self.sync_timing), Stopwatch(device, self.sync_timing))
         try:
@@ -181,6 +182,9 @@ class SpecEngine:
             with Stopwatch(device, self.sync_timing) as prefill_watch:
                 if speculate:
                     drafter.start(prompt_len, capacity, cache)
+                hear_committed = getattr(drafter, "on_committed", None) if speculate else None
+                if hear_committed is not None:
+                    hear_committed(list(prompt_ids))
                 if prompt_len > 1:
                     out = self.target.extend(cache, committed[:, : prompt_len - 1], 0, compute_logits=False)
                     stats.target_forward_passes += 1
@@ -225,6 +229,8 @@ class SpecEngine:
                 cache.commit(0, length + min(step.accepted, count - 1))
                 length += count
                 stats.new_tokens += count
+                if hear_committed is not None:
+                    hear_committed(new_tokens)
                 if not stop_reason and stats.new_tokens >= max_new:
                     stop_reason = "length"
                 stats.stop_reason = stop_reason or "running"
@@ -306,7 +312,7 @@ class SpecEngine:
             cache.keep_path(0, start, result.path)
             drafter.observe(out.hidden[:, result.path], start)
         return StepResult(
-            tokens=result.tokens, device_tokens=torch.tensor(result.tokens, dtype=torch.long, device=device),
+            tokens=result.tokens, device_tokens=host_to_device(result.tokens, torch.long, device),
             accepted=len(result.path) - 1, proposed=tree.max_depth, nodes=tree.size - 1,
             draft_seconds=draft_watch.elapsed, verify_seconds=verify_watch.elapsed, draft_passes=drafter.last_forward_passes,
         )

@@ -28,6 +28,7 @@ import torch
 
 from .cache import KVView
 from .config import ModelConfig
+from .runtime import host_to_device
 
 NULL_BLOCK = 0  # never allocated: the write target and read source of padding
 DEFAULT_BLOCK_SIZE = 16
@@ -222,7 +223,7 @@ class PagedKVCache:
             visible = row[-1] + 1
             read_slots.append([self._slot(table, p) for p in range(visible)] + [null_slot] * (kv_len - visible))
         device = self.device
-        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
+        position_tensor = host_to_device(positions, torch.long, device)
         key_pos = torch.arange(kv_len, device=device)
         query_pos = position_tensor[:, :, None]  # (B, T, 1)
         mask = key_pos[None, None, :] <= query_pos
@@ -230,8 +231,8 @@ class PagedKVCache:
             mask &= key_pos[None, None, :] > query_pos - sliding_window
         view = PagedView(
             cache=self,
-            write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
-            read_slots=torch.tensor(read_slots, dtype=torch.long, device=device),
+            write_slots=host_to_device(write_slots, torch.long, device),
+            read_slots=host_to_device(read_slots, torch.long, device),
             kv_len=kv_len,
             mask=mask[:, None],
         )

@@ -42,3 +42,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+def host_to_device(values: list | tuple, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of host ``values`` on ``device`` without stalling the host.
+
+    A copy from ordinary (pageable) host memory to a GPU waits until every queued kernel has
+    run: a full sync in the middle of a decode step. Staged through pinned memory the copy is
+    queued behind those kernels instead (PyTorch's pinned-memory cache keeps the buffer alive
+    until the copy is done). On the CPU this is ``torch.tensor``.
+    """
+    tensor = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KVView
+from .runtime import host_to_device
 
 ROOT = 0
 NO_PARENT = -1
@@ -104,7 +105,7 @@ class TokenTree:
 
     def positions(self, start: int, device: torch.device | str) -> torch.Tensor:
         """(1, N) long: RoPE positions start + depth, where ``start`` is the root's position."""
-        return torch.tensor([[start + depth for depth in self.depths]], dtype=torch.long, device=device)
+        return host_to_device([[start + depth for depth in self.depths]], torch.long, device)
 
     def ancestor_mask(self, device: torch.device | str) -> torch.Tensor:
         """(N, N) bool: [i, j] True when j == i or j is an ancestor of i."""
@@ -112,7 +113,7 @@ class TokenTree:
         for node in range(self.size):
             for ancestor in self.path_to(node):
                 rows[node][ancestor] = True
-        return torch.tensor(rows, dtype=torch.bool, device=device)
+        return host_to_device(rows, torch.bool, device)
 
 
 def tree_view(tree: TokenTree, start: int, device: torch.device | str, sliding_window: int | None = None) -> KVView:

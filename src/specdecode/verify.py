@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .runtime import host_to_device
 from .tree import ROOT, TokenTree
 
 PAD_TOKEN = -1
@@ -123,7 +124,7 @@ class TreeVerifyResult:
 
 def _parent_rows(tree: TokenTree, device: torch.device) -> torch.Tensor:  # -> (N,) long
     """Row of each node's parent; the root points at itself (its row is never judged)."""
-    return torch.tensor([ROOT, *tree.parents[1:]], dtype=torch.long, device=device)
+    return host_to_device([ROOT, *tree.parents[1:]], torch.long, device)
 
 
 def _deepest_accepted(
@@ -137,7 +138,7 @@ def _deepest_accepted(
     acceptable[ROOT] = True
     ancestors = tree.ancestor_mask(device)  # (N, N)
     path_ok = (acceptable[None, :] | ~ancestors).all(dim=1)
-    depth = torch.tensor(tree.depths, dtype=torch.long, device=device)
+    depth = host_to_device(tree.depths, torch.long, device)
     index = torch.arange(size, device=device)
     # One integer key (deeper first, then lower index) so a single argmax decides both.
     key = torch.where(path_ok, depth * size + (size - 1 - index), -1)

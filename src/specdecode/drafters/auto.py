@@ -124,6 +124,9 @@ class AutoDrafter:
             self.draft.start(prompt_len, capacity, target_cache)  # allocation only: it reads the prompt when first used
         self._capacity = capacity
 
+    def on_committed(self, tokens: list[int]) -> None:
+        self.ngram.on_committed(tokens)
+
     def plan(self, length: int, num_tokens: int, lookup_tokens: int, match_size: int) -> tuple[str, int]:
         """(source, k) with the highest expected tokens per second for this step.
 

@@ -4,6 +4,10 @@ A drafter never touches the engine or the target's cache. Each step the engine h
 committed sequence and asks for up to ``num_tokens`` proposals; after verification it calls
 ``on_verified`` with the number the target accepted, so a drafter with state (its own KV
 cache, acceptance statistics) can roll back or adapt.
+
+A drafter that works on the host (prompt lookup) may also define ``on_committed(tokens)``: the
+engine then hands it the committed tokens as host ints (the prompt at the start, each step's
+emitted tokens after it), so it need not read the device sequence, a sync on GPUs.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import torch
 
 from ..models.llama import Transformer
 from ..paged_cache import PagedKVCache, stack_padded
+from ..runtime import host_to_device
 from ..sampling import LogitsProcessor, draw
 from .base import DraftProposal
 from .draft_model import draft_confidence, to_target_vocab
@@ -100,7 +101,7 @@ class BatchDraftModel:
         view, positions = self.cache.view(seqs, host_positions, self.model.config.sliding_window)
         tokens = stack_padded(inputs)
         out = self.model(tokens, positions, view, view, compute_logits=False)
-        last = torch.tensor([x.shape[0] - 1 for x in inputs], device=tokens.device)
+        last = host_to_device([x.shape[0] - 1 for x in inputs], torch.long, tokens.device)
         hidden = out.hidden[torch.arange(len(seqs), device=tokens.device), last]  # (B, C)
         # Lengths are settled in on_verified, which keeps the accepted drafts' slots and frees the rest.
         return to_target_vocab(self.model.lm_head(hidden).float(), self.target_vocab_size)

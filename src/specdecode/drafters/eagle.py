@@ -31,6 +31,7 @@ from ..cache import KVCache, KVView
 from ..config import MAX_TREE_SIZE
 from ..errors import InvalidRequestError
 from ..models.heads import EagleHead
+from ..runtime import host_to_device
 from ..sampling import LogitsProcessor
 from ..tree import NO_PARENT, TokenTree
 
@@ -181,6 +182,6 @@ class EagleDrafter:
         order = sorted(keep)
         tree_index = {node: i + 1 for i, node in enumerate(order)}
         parents = [NO_PARENT] + [tree_index.get(parent_of[node], 0) for node in order]
-        order_tensor = torch.tensor(order, dtype=torch.long, device=device)
+        order_tensor = host_to_device(order, torch.long, device)
         tokens = torch.cat([root, head.to_target_vocab(node_rows[order_tensor])])
         return TokenTree(parents, tokens, [False] * len(parents))

@@ -9,9 +9,9 @@ q, which keeps sampling lossless.
 
 The drafter keeps a host-side copy of the committed tokens and, for every n, a map from each
 n-gram to the latest position where it was followed by another token, updated incrementally:
-a step costs O(new tokens x n-gram sizes), not a scan of the history. Reading the newly
-committed tokens is one small device-to-host copy per step (a sync on GPUs, right after the
-engine's own).
+a step costs O(new tokens x n-gram sizes), not a scan of the history. The engine hands it the
+committed tokens on the host (``on_committed``), so it never reads the device sequence (a
+second sync per step on GPUs); a caller that does not is served from the device tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from ..config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, check_ngram_sizes
 from ..cache import KVCache
 from ..errors import InvalidRequestError
+from ..runtime import host_to_device
 from ..sampling import LogitsProcessor
 from .base import DraftProposal
 
@@ -51,6 +52,9 @@ class NgramDrafter:
                     table[tuple(self.history[end - n : end])] = end
             self.history.append(token)
 
+    def on_committed(self, tokens: list[int]) -> None:
+        self.extend(tokens)
+
     def match(self, num_tokens: int) -> tuple[list[int], int]:
         """(continuation, n) of the longest, then most recent, match of the history's tail;
         ([], 0) when nothing matches."""
@@ -74,9 +78,10 @@ class NgramDrafter:
     ) -> DraftProposal:
         if committed.shape[0] != 1:
             raise InvalidRequestError("The n-gram drafter handles one sequence at a time.")
-        self.extend(committed[0, len(self.history) :].tolist())
+        if len(self.history) < committed.shape[1]:  # a caller that does not call on_committed
+            self.extend(committed[0, len(self.history) :].tolist())
         proposal, self.last_match_size = self.match(num_tokens)
-        tokens = torch.tensor([proposal], dtype=torch.long).reshape(1, len(proposal)).to(committed.device)
+        tokens = host_to_device(proposal, torch.long, committed.device).reshape(1, len(proposal))
         return DraftProposal(tokens=tokens, probs=None)
 
     def on_verified(self, num_accepted: int) -> None:
