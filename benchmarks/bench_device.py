@@ -100,8 +100,14 @@ def main() -> None:
 
     common = dict(dtype="bf16", device=args.device, show_progress=False, draft_confidence=0.0)
     selfspec = SpecDecoder.from_pretrained(str(target_dir), str(target_dir), method="draft", **common)
+    time_passes(selfspec.engine.target, (1, 2, 4, 8, 16), repeats=1)  # warm-up: the first shapes pay for set-up
     costs = time_passes(selfspec.engine.target, (1, 2, 4, 8, 16), repeats=5)
     results["target_pass_ms_by_rows"] = {rows: round(1000 * s, 3) for rows, s in costs.items()}
+    # One decoder layer alone (plus embedding and LM head): far above its weight bytes / bandwidth
+    # means the pass is bound by kernel launches and Python, not by memory.
+    one_layer = time_passes(selfspec.engine.target, (1,), repeats=5, layers=(0,))[1]
+    results["one_layer_pass_ms"] = round(1000 * one_layer, 3)
+    results["target_weight_bytes"] = sum(p.numel() * p.element_size() for p in selfspec.engine.target.parameters())
 
     def run(dec: SpecDecoder, method: str, k: int):
         return dec.generate(prompt, params, method=method, k=k)

@@ -310,7 +310,8 @@ class SpecEngine:
             else:
                 result = rejection_tree_verify(tree, processor.probs(logits), generator)
             cache.keep_path(0, start, result.path)
-            drafter.observe(out.hidden[:, result.path], start)
+            # Index with a device tensor: a Python list index is copied from pageable memory (a sync).
+            drafter.observe(out.hidden[:, host_to_device(result.path, torch.long, device)], start)
         return StepResult(
             tokens=result.tokens, device_tokens=host_to_device(result.tokens, torch.long, device),
             accepted=len(result.path) - 1, proposed=tree.max_depth, nodes=tree.size - 1,

@@ -134,12 +134,12 @@ def _deepest_accepted(
     """The deepest node whose whole path passes, ties to the lowest index; stays on the device."""
     size = tree.size
     device = acceptable.device
-    acceptable = acceptable.clone()
-    acceptable[ROOT] = True
+    index = torch.arange(size, device=device)
+    # Not ``acceptable[ROOT] = True``: writing a Python scalar into a GPU tensor waits for the GPU.
+    acceptable = acceptable | (index == ROOT)
     ancestors = tree.ancestor_mask(device)  # (N, N)
     path_ok = (acceptable[None, :] | ~ancestors).all(dim=1)
     depth = host_to_device(tree.depths, torch.long, device)
-    index = torch.arange(size, device=device)
     # One integer key (deeper first, then lower index) so a single argmax decides both.
     key = torch.where(path_ok, depth * size + (size - 1 - index), -1)
     return key.argmax()
