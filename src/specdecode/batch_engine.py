@@ -264,10 +264,12 @@ class BatchEngine:
         if not running:
             return []
         requests: list[_Request] = [seq.state for seq in running]
-        plans = [self._plan_row(seq) for seq in running if seq.state.method != "none"]
+        drafting = [seq for seq in running if self._may_draft(seq.state)]
+        plans = [self._plan_row(seq) for seq in drafting]
         k = self.chooser.choose(plans, len(requests))
         read_ahead = k > 0 and any(plan.backlog for plan in plans)
-        wanted = {seq.seq_id: (min(k, self._k_cap(seq.state)) if seq.state.method != "none" else 0) for seq in running}
+        wanted = {seq.seq_id: 0 for seq in running}
+        wanted.update({seq.seq_id: min(k, self._k_cap(seq.state)) for seq in drafting})
 
         def needs(seq: ScheduledSequence) -> tuple[int, int]:
             request: _Request = seq.state
@@ -291,6 +293,13 @@ class BatchEngine:
             draft_passes=0 if read_ahead else draft_passes, draft_seconds=draft_watch.elapsed,
         )
         return self._commit(running, proposals, emitted, draft_watch.elapsed, verify_watch.elapsed, draft_passes)
+
+    @staticmethod
+    def _may_draft(request: _Request) -> bool:
+        # A request's first token comes from a plain step: its time to first token never pays
+        # for a draft model reading the prompt, nor for a draft step priced on a guessed
+        # acceptance while requests sent with it are still arriving.
+        return request.method != "none" and request.stats.new_tokens > 0
 
     def _plan_row(self, seq: ScheduledSequence) -> BatchRow:
         request: _Request = seq.state
