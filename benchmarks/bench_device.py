@@ -73,6 +73,48 @@ def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
     return statistics.median(samples), result
 
 
+def graph_pass(model) -> dict[str, object]:
+    """One-row target pass replayed as a CUDA graph against the same pass run eagerly.
+
+    A measurement, not a feature: the pass is captured at one fixed position, as a decode loop
+    built on graphs would capture one per shape. It says how much of a pass is launch overhead.
+    """
+    from specdecode.cache import reusable_cache
+    from specdecode.engine import COST_PROBE_CONTEXT
+
+    try:
+        cache = reusable_cache(None, model.config, COST_PROBE_CONTEXT + 1, model.dtype, model.device)
+        tokens = torch.zeros((1, 1), dtype=torch.long, device=model.device)
+
+        def one_pass() -> object:
+            return model.extend(cache, tokens, COST_PROBE_CONTEXT)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                one_pass()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            one_pass()
+
+        def per_call_ms(run, calls: int = 30) -> float:
+            run()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(calls):
+                run()
+            end.record()
+            torch.cuda.synchronize()
+            return begin.elapsed_time(end) / calls
+
+        eager, replay = per_call_ms(one_pass), per_call_ms(graph.replay)
+        return {"eager_ms": eager, "graph_ms": replay, "eager_over_graph": eager / replay}
+    except Exception as err:  # noqa: BLE001 - a capture failure is a finding, not a crash
+        return {"error": repr(err)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -82,6 +124,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--only-passes", action="store_true", help="time the passes only, no decoding")
     args = parser.parse_args()
     device = torch.device(args.device)
     results: dict[str, object] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -108,6 +151,12 @@ def main() -> None:
     one_layer = time_passes(selfspec.engine.target, (1,), repeats=5, layers=(0,))[1]
     results["one_layer_pass_ms"] = round(1000 * one_layer, 3)
     results["target_weight_bytes"] = sum(p.numel() * p.element_size() for p in selfspec.engine.target.parameters())
+    if device.type == "cuda":
+        results["cuda_graph_one_row_pass"] = graph_pass(selfspec.engine.target)
+        save()
+    if args.only_passes:
+        save()
+        return
 
     def run(dec: SpecDecoder, method: str, k: int):
         return dec.generate(prompt, params, method=method, k=k)
