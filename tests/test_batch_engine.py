@@ -243,6 +243,21 @@ def test_batch_k_falls_back_to_plain_as_the_batch_grows() -> None:
     assert chooser.choose([row] * 16, batch_size=16) == 0 and chooser.plain_streak == 0
 
 
+def test_a_lone_row_that_stops_at_the_confidence_cut_off_drafts_up_to_its_cap() -> None:
+    # Drafts dear enough that the cost model alone picks a short k ...
+    verify = PassCosts({1: 0.2, 8: 0.21, 16: 0.7})
+    draft = PassCosts({1: 0.06, 8: 0.07, 16: 0.12})
+    chooser = BatchK(k_max=8, verify=verify, draft=draft)
+    chosen = chooser.choose([BatchRow(0.6, 6, True)], batch_size=1)
+    assert 1 <= chosen < 6
+    # ... but a lone row whose drafts end where the draft is unsure drafts up to its cap,
+    assert chooser.choose([BatchRow(0.6, 6, True, stops_early=True)], batch_size=1) == 6
+    # not where speculation does not pay at all, and not in a batch of several rows.
+    assert chooser.choose([BatchRow(0.05, 6, True, stops_early=True)], batch_size=1) == 0
+    assert chooser.choose([BatchRow(0.6, 6, True, stops_early=True)] * 2, batch_size=2) == chooser.choose(
+        [BatchRow(0.6, 6, True)] * 2, batch_size=2)
+
+
 def test_batch_k_prices_the_draft_backlog_and_backs_off_its_probes() -> None:
     verify = PassCosts({1: 0.2, 4: 0.22, 8: 0.3, 16: 0.6})
     draft = PassCosts({1: 0.05, 4: 0.06, 64: 0.5, 128: 1.0, 1024: 8.0})

@@ -308,7 +308,8 @@ class BatchEngine:
             assert self.drafter is not None
             backlog = self.drafter.backlog(seq.seq_id, len(request.tokens))
         return BatchRow(request.acceptance.rate, self._k_cap(request), request.method == "draft", backlog,
-                        observed=request.acceptance.trials >= MIN_OBSERVED_TRIALS, remaining=request.remaining)
+                        observed=request.acceptance.trials >= MIN_OBSERVED_TRIALS, remaining=request.remaining,
+                        stops_early=request.method == "draft" and self.draft_confidence > 0)
 
     def _k_cap(self, request: _Request) -> int:
         # A step emits at most k + 1 tokens: never draft past max_new_tokens.
