@@ -268,8 +268,10 @@ def test_batch_k_prices_the_draft_backlog_and_backs_off_its_probes() -> None:
     # The same backlog spread over a long future pays; over a short one it does not.
     assert chooser.choose([BatchRow(0.8, 8, True, backlog=60, remaining=100)] * 2, 2) > 0
     assert chooser.choose([BatchRow(0.8, 8, True, backlog=60, remaining=4)] * 2, 2) == 0
-    # A row never verified is given the optimistic acceptance once.
+    # A lone row never verified is given the optimistic acceptance once; rows in a batch of
+    # several keep their own estimates.
     assert chooser.choose([BatchRow(0.2, 8, True, observed=False)], 1) > 0
+    assert chooser.choose([BatchRow(0.2, 8, True, observed=False)] * 2, 2) == 0
     assert chooser.choose([BatchRow(0.2, 8, True)], 1) == 0
 
     def plain_steps(n: int) -> None:
@@ -279,6 +281,10 @@ def test_batch_k_prices_the_draft_backlog_and_backs_off_its_probes() -> None:
     poor = [BatchRow(0.3, 8, True)] * 2
     assert chooser.choose(poor, 2) == 0
     plain_steps(12)
+    assert chooser.choose([], 2) == 0  # a step with nothing to draft ...
+    plain_steps(1)
+    assert chooser.choose(poor, 2) == 0  # ... restarts the count: no probe yet
+    plain_steps(11)
     assert chooser.choose(poor, 2) == 2  # the probe after 12 plain steps
     chooser.observe(batch=2, width=3, drafted=4, verify_seconds=0.25, draft_rows=2, draft_passes=2, draft_seconds=0.1)
     assert chooser.choose(poor, 2) == 0 and chooser.probe_after == 24  # it did not pay: wait twice as long

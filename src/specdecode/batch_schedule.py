@@ -98,8 +98,8 @@ class BatchRow:
 class BatchK:
     """The batch's k (module docstring). Drafting after plain steps first costs a read-ahead
     pass over the draft-model rows' backlogs, priced in and spread over the next
-    ``READ_AHEAD_HORIZON`` steps (the rows then stay caught up). A row whose drafts were never
-    verified counts as ``OPTIMISTIC_ACCEPTANCE`` until they are.
+    ``READ_AHEAD_HORIZON`` steps (the rows then stay caught up). A lone row whose drafts were
+    never verified counts as ``OPTIMISTIC_ACCEPTANCE`` until they are.
 
     Without cost tables it drafts each row's cap (a fixed k). After ``probe_after`` plain steps
     in a row it drafts ``PROBE_K`` tokens, so the acceptance estimates stay current, but only
@@ -117,6 +117,9 @@ class BatchK:
 
     def choose(self, speculative: Sequence[BatchRow], batch_size: int) -> int:
         if not speculative:
+            # Steps with no row that could draft are not plain steps the probes wait out: a
+            # draft request joining after a run of plain-only requests starts a fresh count.
+            self.plain_streak = 0
             return 0
         if self.verify is None or (self.draft is None and any(row.uses_draft_model for row in speculative)):
             return self.k_max
@@ -157,9 +160,15 @@ class BatchK:
         def rate_of(row: BatchRow) -> float:
             if acceptance is not None:
                 return acceptance
-            # A row not yet verified gets the benefit of the doubt once: its first step measures
-            # its acceptance (as CostAwareK drafts its first k before any measurement).
-            return row.acceptance if row.observed else OPTIMISTIC_ACCEPTANCE
+            # A lone row not yet verified gets the benefit of the doubt once: its first step
+            # measures its acceptance (as CostAwareK drafts its first k before any measurement).
+            # In a batch of several the doubt is dearer (every row's verify is padded to the
+            # longest draft; the rows' prompts are read into the draft model first) and the
+            # rows' own estimates (the pooled rate, or the prior) stand: a fresh server's first
+            # batch of 4 took 90% on trust and ran at 0.89x plain (benchmarks/replay_load.py).
+            if row.observed or batch_size > 1:
+                return row.acceptance
+            return OPTIMISTIC_ACCEPTANCE
 
         # Speculate only for a clear predicted gain: the cost model's error on a busy CPU is
         # about this size, and a marginal gain is lost to read-aheads and probes.
