@@ -92,13 +92,8 @@ def test_failing_draft_goes_plain_then_probes_again() -> None:
         auto.source = "none"
         auto.observe(0, 0, 0.0, 0, FLAT_VERIFY[0])
     assert auto.plan(50, 8, 0, 0) == ("draft", 5)
-    # A lookup expected to beat the draft model's hope (an untried match length: 2x plain) is
-    # not interrupted by the probe; one measured barely above plain is.
+    # A lookup match is not interrupted by the probe.
     assert auto.plan(50, 8, 4, 3)[0] == "ngram"
-    observe(auto, "ngram", 2, 1, times=10, match_size=1)  # 2 tokens per 1.2 units: 1.67x ... then
-    observe(auto, "ngram", 2, 0, times=10, match_size=1)  # 1 per 1.2: pooled ~1.1x plain
-    auto._since_draft = PROBE_AFTER
-    assert auto.plan(50, 8, 2, 1) == ("draft", 5)
 
 
 def cycle_sources(pattern: list[tuple[str, int]]):

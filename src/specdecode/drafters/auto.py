@@ -24,9 +24,8 @@ with the highest expected tokens per second steps:
 
 The draft model drafts up to ``draft_k`` tokens (its confidence cut-off ends drafts early);
 prompt lookup proposes as many found tokens as pay under ``schedule.best_plan`` with its
-per-n acceptance. After ``PROBE_AFTER`` steps without the draft model, a draft model used
-earlier in the request drafts again (unless a lookup that is expected to beat the draft
-model's prior matched), so a stale estimate can recover.
+per-n acceptance. After ``PROBE_AFTER`` steps without the draft model and no lookup match, a
+draft model used earlier in the request drafts again, so a stale estimate can recover.
 Choosing only changes what is proposed, never the acceptance rule: output stays lossless.
 
 The drafter is also its own draft-length schedule (``schedule.KSchedule``): choosing the source
@@ -143,12 +142,7 @@ class AutoDrafter:
                 best = ("ngram", k, goodput.rate)
         if self.draft is not None:
             k = min(self.draft_k, num_tokens)
-            # Probe a stale draft estimate after PROBE_AFTER steps without it, unless a lookup is
-            # expected to beat what the draft model is hoped to do (its prior): lookups that
-            # merely match (numbers, common words) must not keep a good draft model out for a
-            # whole answer (Spec-Bench 403: 45 lookup steps, 0.92x, where the draft alone made 1.27x).
-            lookup_beats_hope = lookup_tokens > 0 and best[2] >= PRIOR_GAIN / self.verify_seconds[0]
-            if self._draft_used and self._since_draft >= PROBE_AFTER and not lookup_beats_hope:
+            if self._draft_used and self._since_draft >= PROBE_AFTER and lookup_tokens == 0:
                 return "draft", k
             rate = self.draft_goodput.rate
             catch_up = self._catch_up_seconds(length - self.draft.cached_len)
