@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .batch_engine import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine, time_batched_passes
+from .batch_engine import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine, time_batched_passes
 from .cache import check_kv_dtype
 from .config import (
     DRAFT_MODEL_METHODS,
@@ -465,8 +465,6 @@ class SpecDecoder:
         built for this call. Stop strings end a request as in ``generate``. Greedy results equal
         ``generate``'s for each prompt alone (tested in fp32).
         """
-        from .batch_engine import BATCH_METHODS
-
         params_list = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts.")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .schedule import PROBE_AFTER, PROBE_K, blend, expected_tokens
+from .schedule import PROBE_AFTER, PROBE_K, blend, expected_tokens, interpolate
 
 MAX_PROBE_AFTER = 96  # the longest wait between probes
 OPTIMISTIC_ACCEPTANCE = 0.9  # probe only if drafts accepted this often would pay
@@ -54,21 +54,7 @@ class PassCosts:
 
     def prior(self, rows: int) -> float:
         """The single-sequence pass over ``rows`` tokens, interpolated from the timed ones."""
-        known = sorted(self.points)
-        if rows in self.points:
-            return self.points[rows]
-        if rows < known[0]:
-            return self.points[known[0]]
-        below = max(r for r in known if r < rows)
-        above = [r for r in known if r > rows]
-        if above:
-            upper = above[0]
-        elif len(known) >= 2:  # extrapolate the last segment's slope
-            upper, below = below, known[-2]
-        else:
-            return self.points[below] * rows / below
-        slope = (self.points[upper] - self.points[below]) / (upper - below)
-        return self.points[below] + slope * (rows - below)
+        return interpolate(self.points, rows)
 
     def seconds(self, batch: int, width: int) -> float:
         measured = self.shapes.get((batch, width))

@@ -26,7 +26,7 @@ from .metrics import GenerationStats, Stopwatch
 from .models.llama import Transformer
 from .runtime import host_to_device
 from .sampling import LogitsProcessor, make_generator
-from .schedule import KSchedule
+from .schedule import KSchedule, interpolate
 from .tree import tree_view
 from .verify import (
     PAD_TOKEN,
@@ -127,12 +127,7 @@ class SpecEngine:
         # Time a few row counts and interpolate the rest: each timing costs full target passes.
         probed = sorted({1, 2, 3, 4, (max_rows + 1) // 2 + 1, max_rows} & set(range(1, max_rows + 1)))
         measured = time_passes(self.target, probed, self.kv_dtype, repeats)
-        costs = []
-        for rows in range(1, max_rows + 1):
-            below = max(r for r in probed if r <= rows)
-            above = min(r for r in probed if r >= rows)
-            share = 0.0 if above == below else (rows - below) / (above - below)
-            costs.append(measured[below] + share * (measured[above] - measured[below]))
+        costs = [interpolate(measured, rows) for rows in range(1, max_rows + 1)]
         self._verify_costs[max_rows] = costs
         return list(costs)
 

@@ -45,6 +45,26 @@ RAISE_ABOVE = 0.8
 DROP_BELOW = 0.4
 
 
+def interpolate(points: dict[int, float], x: int) -> float:
+    """A cost table's value at ``x``: linear between the nearest measured points, the first
+    point's value below them, the last segment's slope extended beyond them."""
+    if x in points:
+        return points[x]
+    known = sorted(points)
+    if x < known[0]:
+        return points[known[0]]
+    below = max(r for r in known if r < x)
+    above = [r for r in known if r > x]
+    if above:
+        upper = above[0]
+    elif len(known) >= 2:  # extrapolate the last segment's slope
+        upper, below = below, known[-2]
+    else:
+        return points[below] * x / below
+    slope = (points[upper] - points[below]) / (upper - below)
+    return points[below] + slope * (x - below)
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a step drafting k emits on average, the bonus token counted."""
     if k <= 0:
