@@ -83,7 +83,9 @@ def test_unknown_category_and_duplicate_source() -> None:
 # ---------------------------------------------------------------- aggregation on hand-built traces
 
 
-def turn(steps: list[tuple[int, int]], seconds: float, draft_passes: int = 0, tokens: list[int] | None = None) -> dict[str, Any]:
+def turn(
+    steps: list[tuple[int, int]], seconds: float, draft_passes: int = 0, tokens: list[int] | None = None, prefill: float = 0.0
+) -> dict[str, Any]:
     """A turn dict as the harness stores it, from (proposed, accepted) per verify step."""
     stats = GenerationStats()
     for proposed, accepted in steps:
@@ -91,7 +93,7 @@ def turn(steps: list[tuple[int, int]], seconds: float, draft_passes: int = 0, to
     emitted = stats.emitted_by_steps
     return bench_methods.TurnResult(
         tokens=tokens if tokens is not None else list(range(emitted)),
-        text="", prompt_tokens=5, seconds=seconds, prefill_seconds=0.0, draft_seconds=0.25 * seconds,
+        text="", prompt_tokens=5, seconds=seconds, prefill_seconds=prefill, draft_seconds=0.25 * seconds,
         verify_seconds=0.5 * seconds, target_passes=stats.target_forward_passes + 1, draft_passes=draft_passes,
         verify_steps=stats.verify_steps, emitted_by_steps=emitted,
         draft_tokens_proposed=stats.draft_tokens_proposed, draft_tokens_accepted=stats.draft_tokens_accepted,
@@ -112,6 +114,20 @@ def test_tau_and_acceptance_are_pooled_over_steps_not_averaged_over_prompts() ->
     # Ceiling: 10 tokens, 6 target passes x 100 bytes at 1000 bytes/s.
     assert entry["ceiling_tokens_per_second"] == pytest.approx(10 * 1000 / 600)
     assert entry["fraction_of_ceiling"] == pytest.approx(2.5 / (10 * 1000 / 600))
+
+
+def test_decode_speedup_leaves_out_the_prefill_both_methods_share() -> None:
+    # Both spend 6 s in prefill; plain then decodes 8 tokens in 8 s, draft in 2 s. End to end
+    # that is 14 s against 8 s (1.75x); the decoding loops alone, 8 s against 2 s (4x).
+    plain = [turn([(0, 0)] * 8, 14.0, prefill=6.0)]
+    spec = [turn([(4, 3), (4, 3)], 8.0, draft_passes=8, prefill=6.0)]
+    summary = summarize([record("none", "A", plain), record("draft", "A", spec)], ["none", "draft"], greedy=False,
+                        weight_bytes={}, bandwidth=None)
+    entry = summary["draft"][ALL]
+    assert entry["speedup_vs_none"] == pytest.approx(14 / 8)
+    assert entry["decode_speedup_vs_none"] == pytest.approx(4.0)
+    assert entry["decode_tokens_per_second"] == pytest.approx(8 / 2)
+    assert summary["none"][ALL]["decode_speedup_vs_none"] == pytest.approx(1.0)
 
 
 def record(method: str, prompt_id: str, turns: list[dict[str, Any]] | None, error: str | None = None, category: str = "qa") -> dict[str, Any]:
@@ -248,7 +264,7 @@ DOCUMENTED_TOP = {"schema", "complete", "env", "config", "chat_template", "num_s
 DOCUMENTED_ENTRY = {"prompts", "failed", "new_tokens", "seconds", "tokens_per_second", "tokens_per_second_median", "tau",
                     "acceptance_rate", "acceptance_per_position", "draft_passes_per_step", "target_passes", "draft_passes",
                     "time_split", "peak_rss_bytes", "run_rss_bytes", "ceiling_tokens_per_second", "fraction_of_ceiling",
-                    "speedup_vs_none", "speedup_vs_hf", "equality"}
+                    "speedup_vs_none", "speedup_vs_hf", "equality", "decode_tokens_per_second", "decode_speedup_vs_none"}
 
 
 def test_results_json_has_the_documented_fields(bench_run: tuple[dict, Path]) -> None:

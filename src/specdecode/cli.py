@@ -389,6 +389,11 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     bench.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV-cache storage of specdecode's methods")
     bench.add_argument("--bandwidth-probe-mib", type=int, default=1024, help="size of the copy-bandwidth probe (0 = skip it and the ceilings)")
+    bench.add_argument(
+        "--from-results", metavar="RESULTS_JSON",
+        help="measure nothing: recompute the summary, report and plots of a stored results.json with this "
+        "version's report code, into --out",
+    )
     bench.add_argument("--out", default="results", help="output folder (default: %(default)s)")
     bench.add_argument("--no-plots", action="store_true")
     bench.add_argument("--quiet", action="store_true", help="no progress or tables")
@@ -397,7 +402,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .bench import BenchConfig, run_bench
+    from .bench import BenchConfig, resummarize, run_bench
 
     config = BenchConfig(
         target=args.target,
@@ -432,6 +437,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         plots=not args.no_plots,
         quiet=args.quiet,
     )
+    if args.from_results:
+        resummarize(Path(args.from_results), config)
+        return 0
     results = run_bench(config)
     return 0 if results["complete"] else EXIT_INTERRUPTED
 

@@ -3,7 +3,8 @@
 Aggregation rules (the places hand-collected numbers usually go wrong):
 - tokens/s of a group is its total new tokens over its total seconds, not a mean of rates;
 - speedups compare two methods on the same prompts of the same run (prompts where either
-  failed are left out of that ratio);
+  failed are left out of that ratio); the decode speedup does the same with the seconds after
+  prefill only (the same prompt pass for every method);
 - tau is total tokens emitted by verify steps over total verify steps (bonus token counted),
   and acceptance is total accepted over total proposed draft tokens: both pooled over steps,
   never averaged over prompts, so long and short generations weigh by their steps;
@@ -17,7 +18,7 @@ A record is one (prompt, method) pair: ``{"prompt_id", "category", "subcategory"
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .methods import HF_PLAIN_METHOD, PLAIN_METHOD, plain_counterpart
@@ -61,11 +62,26 @@ def _rate(turns: list[dict[str, Any]]) -> float | None:
     return sum(len(t["tokens"]) for t in turns) / seconds if seconds > 0 else None
 
 
-def _ratio(ours: dict[str, list[dict[str, Any]]], theirs: dict[str, list[dict[str, Any]]]) -> float | None:
+def _decode_rate(turns: list[dict[str, Any]]) -> float | None:
+    """Total new tokens over total seconds after prefill.
+
+    Why a second rate: prefill (the prompt's pass, which also yields the first token) costs the
+    same whatever the method, so on long prompts it dilutes every method's speedup towards 1x;
+    quantization speeds prefill up less than decoding (prefill is compute-bound). This is the
+    speed of the decoding loop itself."""
+    seconds = sum(t["seconds"] - t["prefill_seconds"] for t in turns)
+    return sum(len(t["tokens"]) for t in turns) / seconds if seconds > 0 else None
+
+
+def _ratio(
+    ours: dict[str, list[dict[str, Any]]],
+    theirs: dict[str, list[dict[str, Any]]],
+    rate: Callable[[list[dict[str, Any]]], float | None] = _rate,
+) -> float | None:
     """The rate of ``ours`` over that of ``theirs``, both on their common prompts only."""
     common = [p for p in ours if p in theirs]
-    ours_rate = _rate([t for p in common for t in ours[p]])
-    base_rate = _rate([t for p in common for t in theirs[p]])
+    ours_rate = rate([t for p in common for t in ours[p]])
+    base_rate = rate([t for p in common for t in theirs[p]])
     return ours_rate / base_rate if ours_rate is not None and base_rate else None
 
 
@@ -98,6 +114,7 @@ def aggregate(
     run_rss = [t["run_rss_bytes"] for t in turns if t.get("run_rss_bytes") is not None]
     entry.update(
         tokens_per_second=_rate(turns),
+        decode_tokens_per_second=_decode_rate(turns),
         tokens_per_second_median=statistics.median(per_prompt) if per_prompt else None,
         tau=sum(t["emitted_by_steps"] for t in turns) / steps if steps else None,
         acceptance_rate=sum(accepted) / sum(proposed) if known else None,
@@ -149,10 +166,12 @@ def summarize(
         for group, group_runs in grouped[method].items():
             failed = sum(failures[method].values()) if group == ALL else failures[method].get(group, 0)
             entry = aggregate(group_runs, failed, *weight_bytes.get(method, (0, 0)), bandwidth)
-            entry.update(speedup_vs_none=None, speedup_vs_hf=None, equality=None)
+            entry.update(speedup_vs_none=None, decode_speedup_vs_none=None, speedup_vs_hf=None, equality=None)
             for baseline, key in ((PLAIN_METHOD, "speedup_vs_none"), (HF_PLAIN_METHOD, "speedup_vs_hf")):
                 if baseline in grouped:
                     entry[key] = _ratio(group_runs, grouped[baseline][group])
+            if PLAIN_METHOD in grouped:
+                entry["decode_speedup_vs_none"] = _ratio(group_runs, grouped[PLAIN_METHOD][group], _decode_rate)
             if greedy and reference is not None and group_runs:
                 ref_runs = grouped[reference][ALL]
                 compared = {p: first_difference(ts, ref_runs[p]) for p, ts in group_runs.items() if p in ref_runs}

@@ -423,6 +423,34 @@ def _check_optional_dependencies(plots: bool) -> None:
         )
 
 
+def resummarize(path: Path, config: BenchConfig, console: Any = None) -> dict[str, Any]:
+    """A stored run's ``results.json`` with its summary recomputed by this version's report code
+    (new figures for old runs; no model is loaded, nothing is re-measured), written into
+    ``config.out`` like a fresh run."""
+    import json
+
+    _check_optional_dependencies(config.plots)
+    from rich.console import Console
+
+    console = console or Console(stderr=True, quiet=config.quiet)
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise InvalidRequestError(f"Cannot read bench results {path}: {err}") from err
+    if not isinstance(results, dict) or results.get("schema") != SCHEMA:
+        raise InvalidRequestError(f"{path} is not a specdecode bench results.json (schema {SCHEMA}).")
+    stored = results["config"]
+    weight_bytes = {name: tuple(pair) for name, pair in results["models"]["weight_bytes_by_method"].items()}
+    results["summary"] = summarize(
+        results["records"], list(stored["methods"]), stored["temperature"] == 0.0, weight_bytes,
+        results["bandwidth"]["copy_bytes_per_second"],
+    )
+    table_console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else TABLE_WIDTH)
+    written = write_results(results, config.out, config.plots, console if config.quiet else table_console)
+    console.print("wrote " + ", ".join(str(p) for p in written))
+    return results
+
+
 def run_bench(config: BenchConfig, console: Any = None) -> dict[str, Any]:
     """Load, measure, write ``results.json``, ``report.md`` and the plots into ``config.out``."""
     _check_optional_dependencies(config.plots)
