@@ -76,15 +76,24 @@ def rope_cos_sin(
     positions: torch.Tensor,  # (B, T) long
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B, 1, T, D) for positions (B, T)."""
+    """cos and signed sin of shape (B, T, 1, D) for positions (B, T), for ``apply_rope``.
+
+    The sin's first half is negated here, once per forward, so that rotating a head is
+    x * cos + roll(x, D/2) * sin: the reference's x * cos + cat(-x2, x1) * sin, bit for bit
+    (negation is exact), in 3 ops instead of 6."""
     freqs = positions[..., None].float() * inv_freq.float()  # (B, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
+    sin = emb.sin()
+    half = sin.shape[-1] // 2
+    return emb.cos().to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:  # x: (..., D)
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(
+    x: torch.Tensor,  # (B, T, H, D)
+    cos: torch.Tensor,  # (B, T, 1, D)
+    signed_sin: torch.Tensor,  # (B, T, 1, D) from rope_cos_sin
+) -> torch.Tensor:  # (B, T, H, D)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 # Fused parameter -> the checkpoint tensors stacked (along the output dim) to make it, in order.
@@ -106,8 +115,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (B, T, C)
-        cos: torch.Tensor,  # (B, 1, T, D)
-        sin: torch.Tensor,  # (B, 1, T, D)
+        cos: torch.Tensor,  # (B, T, 1, D)
+        sin: torch.Tensor,  # (B, T, 1, D) signed, from rope_cos_sin
         layer: int,
         cache: KVCache | None,
         positions: torch.Tensor,  # (B, T)
@@ -115,12 +124,12 @@ class Attention(nn.Module):
         contiguous_start: int | None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        heads = self.qkv_proj(x).reshape(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # Queries and keys are rotated in one go (one set of elementwise ops, not two).
+        qk = apply_rope(heads[:, :, : self.num_heads + self.num_kv_heads], cos, sin)
+        q = qk[:, :, : self.num_heads].transpose(1, 2)  # (B, H, T, D)
+        k = qk[:, :, self.num_heads :].transpose(1, 2)  # (B, H_kv, T, D)
+        v = heads[:, :, self.num_heads + self.num_kv_heads :].transpose(1, 2)
         if cache is not None:
             assert view is not None, "a cached forward needs a KVView"
             cache.write(layer, positions, k, v, contiguous_start)
@@ -192,7 +201,7 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.device
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (B, 1, T, D) for positions (B, T)."""
+        """cos and signed sin of shape (B, T, 1, D) for positions (B, T) (see ``rope_cos_sin``)."""
         return rope_cos_sin(self.inv_freq, positions, dtype)
 
     def forward(
