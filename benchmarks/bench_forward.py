@@ -7,6 +7,7 @@ model, with and without bf16 prepacking, which is what the default k and the
 
     python benchmarks/bench_forward.py                       # the demo pair
     python benchmarks/bench_forward.py --model path/or/name --rows 1,2,4,6,7,8
+    python benchmarks/bench_forward.py --quant int8 --rows 1,6   # int8 weights, native kernel
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from specdecode.cache import KVCache
 from specdecode.models import demo
-from specdecode.models.loader import load_weights, read_model_config, resolve_model_folder
+from specdecode.models.loader import gguf_source, load_weights, read_model_config, resolve_model_folder
 from specdecode.runtime import resolve_dtype
 
 PREFILL_TOKENS = 150
@@ -46,18 +47,20 @@ def main() -> None:
     parser.add_argument("--model", action="append", help="model name/path (repeatable; default: the demo pair)")
     parser.add_argument("--rows", default="1,2,4,5,6,7,8,9", help="token counts to time")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quant", choices=("none", "int8", "int4"), default="none", help="weight quantization (quantized layers have no bf16 packing)")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     rows = [int(r) for r in args.rows.split(",")]
     for name in args.model or [demo.DEFAULT_TARGET, demo.DEFAULT_DRAFT]:
         folder = resolve_model_folder(name, dtype)
         cfg = read_model_config(folder)
-        for pack in (True, False):
-            model = load_weights(folder, cfg, dtype, torch.device("cpu"), pack=pack)
+        gguf_path = gguf_source(name, show_progress=False) if args.quant == "int4" else None
+        for pack in (True, False) if args.quant == "none" else (True,):
+            model = load_weights(folder, cfg, dtype, torch.device("cpu"), pack=pack, quant=args.quant, gguf_path=gguf_path)
             costs = {r: time_forward(model, r) for r in rows}
             base = costs[rows[0]]
             line = "  ".join(f"{r}:{c:.1f}ms({c / base:.2f}x)" for r, c in costs.items())
-            print(f"{name} {dtype} packed={pack}: {line}", flush=True)
+            print(f"{name} {dtype} quant={args.quant} packed={pack}: {line}", flush=True)
             del model
 
 

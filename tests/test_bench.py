@@ -219,6 +219,25 @@ def bench_run(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path, prompt_file: Pat
     return results, out
 
 
+def test_from_results_recomputes_the_summary_without_loading_a_model(
+    bench_run: tuple[dict, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results, out = bench_run
+    stored = json.loads((out / "results.json").read_text())
+    for entry in stored["summary"].values():  # as a run from before a figure existed would have it
+        for group in entry.values():
+            group.pop("decode_speedup_vs_none")
+    (tmp_path / "old.json").write_text(json.dumps(stored))
+    assert cli.main(["bench", "--from-results", str(tmp_path / "old.json"), "--out", str(tmp_path / "new"), "--no-plots", "--quiet"]) == 0
+    redone = json.loads((tmp_path / "new" / "results.json").read_text())
+    assert redone["records"] == stored["records"]
+    assert redone["summary"] == json.loads(json.dumps(results["summary"]))
+    assert "decode vs none" in (tmp_path / "new" / "report.md").read_text()
+    (tmp_path / "bad.json").write_text("{}")
+    assert cli.main(["bench", "--from-results", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x"), "--quiet"]) == cli.EXIT_USER_ERROR
+    assert "not a specdecode bench results.json" in capsys.readouterr().err
+
+
 def test_every_method_runs_through_the_harness(bench_run: tuple[dict, Path]) -> None:
     results, _ = bench_run
     assert results["complete"] and not results["warmup_errors"]
