@@ -233,6 +233,13 @@ def test_from_results_recomputes_the_summary_without_loading_a_model(
     assert redone["records"] == stored["records"]
     assert redone["summary"] == json.loads(json.dumps(results["summary"]))
     assert "decode vs none" in (tmp_path / "new" / "report.md").read_text()
+    # A run from before quantized variants stored no per-method weight bytes: the two models' serve.
+    del stored["models"]["weight_bytes_by_method"]
+    (tmp_path / "older.json").write_text(json.dumps(stored))
+    assert cli.main(["bench", "--from-results", str(tmp_path / "older.json"), "--out", str(tmp_path / "older"), "--no-plots", "--quiet"]) == 0
+    older = json.loads((tmp_path / "older" / "results.json").read_text())["summary"]
+    assert older["draft"][ALL]["tokens_per_second"] == redone["summary"]["draft"][ALL]["tokens_per_second"]
+    assert older["draft"][ALL]["ceiling_tokens_per_second"] == pytest.approx(redone["summary"]["draft"][ALL]["ceiling_tokens_per_second"])
     (tmp_path / "bad.json").write_text("{}")
     assert cli.main(["bench", "--from-results", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x"), "--quiet"]) == cli.EXIT_USER_ERROR
     assert "not a specdecode bench results.json" in capsys.readouterr().err

@@ -439,16 +439,28 @@ def resummarize(path: Path, config: BenchConfig, console: Any = None) -> dict[st
         raise InvalidRequestError(f"Cannot read bench results {path}: {err}") from err
     if not isinstance(results, dict) or results.get("schema") != SCHEMA:
         raise InvalidRequestError(f"{path} is not a specdecode bench results.json (schema {SCHEMA}).")
-    stored = results["config"]
-    weight_bytes = {name: tuple(pair) for name, pair in results["models"]["weight_bytes_by_method"].items()}
+    stored, models = results["config"], results["models"]
+    if "weight_bytes_by_method" in models:
+        weight_bytes = {name: tuple(pair) for name, pair in models["weight_bytes_by_method"].items()}
+    else:  # runs from before quantized variants: every method read the same two models
+        pair = tuple((models[role] or {}).get("weight_bytes_per_forward", 0) for role in ("target", "draft"))
+        weight_bytes = {name: pair for name in stored["methods"]}
     results["summary"] = summarize(
         results["records"], list(stored["methods"]), stored["temperature"] == 0.0, weight_bytes,
         results["bandwidth"]["copy_bytes_per_second"],
     )
+    _publish(results, config, console)
+    return results
+
+
+def _publish(results: dict[str, Any], config: BenchConfig, console: Any) -> None:
+    """Write the results into ``config.out`` and print the tables (to stdout) and the paths."""
+    from rich.console import Console
+
+    # Tables go to stdout; when that is a file or pipe, rich would wrap them at 80 columns.
     table_console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else TABLE_WIDTH)
     written = write_results(results, config.out, config.plots, console if config.quiet else table_console)
     console.print("wrote " + ", ".join(str(p) for p in written))
-    return results
 
 
 def run_bench(config: BenchConfig, console: Any = None) -> dict[str, Any]:
@@ -462,8 +474,5 @@ def run_bench(config: BenchConfig, console: Any = None) -> dict[str, Any]:
         raise InvalidRequestError("No prompts selected.")
     bench = Bench(config)
     results = bench.run(prompts, console)
-    # Tables go to stdout; when that is a file or pipe, rich would wrap them at 80 columns.
-    table_console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else TABLE_WIDTH)
-    written = write_results(results, config.out, config.plots, console if config.quiet else table_console)
-    console.print("wrote " + ", ".join(str(p) for p in written))
+    _publish(results, config, console)
     return results

@@ -80,7 +80,7 @@ def rope_cos_sin(
 
     The sin's first half is negated here, once per forward, so that rotating a head is
     x * cos + roll(x, D/2) * sin: the reference's x * cos + cat(-x2, x1) * sin, bit for bit
-    (negation is exact), in 3 ops instead of 6."""
+    (negation is exact), in 4 ops instead of 6."""
     freqs = positions[..., None].float() * inv_freq.float()  # (B, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
     sin = emb.sin()
