@@ -446,7 +446,7 @@ def resummarize(path: Path, config: BenchConfig, console: Any = None) -> dict[st
         pair = tuple((models[role] or {}).get("weight_bytes_per_forward", 0) for role in ("target", "draft"))
         weight_bytes = {name: pair for name in stored["methods"]}
     results["summary"] = summarize(
-        results["records"], list(stored["methods"]), stored["temperature"] == 0.0, weight_bytes,
+        results["records"], list(stored["methods"]), SamplingParams(temperature=stored["temperature"]).greedy, weight_bytes,
         results["bandwidth"]["copy_bytes_per_second"],
     )
     _publish(results, config, console)
