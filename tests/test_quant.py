@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import tiny_models
-from helpers import decoder
+from helpers import assert_greedy_equal_up_to_near_tie, decoder, greedy_margins
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.bench.methods import parse_method, plain_counterpart
 from specdecode.bench.roofline import weight_bytes_per_forward
@@ -139,6 +139,24 @@ def test_native_kernel_rejects_row_counts_it_was_not_built_for() -> None:
         native.int8_gemm(torch.randn(9, 32), w.qweight, w.scales, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [128, 96])  # the int16 VNNI path (K % 128 == 0) and the fp32 path
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_kernel_rows_do_not_depend_on_the_row_count(dtype: torch.dtype, in_features: int, with_bias: bool) -> None:
+    """Each row of an M-row call is bit-identical to the same row alone: a verify pass over k + 1
+    rows then computes every projection exactly as plain decoding's one-row pass does."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    g = torch.Generator().manual_seed(5)
+    w = quantize_int8(torch.randn(48, in_features, generator=g))
+    bias = torch.randn(48, generator=g) if with_bias else None
+    x = torch.randn(native.MAX_ROWS, in_features, generator=g).to(dtype)
+    alone = torch.cat([native.int8_gemm(x[i : i + 1].contiguous(), w.qweight, w.scales, bias) for i in range(len(x))])
+    for rows in range(2, native.MAX_ROWS + 1):
+        together = native.int8_gemm(x[:rows].contiguous(), w.qweight, w.scales, bias)
+        assert torch.equal(together, alone[:rows]), f"{rows} rows"
+
+
 # ------------------------------------------------------------------------------ whole models
 
 
@@ -177,15 +195,22 @@ def test_greedy_speculative_equals_plain_of_the_same_quantized_target(
         str(tiny_qwen2_dir), str(tiny_close_draft_dir), method="draft", draft_confidence=0.0, dtype="fp32",
         device="cpu", target_quant=target_quant, draft_quant=draft_quant, kv_dtype=kv_dtype, show_progress=False,
     )
-    accepted = proposed = 0
+    # The int8 kernel and the int8 KV cache round per pass shape, so a verify pass over k + 1 rows
+    # may move a logit by ~4e-4 against plain decoding's one row (issue 19): the outputs must be
+    # equal up to the first near-tie of the target (helpers.NEAR_TIE), and a difference where the
+    # top two logits are further apart fails as a bug.
+    accepted = proposed = compared = total = 0
     for prompt in PROMPTS[:4]:
         plain = dec.generate(prompt, SamplingParams(max_new_tokens=24), method="none").token_ids
+        margins = greedy_margins(dec.target.model, dec.encode(prompt), plain, kv_dtype)
         for k in (1, 3, 6):
             result = dec.generate(prompt, SamplingParams(max_new_tokens=24), k=k)
-            assert result.token_ids == plain, f"k={k} prompt={prompt!r}"
+            compared += assert_greedy_equal_up_to_near_tie(result.token_ids, plain, margins, f"k={k} prompt={prompt!r}")
+            total += len(plain)
             accepted += result.stats.draft_tokens_accepted
             proposed += result.stats.draft_tokens_proposed
     assert 0 < accepted < proposed  # both accepted and rejected drafts were exercised
+    assert compared >= total // 2, f"only {compared} of {total} tokens came before a near-tie: choose other prompts"
 
 
 def test_quantized_target_is_a_different_model(tiny_qwen2_dir: Path) -> None:
