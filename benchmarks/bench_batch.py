@@ -17,7 +17,7 @@ import time
 import torch
 
 from specdecode import SpecDecoder
-from specdecode.paged_cache import PagedKVCache, blocks_for
+from specdecode.kv.paged import PagedKVCache, blocks_for
 
 
 def median_seconds(fn, repeats: int) -> float:

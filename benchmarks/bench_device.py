@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import make_tiny_tokenizer  # noqa: E402  (the tests' small tokenizer)
 
 from specdecode import SamplingParams, SpecDecoder  # noqa: E402
-from specdecode.engine import time_passes  # noqa: E402
+from specdecode.costs.timing import time_passes  # noqa: E402
 
 SHAPES = {  # name -> (hidden, layers, heads, kv heads, intermediate, vocab)
     "demo-target": (1536, 28, 12, 2, 8960, 151936),
@@ -79,8 +79,8 @@ def graph_pass(model) -> dict[str, object]:
     A measurement, not a feature: the pass is captured at one fixed position, as a decode loop
     built on graphs would capture one per shape. It says how much of a pass is launch overhead.
     """
-    from specdecode.cache import reusable_cache
-    from specdecode.engine import COST_PROBE_CONTEXT
+    from specdecode.costs.timing import COST_PROBE_CONTEXT
+    from specdecode.kv.static import reusable_cache
 
     try:
         cache = reusable_cache(None, model.config, COST_PROBE_CONTEXT + 1, model.dtype, model.device)
@@ -143,16 +143,16 @@ def main() -> None:
 
     common = dict(dtype="bf16", device=args.device, show_progress=False, draft_confidence=0.0)
     selfspec = SpecDecoder.from_pretrained(str(target_dir), str(target_dir), method="draft", **common)
-    time_passes(selfspec.engine.target, (1, 2, 4, 8, 16), repeats=1)  # warm-up: the first shapes pay for set-up
-    costs = time_passes(selfspec.engine.target, (1, 2, 4, 8, 16), repeats=5)
+    time_passes(selfspec.target.model, (1, 2, 4, 8, 16), repeats=1)  # warm-up: the first shapes pay for set-up
+    costs = time_passes(selfspec.target.model, (1, 2, 4, 8, 16), repeats=5)
     results["target_pass_ms_by_rows"] = {rows: round(1000 * s, 3) for rows, s in costs.items()}
     # One decoder layer alone (plus embedding and LM head): far above its weight bytes / bandwidth
     # means the pass is bound by kernel launches and Python, not by memory.
-    one_layer = time_passes(selfspec.engine.target, (1,), repeats=5, layers=(0,))[1]
+    one_layer = time_passes(selfspec.target.model, (1,), repeats=5, layers=(0,))[1]
     results["one_layer_pass_ms"] = round(1000 * one_layer, 3)
-    results["target_weight_bytes"] = sum(p.numel() * p.element_size() for p in selfspec.engine.target.parameters())
+    results["target_weight_bytes"] = sum(p.numel() * p.element_size() for p in selfspec.target.model.parameters())
     if device.type == "cuda":
-        results["cuda_graph_one_row_pass"] = graph_pass(selfspec.engine.target)
+        results["cuda_graph_one_row_pass"] = graph_pass(selfspec.target.model)
         save()
     if args.only_passes:
         save()

@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from specdecode.cache import KVCache
+from specdecode.backends.device import resolve_dtype
+from specdecode.kv.static import KVCache
 from specdecode.models import demo
 from specdecode.models.loader import gguf_source, load_weights, read_model_config, resolve_model_folder
-from specdecode.runtime import resolve_dtype
 
 PREFILL_TOKENS = 150
 REPEATS = 7

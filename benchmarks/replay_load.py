@@ -20,8 +20,8 @@ from collections import Counter
 from pathlib import Path
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.batch_schedule import BatchK
-from specdecode.batch_worker import BatchWorker
+from specdecode.costs.batch_k import BatchK
+from specdecode.serving.worker import BatchWorker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import PROMPTS  # noqa: E402

@@ -1,9 +1,14 @@
-"""Small helpers shared by the engine, API and CLI tests."""
+"""Helpers shared by the test modules: decoders over tiny models, the prompts, the end-to-end
+distribution test, greedy equality up to near-ties."""
 
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
-from specdecode import SpecDecoder
+import torch
+
+from specdecode import SamplingParams, SpecDecoder
+from specdecode.engine.sampling import LogitsProcessor
 
 
 @lru_cache(maxsize=None)
@@ -32,8 +37,8 @@ def pattern_features(target_dir: Path, work_dir: Path) -> tuple[Path, list[Path]
     """The tiny target's features over ``PATTERN`` (2,000 tokens in 64-token rows), on disk."""
     import torch
 
-    from specdecode.features import FeatureSpec, extract, read_shards
     from specdecode.models.loader import load_model
+    from specdecode.training.features import FeatureSpec, extract, read_shards
 
     data = work_dir / "pattern.txt"
     data.write_text(PATTERN)
@@ -50,7 +55,7 @@ def train_pattern_heads(kind: str, features: tuple[Path, list[Path]], out: Path,
     import torch
 
     from specdecode.models.loader import load_model
-    from specdecode.train_heads import TrainConfig, train_heads
+    from specdecode.training.heads import TrainConfig, train_heads
 
     target_dir, shards = features
     loaded = load_model(str(target_dir), torch.float32, torch.device("cpu"), show_progress=False)
@@ -72,7 +77,7 @@ def greedy_margins(model, prompt_ids: list[int], continuation: list[int], kv_dty
     (teacher-forced: one pass over prompt + continuation, through a cache of ``kv_dtype``)."""
     import torch
 
-    from specdecode.cache import reusable_cache
+    from specdecode.kv.static import reusable_cache
 
     ids = list(prompt_ids) + list(continuation)
     cache = reusable_cache(None, model.config, len(ids), model.dtype, model.device, kv_dtype)
@@ -96,3 +101,99 @@ def assert_greedy_equal_up_to_near_tie(actual: list[int], expected: list[int], m
             return position
     assert len(actual) == len(expected), f"{context}: {len(actual)} tokens != {len(expected)}"
     return len(expected)
+
+
+PROMPTS = [
+    "def quicksort(arr):",
+    "The quick brown fox",
+    "import numpy as np\n\nclass Counter:",
+    "Once upon a time, in a land far away, there lived",
+    "x",
+    "for i in range(10):\n    print(i)\n",
+    "Summarize: the meeting covered budgets, hiring and the road map.",
+    "1, 2, 3, 4, 5,",
+]
+
+
+def plain_tokens(target: Path, prompt: str, max_new_tokens: int = 24) -> list[int]:
+    return decoder(target, None, "none").generate(prompt, SamplingParams(max_new_tokens=max_new_tokens)).token_ids
+
+
+# --- distribution test, end to end -------------------------------------------------------
+# Statistic: Pearson chi-square of the empirical distribution of the first three generated
+# tokens (temperature 1, top-k 3: 27 possible sequences) against the exact target
+# distribution computed by enumeration. Draws: 1,500 seeded generations, k = 2 (so a step
+# exercises acceptance, recovery from the residual and the bonus token). Threshold: the
+# chi-square critical value for p = 0.001 (df = cells - 1), so a correct sampler fails 1 run
+# in 1,000; a sampler whose recovery step draws from p instead of the residual fails it.
+
+DRAWS = 1500
+TOP_K = 3
+NEW_TOKENS = 3
+CHI2_CRITICAL_P001 = {26: 54.05, 25: 52.62, 24: 51.18, 23: 49.73, 22: 48.27, 21: 46.80, 20: 45.31}
+
+
+def exact_sequence_distribution(dec, prompt_ids: list[int]) -> dict[tuple[int, ...], float]:
+    processor = LogitsProcessor(temperature=1.0, top_k=TOP_K, top_p=1.0)
+    model = dec.target.model
+    dist: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(NEW_TOKENS):
+        grown = {}
+        for seq, prob in dist.items():
+            ids = torch.tensor([prompt_ids + list(seq)], device=dec.engine.device)
+            with torch.inference_mode():
+                logits = model(ids, torch.arange(ids.shape[1], device=ids.device)[None]).logits[0, -1]
+            probs = processor.probs(logits)
+            for token in torch.nonzero(probs > 0).flatten().tolist():
+                grown[seq + (token,)] = prob * probs[token].item()
+        dist = grown
+    return dist
+
+
+def chi_square(dec, prompt_ids: list[int], method: str) -> tuple[float, int]:
+    exact = exact_sequence_distribution(dec, prompt_ids)
+    counts: Counter = Counter()
+    for seed in range(DRAWS):
+        params = SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=NEW_TOKENS, seed=seed, ignore_eos=True)
+        counts[tuple(dec.generate(prompt_ids, params, method=method, k=2).token_ids)] += 1
+    assert set(counts) <= set(exact), "sampled a sequence the target cannot produce"
+    cells = [seq for seq, p in exact.items() if p * DRAWS >= 5]  # chi-square needs expected >= 5
+    other_p = 1.0 - sum(exact[s] for s in cells)
+    stat = sum((counts[s] - DRAWS * exact[s]) ** 2 / (DRAWS * exact[s]) for s in cells)
+    other_count = DRAWS - sum(counts[s] for s in cells)
+    if other_p * DRAWS >= 5:
+        stat += (other_count - DRAWS * other_p) ** 2 / (DRAWS * other_p)
+        return stat, len(cells)
+    return stat, len(cells) - 1
+
+
+def install_wrong_residual(monkeypatch, module=None) -> None:
+    """Make the engine (``module``'s) recover rejected tokens from p instead of the residual (a
+    wrong sampler whose acceptance is unchanged), for power checks of the distribution tests."""
+    if module is None:
+        import specdecode.engine.single as module
+    real = module.rejection_verify
+
+    def recover_from_p(draft_tokens, draft_probs, target_probs, generator):
+        result = real(draft_tokens, draft_probs, target_probs, generator)
+        rejected = (result.accepted_len < draft_tokens.shape[1]).nonzero().flatten()
+        for row in rejected.tolist():
+            n = result.accepted_len[row]
+            result.tokens[row, n] = torch.multinomial(target_probs[row, n], 1, generator=generator)
+        return result
+
+    monkeypatch.setattr(module, "rejection_verify", recover_from_p)
+
+
+def copyable_prompt(dec) -> list[int]:
+    head = dec.encode("def quicksort(arr):")
+    vocab = dec.target.config.vocab_size
+    candidates = torch.tensor([head + [x] + head for x in range(vocab)])  # (V, T)
+    positions = torch.arange(candidates.shape[1]).expand_as(candidates)
+    with torch.inference_mode():
+        logits = dec.target.model(candidates, positions).logits[:, -1]  # (V, V)
+    probs = LogitsProcessor(temperature=1.0, top_k=3, top_p=1.0).probs(logits)
+    p_self = probs[torch.arange(vocab), torch.arange(vocab)]
+    chosen = int(torch.argmin((p_self - 0.5).abs()))
+    assert 0.2 < p_self[chosen] < 0.8, "no suitable token in the tiny vocabulary"
+    return head + [chosen] + head

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square
 from transformers import AutoModelForCausalLM
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.models.loader import load_model
-from test_engine import CHI2_CRITICAL_P001, PROMPTS, chi_square
 
 DEVICE = os.environ.get("SPECDECODE_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="no CUDA device")

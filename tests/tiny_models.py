@@ -24,8 +24,7 @@ import gguf
 import numpy as np
 import torch
 from safetensors.torch import load_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 # --------------------------------------------------------------------------------------------
 # Tokenizer

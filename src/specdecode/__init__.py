@@ -6,10 +6,10 @@
     print(result.text, result.stats.tau)
 """
 
-from .api import GenerationResult, GenerationStream, SpecDecoder
-from .config import SamplingParams, SpecConfig
-from .errors import SpecDecodeError
-from .metrics import GenerationStats
+from specdecode.api import GenerationResult, GenerationStream, SpecDecoder
+from specdecode.config import SamplingParams, SpecConfig
+from specdecode.engine.metrics import GenerationStats
+from specdecode.errors import SpecDecodeError
 
 __all__ = [
     "GenerationResult",

@@ -8,11 +8,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .batch_engine import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine, time_batched_passes
-from .cache import check_kv_dtype
-from .config import (
+from specdecode.backends.device import resolve_device, resolve_dtype
+from specdecode.backends.torch_backend import TorchSequence
+from specdecode.config import (
     DRAFT_MODEL_METHODS,
     METHODS,
     TREE_METHODS,
@@ -21,26 +19,27 @@ from .config import (
     check_acceptance,
     check_k_policy,
 )
-from .drafters.auto import AutoDrafter
-from .drafters.base import Drafter, TreeDrafter
-from .drafters.eagle import DEFAULT_TREE_SIZE as EAGLE_TREE_SIZE
-from .drafters.eagle import EagleDrafter
-from .drafters.medusa import MedusaDrafter, build_static_tree, cost_aware_tree_size
-from .drafters.draft_model import DraftModelDrafter
-from .drafters.layer_skip import LayerSkipDrafter, check_skip_layers
-from .drafters.ngram import NgramDrafter
-from .engine import SpecEngine, time_passes
-from .errors import InvalidRequestError
-from .metrics import GenerationStats
-from .models.heads import DraftHeads, EagleHead, MedusaHeads, load_heads
-from .models.loader import LoadedModel, load_model
-from .quant.apply import check_quant
-from .runtime import resolve_device, resolve_dtype
-from .paged_cache import DEFAULT_BLOCK_SIZE
-from .batch_schedule import PassCosts
-from .schedule import CostAwareK, KSchedule, ThresholdK
-from .text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
-
+from specdecode.costs.batch_k import PassCosts
+from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK
+from specdecode.costs.timing import VERIFY_COST_REPEATS, time_batched_passes, time_passes
+from specdecode.drafters.auto import AutoDrafter
+from specdecode.drafters.base import Drafter, TreeDrafter
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.eagle import DEFAULT_TREE_SIZE as EAGLE_TREE_SIZE
+from specdecode.drafters.eagle import EagleDrafter
+from specdecode.drafters.layer_skip import LayerSkipDrafter, check_skip_layers
+from specdecode.drafters.medusa import MedusaDrafter, build_static_tree, cost_aware_tree_size
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
+from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.single import SpecEngine
+from specdecode.engine.text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
+from specdecode.errors import InvalidRequestError
+from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
+from specdecode.kv.static import check_kv_dtype
+from specdecode.models.heads import DraftHeads, EagleHead, MedusaHeads, load_heads
+from specdecode.models.loader import LoadedModel, load_model
+from specdecode.quant.apply import check_quant
 
 CATCH_UP_PROBE_ROWS = 64  # tokens in the timed draft pass that prices a catch-up per token
 BATCH_PROBE_MAX_ROWS = 64  # the largest pass timed for the batch engine's costs; larger ones extrapolate
@@ -86,7 +85,7 @@ def resolve_skip_layers(
     target: str, num_layers: int, skip_layers: Sequence[int] | None, layerskip_config: str | Path | None
 ) -> tuple[int, ...]:
     """The layers layer skip drops: given explicitly, from a tune-layerskip file, or the demo target's built-in choice."""
-    from .layerskip import LayerSkipChoice, builtin_choice
+    from specdecode.training.layer_search import LayerSkipChoice, builtin_choice
 
     if skip_layers and layerskip_config:
         raise InvalidRequestError("Give the layers to skip either as --skip-layers or as --layerskip-config, not both.")
@@ -140,14 +139,14 @@ class SpecDecoder:
         # One drafter per method this decoder can run; a call picks one by name.
         self.ngram_drafter = NgramDrafter(spec.ngram_max, spec.ngram_min)
         self.draft_drafter = None if draft is None else DraftModelDrafter(
-            draft.model, target.config.vocab_size, spec.draft_confidence, kv_dtype=kv_dtype
+            TorchSequence(draft.model, kv_dtype), target.config.vocab_size, spec.draft_confidence
         )
         self.drafters: dict[str, Drafter] = {"ngram": self.ngram_drafter}
         if self.draft_drafter is not None:
             self.drafters["draft"] = self.draft_drafter
         if spec.skip_layers:  # shares the target's weights and KV cache: costs no memory
             self.drafters["layerskip"] = LayerSkipDrafter(target.model, spec.skip_layers, spec.draft_confidence)
-        self.engine = SpecEngine(target.model, self.eos_token_ids, kv_dtype=kv_dtype)
+        self.engine = SpecEngine(TorchSequence(target.model, kv_dtype), self.eos_token_ids)
         self._draft_token_seconds: float | None = None  # the auto method's catch-up price
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
@@ -222,11 +221,11 @@ class SpecDecoder:
         ``tree_size`` bounds their trees and ``acceptance="typical"`` opts into Medusa's
         lossy typical acceptance.
         """
-        from .models import demo
+        from specdecode.models import demo
 
         fixed_k, policy = resolve_k(k, k_policy)
         overrides = {
-            "num_speculative_tokens": fixed_k, "draft_confidence": draft_confidence,
+            "k": fixed_k, "draft_confidence": draft_confidence,
             "ngram_max": ngram_max, "ngram_min": ngram_min, "k_policy": policy, "k_max": k_max,
             "tree_size": tree_size,
         }
@@ -297,7 +296,7 @@ class SpecDecoder:
         ``prompt`` may be text, chat messages, or token ids. ``method``/``k`` override the
         decoder's defaults for this call (``method="none"`` is plain decoding of the target);
         ``k="auto"`` chooses the draft length per step (``k_policy`` "cost", the default, or
-        "threshold"; see ``schedule.py``).
+        "threshold"; see ``costs/k_policy.py``).
         """
         params = params or SamplingParams()
         method = method or self.spec.method
@@ -314,16 +313,17 @@ class SpecDecoder:
                 "This decoder has no layers to skip: load it with skip_layers or layerskip_config "
                 "(--skip-layers / --layerskip-config; `specdecode tune-layerskip` makes the file)."
             )
+        # draft_k: the fixed draft length, or the first one a policy tries.
         if k is None and k_policy is None:
-            num_spec, policy = self.spec.num_speculative_tokens, self.spec.k_policy
+            draft_k, policy = self.spec.k, self.spec.k_policy
         else:
             fixed_k, policy = resolve_k(k, k_policy)
-            num_spec = fixed_k if fixed_k is not None else self.spec.num_speculative_tokens
+            draft_k = fixed_k if fixed_k is not None else self.spec.k
             if policy is None:
                 policy = "fixed" if k is not None else self.spec.k_policy
         check_k_policy(policy, self.spec.k_max)
-        if method != "none" and num_spec < 1:
-            raise InvalidRequestError(f"k (tokens drafted per step) must be >= 1, got {num_spec}.")
+        if method != "none" and draft_k < 1:
+            raise InvalidRequestError(f"k (tokens drafted per step) must be >= 1, got {draft_k}.")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             prompt_ids = list(prompt)
             vocab = self.target.config.vocab_size
@@ -337,18 +337,18 @@ class SpecDecoder:
         stats = GenerationStats(method=method)
         drafter: Drafter | None
         if method == "auto":
-            auto = self._auto_drafter(num_spec)
+            auto = self._auto_drafter(draft_k)
             stats.steps_by_source = auto.steps_by_source  # filled as it decodes
             drafter, schedule = auto, auto
         else:
             drafter = self.drafters.get(method)
             tree = method in TREE_METHODS
-            schedule = self._schedule(policy, num_spec) if drafter is not None and not tree else None
-        limit = self.spec.k_max if schedule is not None else num_spec
-        if method in TREE_METHODS:
-            limit = 1  # the tree's shape sets how much is drafted
+            schedule = self._schedule(policy, draft_k) if drafter is not None and not tree else None
+        # The engine's k: the most a step drafts (a schedule chooses below it; a tree's shape
+        # sets how much it drafts, so 1 only says "speculate").
+        most_k = 1 if method in TREE_METHODS else self.spec.k_max if schedule is not None else draft_k
         chunks = self.engine.decode(
-            prompt_ids, params, drafter, limit if drafter is not None else 0, stats, schedule, acceptance=acceptance
+            prompt_ids, params, drafter, most_k if drafter is not None else 0, stats, schedule, acceptance=acceptance
         )
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
 
@@ -407,10 +407,10 @@ class SpecDecoder:
         k_max = self.spec.k_max
         draft = self.draft_drafter
         if draft is not None and self._draft_token_seconds is None:
-            assert self.draft is not None
             # One timed catch-up-sized pass prices the draft model's catch-up per token.
             rows = CATCH_UP_PROBE_ROWS
-            self._draft_token_seconds = time_passes(self.draft.model, [rows], self.kv_dtype, logits_last=1)[rows] / rows
+            seconds = draft.model.pass_seconds([rows], VERIFY_COST_REPEATS, logits_last=1)[rows]
+            self._draft_token_seconds = seconds / rows
         return AutoDrafter(
             self.ngram_drafter,
             draft,
@@ -469,7 +469,7 @@ class SpecDecoder:
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts.")
         method = method or (self.spec.method if self.spec.method in BATCH_METHODS else "draft" if self.draft else "none")
-        k = k if k is not None or method == "none" else self.spec.num_speculative_tokens
+        k = k if k is not None or method == "none" else self.spec.k
         engine = engine or self.batch_engine(max_batch=max(1, min(len(prompts), DEFAULT_MAX_BATCH)))
         prompt_ids = [list(p) if isinstance(p, list) and p and isinstance(p[0], int) else self.encode(p, chat) for p in prompts]
         for ids, request_params in zip(prompt_ids, params_list, strict=True):

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidRequestError, UnsupportedModelError
+from specdecode.errors import InvalidRequestError, UnsupportedModelError
 
 # model_type values whose HF checkpoints map onto our one Llama-family transformer.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
@@ -174,7 +174,7 @@ DRAFT_MODEL_METHODS: tuple[str, ...] = ("draft", "auto")
 # 3 to 6 performed within noise on code prompts. The confidence cut-off of 0.3 stops drafting
 # early where the draft is unsure (chat prompts went from 0.63-0.91x to 0.87-0.99x of plain,
 # code prompts stayed ~1.6x).
-DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+DEFAULT_K = 5
 DEFAULT_K_MAX = 8  # the most tokens --k auto drafts per step
 MAX_K_MAX = 32
 MAX_TREE_SIZE = 256
@@ -190,14 +190,14 @@ class SpecConfig:
     """Which speculative method to use and how many tokens to draft per step."""
 
     method: str = "draft"
-    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    k: int = DEFAULT_K
     # The draft model stops proposing once its probability for a drafted token is below this.
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
     # Prompt lookup (method ngram): the longest and shortest n-gram it matches.
     ngram_max: int = DEFAULT_NGRAM_MAX
     ngram_min: int = DEFAULT_NGRAM_MIN
-    # fixed: always draft num_speculative_tokens; cost / threshold: choose k per step up to
-    # k_max (``schedule.py``; the threshold rule starts at num_speculative_tokens).
+    # fixed: always draft k; cost / threshold: choose k per step up to
+    # k_max (``costs/k_policy.py``; the threshold rule starts at k).
     k_policy: str = "fixed"
     k_max: int = DEFAULT_K_MAX
     # Layer skip (method layerskip): the target's layers its drafts skip (empty: not set up).
@@ -211,9 +211,9 @@ class SpecConfig:
             raise InvalidRequestError(
                 f"Unknown method {self.method!r}; choose one of: {', '.join(METHODS)}."
             )
-        if self.num_speculative_tokens < 1:
+        if self.k < 1:
             raise InvalidRequestError(
-                f"k (tokens drafted per step) must be >= 1, got {self.num_speculative_tokens}."
+                f"k (tokens drafted per step) must be >= 1, got {self.k}."
             )
         if not 0.0 <= self.draft_confidence < 1.0:
             raise InvalidRequestError(

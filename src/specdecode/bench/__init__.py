@@ -1,5 +1,5 @@
 """The benchmark harness behind ``specdecode bench``."""
 
-from .runner import BenchConfig, resummarize, run_bench
+from specdecode.bench.runner import BenchConfig, resummarize, run_bench
 
 __all__ = ["BenchConfig", "resummarize", "run_bench"]

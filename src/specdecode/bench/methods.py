@@ -29,9 +29,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import DRAFT_MODEL_METHODS, METHODS, SamplingParams
-from ..errors import InvalidRequestError
-from ..quant.apply import QUANT_CHOICES
+from specdecode.config import DRAFT_MODEL_METHODS, METHODS, SamplingParams
+from specdecode.errors import InvalidRequestError
+from specdecode.quant.apply import QUANT_CHOICES
 
 HF_METHODS = ("hf", "hf-assisted", "hf-lookup")
 PLAIN_METHOD = "none"  # specdecode's plain decoding: the baseline of its own methods

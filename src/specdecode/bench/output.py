@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .report import ALL
+from specdecode.bench.report import ALL
 
 GIB = 1 << 30
 MIB = 1 << 20

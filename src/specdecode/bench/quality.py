@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidRequestError
+from specdecode.errors import InvalidRequestError
 
 DEFAULT_MODULES = ("textwrap", "json.decoder", "string")
 DEFAULT_WINDOW = 512
@@ -76,11 +76,11 @@ def measure_quality(
     """One row per quantization, the unquantized model ("none") first."""
     from tqdm.auto import tqdm
 
-    from ..models import demo
-    from ..models.loader import load_model
-    from ..quant.apply import check_quant
-    from ..runtime import resolve_device, resolve_dtype
-    from .roofline import weight_bytes_per_forward
+    from specdecode.backends.device import resolve_device, resolve_dtype
+    from specdecode.bench.roofline import weight_bytes_per_forward
+    from specdecode.models import demo
+    from specdecode.models.loader import load_model
+    from specdecode.quant.apply import check_quant
 
     for quant in quants:
         check_quant(quant, "--quants")

@@ -21,8 +21,8 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .methods import HF_PLAIN_METHOD, PLAIN_METHOD, plain_counterpart
-from .roofline import ceiling_tokens_per_second
+from specdecode.bench.methods import HF_PLAIN_METHOD, PLAIN_METHOD, plain_counterpart
+from specdecode.bench.roofline import ceiling_tokens_per_second
 
 ALL = "all"
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ..config import ModelConfig
+from specdecode.config import ModelConfig
 
 DEFAULT_PROBE_BYTES = 1 << 30  # well past any last-level cache
 PROBE_REPEATS = 7
@@ -30,7 +30,7 @@ def weight_bytes_per_forward(config: ModelConfig, dtype: torch.dtype, quant: str
     byte per weight plus an fp32 scale per output row, int4 half a byte plus a (scale, zero)
     pair in ``dtype`` per group of ``DEFAULT_INT4_GROUP``; norms and biases stay in ``dtype``.
     """
-    from ..quant.apply import DEFAULT_INT4_GROUP
+    from specdecode.quant.apply import DEFAULT_INT4_GROUP
 
     element = torch.empty((), dtype=dtype).element_size()
     hidden, inter = config.hidden_size, config.intermediate_size

@@ -22,11 +22,9 @@ from typing import Any
 
 import torch
 
-from ..config import SamplingParams
-from ..errors import InvalidRequestError
-from ..runtime import dtype_name
-from . import output
-from .methods import (
+from specdecode.backends.device import dtype_name
+from specdecode.bench import output
+from specdecode.bench.methods import (
     DEFAULT_HF_LOOKUP_TOKENS,
     HF_METHODS,
     BenchMethod,
@@ -37,9 +35,11 @@ from .methods import (
     parse_method,
     uses_draft_model,
 )
-from .prompts import BenchPrompt, load_prompts, select_prompts
-from .report import summarize
-from .roofline import DEFAULT_PROBE_BYTES, measure_copy_bandwidth, weight_bytes_per_forward
+from specdecode.bench.prompts import BenchPrompt, load_prompts, select_prompts
+from specdecode.bench.report import summarize
+from specdecode.bench.roofline import DEFAULT_PROBE_BYTES, measure_copy_bandwidth, weight_bytes_per_forward
+from specdecode.config import SamplingParams
+from specdecode.errors import InvalidRequestError
 
 SCHEMA = "specdecode.bench/1"
 WARMUP_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
@@ -88,7 +88,7 @@ class BenchConfig:
             raise InvalidRequestError(f"No methods given; choose from: {', '.join(available_methods())}.")
         for method in self.methods:
             parse_method(method)  # raises a clear error for unknown methods or quantizations
-        from ..cache import check_kv_dtype
+        from specdecode.kv.static import check_kv_dtype
 
         check_kv_dtype(self.kv_dtype)
         if len(set(self.methods)) != len(self.methods):
@@ -111,7 +111,7 @@ class BenchConfig:
 def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     import transformers
 
-    from .. import __version__
+    from specdecode import __version__
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -166,8 +166,8 @@ def _peak_rss_bytes() -> int:
 
 
 def _layerskip_configured(config: BenchConfig) -> bool:
-    from ..layerskip import builtin_choice
-    from ..models import demo
+    from specdecode.models import demo
+    from specdecode.training.layer_search import builtin_choice
 
     return bool(config.skip_layers or config.layerskip_config or builtin_choice(config.target or demo.DEFAULT_TARGET))
 
@@ -176,7 +176,7 @@ class Bench:
     """Loaded models and methods; ``run`` measures the prompts and returns the results dict."""
 
     def __init__(self, config: BenchConfig) -> None:
-        from ..api import SpecDecoder, resolve_skip_layers
+        from specdecode.api import SpecDecoder, resolve_skip_layers
 
         if config.methods == DEFAULT_METHODS and not _layerskip_configured(config):
             # The default "every method" cannot include layer skip for a target nobody tuned it for.
@@ -210,7 +210,7 @@ class Bench:
             target = self.decoder.target
             skip = resolve_skip_layers(target.name, target.config.num_layers, None, None)
             self.decoder = SpecDecoder(target, self.decoder.draft, replace(self.decoder.spec, skip_layers=skip), kv_dtype=config.kv_dtype)
-        from ..models.heads import load_heads
+        from specdecode.models.heads import load_heads
 
         self.heads = {
             kind: load_heads(folder, self.decoder.target.model.dtype, self.decoder.target.model.device)
@@ -226,7 +226,7 @@ class Bench:
 
         def model(role: str, quant: str) -> Any:
             if (role, quant) not in loaded:
-                from ..models.loader import load_model
+                from specdecode.models.loader import load_model
 
                 source = self.decoder.target if role == "target" else self.decoder.draft
                 loaded[role, quant] = load_model(source.name, source.model.dtype, source.model.device, not config.quiet, quant)
@@ -313,7 +313,14 @@ class Bench:
 
     def run(self, prompts: list[BenchPrompt], console: Any = None) -> dict[str, Any]:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         config = self.config
         console = console or Console(stderr=True, quiet=config.quiet)
@@ -378,7 +385,7 @@ class Bench:
             "env": env,
             "config": {key: (str(v) if isinstance(v, Path) else v) for key, v in asdict(config).items()},
             "chat_template": self.chat,
-            "num_speculative_tokens": self.decoder.spec.num_speculative_tokens,
+            "num_speculative_tokens": self.decoder.spec.k,
             "draft_confidence": self.decoder.spec.draft_confidence,
             "models": {
                 "target": {"name": self.decoder.target.name, "weight_bytes_per_forward": self.target_bytes},

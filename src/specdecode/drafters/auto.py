@@ -23,12 +23,12 @@ with the highest expected tokens per second steps:
   draft model never runs it.
 
 The draft model drafts up to ``draft_k`` tokens (its confidence cut-off ends drafts early);
-prompt lookup proposes as many found tokens as pay under ``schedule.best_plan`` with its
+prompt lookup proposes as many found tokens as pay under ``k_policy.best_plan`` with its
 per-n acceptance. After ``PROBE_AFTER`` steps without the draft model and no lookup match, a
 draft model used earlier in the request drafts again, so a stale estimate can recover.
 Choosing only changes what is proposed, never the acceptance rule: output stays lossless.
 
-The drafter is also its own draft-length schedule (``schedule.KSchedule``): choosing the source
+The drafter is also its own draft-length schedule (``k_policy.KSchedule``): choosing the source
 and k is one decision, and it needs the step times that only the schedule hears about.
 """
 
@@ -38,12 +38,12 @@ from collections import Counter
 
 import torch
 
-from ..cache import KVCache
-from ..sampling import LogitsProcessor
-from ..schedule import AcceptanceEstimate, GoodputEstimate, best_plan, update_verify_cost
-from .base import DraftProposal
-from .draft_model import DraftModelDrafter
-from .ngram import NgramDrafter
+from specdecode.backends.base import SequenceModel
+from specdecode.costs.k_policy import AcceptanceEstimate, GoodputEstimate, best_plan, update_verify_cost
+from specdecode.drafters.base import DraftProposal
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.engine.sampling import LogitsProcessor
 
 CATCH_UP_HORIZON = 64  # most future tokens a draft catch-up is spread over
 CATCH_UP_FREE_TOKENS = 2  # a normal draft pass feeds the one or two newly committed tokens
@@ -118,10 +118,10 @@ class AutoDrafter:
             self.draft_goodput.observe(accepted + 1, drafting + verify_seconds)
 
     # -- drafter side --------------------------------------------------------------------------
-    def start(self, prompt_len: int, capacity: int, target_cache: KVCache | None = None) -> None:
-        self.ngram.start(prompt_len, capacity, target_cache)
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
+        self.ngram.start(prompt_len, capacity, target)
         if self.draft is not None:
-            self.draft.start(prompt_len, capacity, target_cache)  # allocation only: it reads the prompt when first used
+            self.draft.start(prompt_len, capacity, target)  # allocation only: it reads the prompt when first used
         self._capacity = capacity
 
     def on_committed(self, tokens: list[int]) -> None:

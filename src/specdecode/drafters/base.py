@@ -17,9 +17,9 @@ from typing import Protocol
 
 import torch
 
-from ..cache import KVCache
-from ..sampling import LogitsProcessor
-from ..tree import TokenTree
+from specdecode.backends.base import SequenceModel
+from specdecode.engine.sampling import LogitsProcessor
+from specdecode.engine.tree import TokenTree
 
 
 @dataclass(slots=True)
@@ -38,12 +38,12 @@ class DraftProposal:
 class Drafter(Protocol):
     """What the engine needs from any way of guessing the target's next tokens."""
 
-    def start(self, prompt_len: int, capacity: int, target_cache: KVCache) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel) -> None:
         """A new request begins; its committed sequence will never exceed ``capacity`` tokens.
 
-        ``target_cache`` is the target's cache for this request, for a drafter that runs the
-        target itself (layer skip): it may write slots past the committed length, which the
-        next verify pass overwrites, and must not change the cache's lengths.
+        ``target`` is the target's sequence for this request, for a drafter that runs the
+        target itself (layer skip, on the torch backend): it may write cache slots past the
+        committed length, which the next verify pass overwrites, and must not commit.
         """
 
     def propose(
@@ -70,7 +70,7 @@ class TreeDrafter(Protocol):
     max_tree_nodes: int  # the most nodes (root included) a proposed tree can have
     last_forward_passes: int  # forward passes of draft heads the last proposal took
 
-    def start(self, prompt_len: int, capacity: int, target_cache: KVCache) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel) -> None:
         """A new request begins (as ``Drafter.start``)."""
 
     def observe(self, features: torch.Tensor, start: int) -> None:  # features: (1, T, C)

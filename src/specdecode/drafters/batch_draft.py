@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.llama import Transformer
-from ..paged_cache import PagedKVCache, stack_padded
-from ..runtime import host_to_device
-from ..sampling import LogitsProcessor, draw
-from .base import DraftProposal
-from .draft_model import draft_confidence, to_target_vocab
+from specdecode.backends.device import host_to_device
+from specdecode.drafters.base import DraftProposal
+from specdecode.drafters.draft_model import draft_confidence, to_target_vocab
+from specdecode.engine.sampling import LogitsProcessor, draw
+from specdecode.kv.paged import PagedKVCache, stack_padded
+from specdecode.models.llama import Transformer
 
 CATCH_UP_WIDTH = 2  # unseen tokens after a verify step: the bonus token, plus the last draft if all were accepted
 

@@ -1,6 +1,7 @@
 """An independent small model of the same tokenizer family drafts autoregressively.
 
-The drafter keeps its own KV cache. After a step in which the target accepted n of k drafted
+The drafter keeps its own sequence on its backend (``backends/base.py``): a torch model with
+its own KV cache, or a llama.cpp context. After a step in which the target accepted n of k drafted
 tokens, the draft cache holds valid entries for the old committed sequence plus
 min(n, k - 1) drafted tokens (the last drafted token was sampled but never fed back); the
 next ``propose`` first feeds the committed tokens it has not seen (one or two), then drafts.
@@ -10,25 +11,20 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache, reusable_cache
-from ..models.llama import Transformer
-from ..sampling import LogitsProcessor, draw
-from .base import DraftProposal
+from specdecode.backends.base import SequenceModel
+from specdecode.drafters.base import DraftProposal
+from specdecode.engine.sampling import LogitsProcessor, draw
 
 
 class DraftModelDrafter:
-    def __init__(
-        self, model: Transformer, target_vocab_size: int, confidence_threshold: float = 0.0, kv_dtype: str = "auto"
-    ) -> None:
-        self.model = model
-        self.kv_dtype = kv_dtype
+    def __init__(self, model: SequenceModel, target_vocab_size: int, confidence_threshold: float = 0.0) -> None:
+        self.model = model  # the draft model's sequence (its cache lives there)
         self.target_vocab_size = target_vocab_size
         # Stop drafting early once the draft's probability for the token it just proposed falls
         # below this (0 disables): a token the draft itself doubts is likely rejected, and the
         # forward passes after it are wasted. Deciding from draft-side information only keeps
         # verification lossless. Each check reads one scalar on the host (a device sync on GPUs).
         self.confidence_threshold = confidence_threshold
-        self.cache: KVCache | None = None
         self._cached_len = 0  # committed tokens whose K/V sit in the draft cache
         self._proposed_base = 0  # committed length when the last proposal was made
         self._proposed_count = 0
@@ -38,14 +34,13 @@ class DraftModelDrafter:
         """Committed tokens the draft has read (the auto method prices catching up on the rest)."""
         return self._cached_len
 
-    def start(self, prompt_len: int, capacity: int, target_cache: KVCache | None = None) -> None:
-        self.cache = reusable_cache(self.cache, self.model.config, capacity, self.model.dtype, self.model.device, self.kv_dtype)
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
+        self.model.begin(capacity)
         self._cached_len = 0
 
     def _forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:  # (1, T) -> (1, V_target)
-        assert self.cache is not None
-        out = self.model.extend(self.cache, tokens, start, logits_last=1)
-        self.cache.commit(0, start + tokens.shape[1])
+        out = self.model.extend(tokens, start, logits_last=1)
+        self.model.commit(start + tokens.shape[1])
         return to_target_vocab(out.logits[:, -1], self.target_vocab_size)
 
     def propose(
@@ -81,8 +76,7 @@ class DraftModelDrafter:
     def on_verified(self, num_accepted: int) -> None:
         # Drafted tokens 1..k-1 were fed; of those, the accepted ones stay valid.
         valid = self._proposed_base + min(num_accepted, self._proposed_count - 1)
-        assert self.cache is not None
-        self.cache.rollback(0, valid)
+        self.model.commit(valid)
         self._cached_len = valid
 
 

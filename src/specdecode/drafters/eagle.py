@@ -27,13 +27,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import KVCache, KVView
-from ..config import MAX_TREE_SIZE
-from ..errors import InvalidRequestError
-from ..models.heads import EagleHead
-from ..runtime import host_to_device
-from ..sampling import LogitsProcessor
-from ..tree import NO_PARENT, TokenTree
+from specdecode.backends.base import SequenceModel
+from specdecode.backends.device import host_to_device
+from specdecode.config import MAX_TREE_SIZE
+from specdecode.engine.sampling import LogitsProcessor
+from specdecode.engine.tree import NO_PARENT, TokenTree
+from specdecode.errors import InvalidRequestError
+from specdecode.kv.static import KVCache, KVView
+from specdecode.models.heads import EagleHead
 
 # Drafted nodes (root excluded). On this project's 2-core CPU a target pass over 5 rows costs
 # ~1.3x one over a single row and 13 rows ~2x, and 4 nodes measured fastest on HumanEval
@@ -68,7 +69,7 @@ class EagleDrafter:
         self.known = 0  # features known for positions [0, known)
         self.cached = 0  # pairs read into the head's cache: [0, cached)
 
-    def start(self, prompt_len: int, capacity: int, target_cache: KVCache | None = None) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
         cfg = self.head.config
         dtype, device = self.head.fc.weight.dtype, self.head.fc.weight.device
         slots = capacity + self.depth * self.top_k

@@ -12,7 +12,7 @@ positions L - 1, L, ... past the committed length L - 1; the verify pass that fo
 same positions through every layer and overwrites all of them, so nothing needs rolling back
 and the cache's committed lengths are never touched here.
 
-Which layers to skip is a measured choice: ``specdecode tune-layerskip`` (``layerskip.py``).
+Which layers to skip is a measured choice: ``specdecode tune-layerskip`` (``training/layer_search.py``).
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cache import KVCache
-from ..errors import InvalidRequestError
-from ..models.llama import Transformer
-from ..sampling import LogitsProcessor, draw
-from .base import DraftProposal
-from .draft_model import doubts
+from specdecode.backends.base import SequenceModel
+from specdecode.backends.torch_backend import TorchSequence
+from specdecode.drafters.base import DraftProposal
+from specdecode.drafters.draft_model import doubts
+from specdecode.engine.sampling import LogitsProcessor, draw
+from specdecode.errors import InvalidRequestError
+from specdecode.kv.static import KVCache
+from specdecode.models.llama import Transformer
 
 
 def check_skip_layers(skip_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -50,10 +52,11 @@ class LayerSkipDrafter:
         self.confidence_threshold = confidence_threshold  # as for the draft model
         self.cache: KVCache | None = None
 
-    def start(self, prompt_len: int, capacity: int, target_cache: KVCache | None = None) -> None:
-        if target_cache is None:
-            raise ValueError("The layer-skip drafter drafts in the target's KV cache; pass it to start().")
-        self.cache = target_cache
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
+        if not isinstance(target, TorchSequence) or target.model is not self.model or target.cache is None:
+            raise ValueError("The layer-skip drafter drafts in the target's own KV cache: start() it with the "
+                             "target's torch sequence.")
+        self.cache = target.cache
 
     def propose(
         self,

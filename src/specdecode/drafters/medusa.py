@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cache import KVCache
-from ..errors import InvalidRequestError
-from ..models.heads import MedusaHeads
-from ..sampling import LogitsProcessor
-from ..tree import NO_PARENT, TokenTree
+from specdecode.backends.base import SequenceModel
+from specdecode.engine.sampling import LogitsProcessor
+from specdecode.engine.tree import NO_PARENT, TokenTree
+from specdecode.errors import InvalidRequestError
+from specdecode.models.heads import MedusaHeads
 
 DEFAULT_TREE_SIZE = 12  # drafted nodes (root excluded)
 
@@ -109,7 +109,7 @@ class MedusaDrafter:
         self.last_forward_passes = 0
         self._feature: torch.Tensor | None = None  # (1, C) the last committed position's feature
 
-    def start(self, prompt_len: int, capacity: int, target_cache: KVCache | None = None) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
         self._feature = None  # the prefill's features arrive through observe() next
 
     def observe(self, features: torch.Tensor, start: int) -> None:  # features: (1, T, C)

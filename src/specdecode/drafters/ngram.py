@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from ..config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, check_ngram_sizes
-from ..cache import KVCache
-from ..errors import InvalidRequestError
-from ..runtime import host_to_device
-from ..sampling import LogitsProcessor
-from .base import DraftProposal
+from specdecode.backends.base import SequenceModel
+from specdecode.backends.device import host_to_device
+from specdecode.config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, check_ngram_sizes
+from specdecode.drafters.base import DraftProposal
+from specdecode.engine.sampling import LogitsProcessor
+from specdecode.errors import InvalidRequestError
 
 
 class NgramDrafter:
@@ -39,7 +39,7 @@ class NgramDrafter:
         # often; the auto method keeps one acceptance estimate per n.
         self.last_match_size = 0
 
-    def start(self, prompt_len: int, capacity: int, target_cache: KVCache | None = None) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
         self.history = []
         self._continuation_start = {n: {} for n in range(self.ngram_min, self.ngram_max + 1)}
 

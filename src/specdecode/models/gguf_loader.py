@@ -34,9 +34,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ModelLoadError, UnsupportedModelError
-from ..paths import cache_dir
-from .gguf_tokenizer import write_hf_tokenizer
+from specdecode.errors import ModelLoadError, UnsupportedModelError
+from specdecode.models.gguf_tokenizer import write_hf_tokenizer
+from specdecode.models.paths import cache_dir
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
 # Bump when the converter's output changes, so folders converted by an older version are redone.

@@ -13,6 +13,7 @@ store pieces and scores instead of merges; we derive the merges from the scores.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from ..errors import ModelLoadError, UnsupportedModelError
+from specdecode.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 _SPM_SPACE = "\u2581"  # SentencePiece's visible space
@@ -222,3 +223,49 @@ def write_hf_tokenizer(metadata: Mapping[str, Any], out_dir: Path, source: Path)
     tokenizer, tokenizer_config = build_hf_tokenizer(metadata, source)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
+
+
+TOKENIZER_FOLDER_VERSION = 1
+
+
+def cached_tokenizer_folder(gguf_path: Path, show_progress: bool = True) -> Path:
+    """A folder with only the Hugging Face tokenizer of a GGUF file, built into the cache once.
+
+    The llama.cpp backend runs the GGUF file itself and needs no converted weights, only our
+    tokenizer (chat template, stop strings, incremental detokenisation) over the same ids. The
+    key covers the file's resolved path, size and modification time, as for converted models.
+    """
+    import hashlib
+    import re
+    import shutil
+    import sys
+    import tempfile
+
+    from specdecode.models.gguf_loader import _open_gguf
+    from specdecode.models.paths import cache_dir
+
+    resolved = Path(gguf_path).expanduser().resolve()
+    if not resolved.is_file():
+        raise ModelLoadError(f"GGUF file {resolved} does not exist (or is not a file). Check the path.")
+    stat = resolved.stat()
+    key = f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}|{TOKENIZER_FOLDER_VERSION}"
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", resolved.stem)[:80]
+    folder = cache_dir() / "tokenizers" / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    if show_progress:  # parsing a 150k-token vocabulary takes seconds
+        print(f"specdecode: reading the tokenizer of {resolved.name}", file=sys.stderr, flush=True)
+    reader = _open_gguf(resolved)
+    metadata = {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    try:
+        write_hf_tokenizer(metadata, work_dir, resolved)
+        try:
+            os.rename(work_dir, folder)
+        except OSError:
+            if not (folder / "tokenizer.json").is_file():  # not another process's complete folder
+                raise
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return folder

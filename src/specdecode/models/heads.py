@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..cache import KVCache, KVView
-from ..config import ModelConfig
-from ..errors import ModelLoadError
-from .layers import Linear
-from .llama import DecoderLayer, RMSNorm, rope_cos_sin, rope_inverse_frequencies
+from specdecode.config import ModelConfig
+from specdecode.errors import ModelLoadError
+from specdecode.kv.static import KVCache, KVView
+from specdecode.models.layers import Linear
+from specdecode.models.llama import DecoderLayer, RMSNorm, rope_cos_sin, rope_inverse_frequencies
 
 HEAD_KINDS = ("medusa", "eagle")
 CONFIG_FILE = "heads.json"

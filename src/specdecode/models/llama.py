@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import KVCache, KVView, causal_view
-from ..config import ModelConfig, RopeScaling
-from .layers import Linear
+from specdecode.config import ModelConfig, RopeScaling
+from specdecode.kv.static import KVCache, KVView, causal_view
+from specdecode.models.layers import Linear
 
 
 @dataclass(slots=True)

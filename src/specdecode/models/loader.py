@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..config import ModelConfig
-from ..errors import ModelLoadError
-from .llama import FUSED_PROJECTIONS, Transformer
+from specdecode.config import ModelConfig
+from specdecode.errors import ModelLoadError
+from specdecode.models.llama import FUSED_PROJECTIONS, Transformer
 
 # Files a model folder needs; hub downloads fetch only these (no .bin / .pth duplicates).
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -36,7 +36,7 @@ class LoadedModel:
 
 def gguf_source(name: str, show_progress: bool = True) -> Path | None:
     """The GGUF file a model argument names (demo model, .gguf file, folder of one), else None."""
-    from . import demo
+    from specdecode.models import demo
 
     if demo.is_demo_model_name(name):
         return demo.demo_model_path(name, show_progress=show_progress)
@@ -52,7 +52,7 @@ def gguf_source(name: str, show_progress: bool = True) -> Path | None:
 
 def resolve_model_folder(name: str, dtype: torch.dtype, show_progress: bool = True) -> Path:
     """Map a model argument to a local Hugging Face-format folder, converting or downloading."""
-    from . import gguf_loader
+    from specdecode.models import gguf_loader
 
     gguf_path = gguf_source(name, show_progress=show_progress)
     if gguf_path is not None:
@@ -188,7 +188,7 @@ def load_weights(
     model.inv_freq = _real_inv_freq(cfg, device)
     model = model.eval().requires_grad_(False)
     if quant != "none":
-        from ..quant.apply import quantize_model
+        from specdecode.quant.apply import quantize_model
 
         summary = quantize_model(model, quant, gguf_path=gguf_path)
         if show_progress:
@@ -199,7 +199,7 @@ def load_weights(
 
 
 def _real_inv_freq(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
-    from .llama import rope_inverse_frequencies
+    from specdecode.models.llama import rope_inverse_frequencies
 
     return rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
 

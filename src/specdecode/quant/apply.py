@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from ..errors import InvalidRequestError
-from .formats import Q4_K_GROUP, Int4Weights, concat_int4, int4_from_q4_k, quantize_int4, quantize_int8
-from .linear import Int4Linear, Int8Linear
+from specdecode.errors import InvalidRequestError
+from specdecode.quant.formats import Q4_K_GROUP, Int4Weights, concat_int4, int4_from_q4_k, quantize_int4, quantize_int8
+from specdecode.quant.linear import Int4Linear, Int8Linear
 
 QUANT_CHOICES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -48,8 +47,8 @@ def quantize_model(
     model: nn.Module, mode: str, gguf_path: Path | None = None, group_size: int = DEFAULT_INT4_GROUP
 ) -> QuantSummary:
     """Replace ``model``'s dense projections in place; call before CPU prepacking."""
-    from ..models.layers import Linear
-    from ..models.loader import component_names
+    from specdecode.models.layers import Linear
+    from specdecode.models.loader import component_names
 
     check_quant(mode)
     summary = QuantSummary(mode)
@@ -59,7 +58,7 @@ def quantize_model(
         raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}.")
     stored = {}
     if mode == "int4" and gguf_path is not None and group_size == Q4_K_GROUP:
-        from ..models.gguf_loader import stored_weights
+        from specdecode.models.gguf_loader import stored_weights
 
         stored = stored_weights(gguf_path)
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
@@ -89,7 +88,7 @@ def _int4_from_stored(stored: dict, parts: tuple[str, ...]) -> Int4Weights | Non
         rows, cols = source.shape
         int4 = int4_from_q4_k(source.raw, rows, cols)
         if source.unpermute_heads is not None:
-            from ..models.gguf_loader import unpermute_rotary_rows
+            from specdecode.models.gguf_loader import unpermute_rotary_rows
 
             int4 = Int4Weights(
                 *(unpermute_rotary_rows(t, source.unpermute_heads) for t in (int4.qweight, int4.scales, int4.zeros)),

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native
-from .formats import Int4Weights, Int8Weights, dequantize_int4
+from specdecode.quant import native
+from specdecode.quant.formats import Int4Weights, Int8Weights, dequantize_int4
 
 INT4_INNER_K_TILES = 1
 # torch 2.13's CPU _weight_int8pack_mm reads past the row for other input sizes (it crashed

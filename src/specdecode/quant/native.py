@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..paths import cache_dir
+from specdecode.models.paths import cache_dir
 
 MAX_ROWS = 8  # the kernel's compiled row counts; callers split larger inputs
 ACTIVATION_BLOCK = 128  # XBLOCK in the C++ source

@@ -1,0 +1,1 @@
+"""Where forward passes run: the device helpers, the torch backend, llama.cpp."""

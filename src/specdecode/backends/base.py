@@ -1,0 +1,70 @@
+"""The model backend interface: what the single-sequence engine and the drafters ask of a model.
+
+A backend runs forward passes of one model over one sequence at a time and keeps that
+sequence's KV cache. The engine and the drafters never see the cache itself; they say which
+tokens to feed at which positions and how much of the sequence is still valid:
+
+- ``begin(capacity)`` starts a new sequence of at most ``capacity`` positions (empty cache);
+- ``extend(tokens, start)`` feeds tokens at positions ``start .. start + T - 1`` and returns
+  the logits of the rows asked for. The cache must hold exactly positions ``[0, start)`` of
+  the sequence that is valid: ``extend`` writes past the valid length freely (rejected draft
+  tokens, a verify pass), and the next ``commit`` says how much of that stays;
+- ``commit(length)`` declares positions ``[0, length)`` valid and drops the rest (rollback of
+  rejected tokens is a commit to a shorter length);
+- ``pass_seconds(rows)`` times one pass over each row count on this machine, for the
+  cost-aware draft length and the auto method.
+
+Two backends implement it: ``torch_backend.TorchSequence`` (our ``Transformer`` and its
+static cache: every method, token trees and layer skip included) and
+``llamacpp.LlamaCppSequence`` (GGUF files through ggml's CPU kernels: plain decoding, the
+draft model, prompt lookup and auto). Both return float32 logits as torch tensors, so
+verification (``engine/verify.py``) is the same code for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+BACKENDS = ("auto", "torch", "llama.cpp")
+
+
+class PassOutput(Protocol):
+    logits: torch.Tensor | None  # (1, T_logits, V) float32, or None when not asked for
+    hidden: torch.Tensor | None  # (1, T, C) final hidden states where the backend has them
+
+
+class SequenceModel(Protocol):
+    """A model decoding one sequence, with that sequence's KV cache (see the module docstring)."""
+
+    backend: str  # "torch" or "llama.cpp"
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def begin(self, capacity: int) -> None:
+        """A new sequence of at most ``capacity`` positions; the cache starts empty."""
+
+    def extend(
+        self,
+        tokens: torch.Tensor,  # (1, T) long
+        start: int,
+        *,
+        logits_last: int | None = None,
+        compute_logits: bool = True,
+    ) -> PassOutput:
+        """Feed ``tokens`` at positions start .. start + T - 1. Logits for every row, for the last
+        ``logits_last`` rows, or none (``compute_logits=False``, a prefill)."""
+
+    def commit(self, length: int) -> None:
+        """Positions [0, length) are the sequence; anything written after them is dropped."""
+
+    def pass_seconds(
+        self, row_counts: Sequence[int], repeats: int, logits_last: int | None = None
+    ) -> dict[int, float]:
+        """Seconds of one pass over each row count (best of ``repeats``), on a scratch sequence."""

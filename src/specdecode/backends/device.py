@@ -1,0 +1,59 @@
+"""Device and dtype selection."""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.errors import InvalidRequestError
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DTYPE_CHOICES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name not in DEVICE_CHOICES and not name.startswith("cuda:"):
+        raise InvalidRequestError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {name!r}.")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError("--device cuda was asked for, but PyTorch sees no CUDA device.")
+    return torch.device(name)
+
+
+def cpu_supports_bf16() -> bool:
+    """True when oneDNN has native bf16 kernels here (AVX-512 BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 where the hardware computes in it natively, else fp32."""
+    if name not in DTYPE_CHOICES:
+        raise InvalidRequestError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}.")
+    chosen = DTYPE_CHOICES[name]
+    if chosen is not None:
+        return chosen
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+def host_to_device(values: list | tuple, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of host ``values`` on ``device`` without stalling the host.
+
+    A copy from ordinary (pageable) host memory to a GPU waits until every queued kernel has
+    run: a full sync in the middle of a decode step. Staged through pinned memory the copy is
+    queued behind those kernels instead (PyTorch's pinned-memory cache keeps the buffer alive
+    until the copy is done). On the CPU this is ``torch.tensor``.
+    """
+    tensor = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,56 @@
+"""The torch backend: our ``Transformer`` and a static KV cache written by position.
+
+Rollback is free: ``commit`` lowers the cache's length and the stale slots are overwritten
+before any query reads them. The model and the cache stay reachable (``model``, ``cache``)
+for what only this backend can do: token trees scored with tree attention (the engine's tree
+step), the layer-skip drafter drafting in the target's own cache, hidden states for heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdecode.costs.timing import time_passes
+from specdecode.kv.static import KVCache, reusable_cache
+from specdecode.models.llama import ModelOutput, Transformer
+
+
+class TorchSequence:
+    backend = "torch"
+
+    def __init__(self, model: Transformer, kv_dtype: str = "auto") -> None:
+        self.model = model
+        self.kv_dtype = kv_dtype  # "int8" stores the cache quantized (kv.static.Int8KVCache)
+        self.cache: KVCache | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def begin(self, capacity: int) -> None:
+        cfg = self.model.config
+        self.cache = reusable_cache(self.cache, cfg, capacity, self.model.dtype, self.model.device, self.kv_dtype)
+
+    def extend(
+        self,
+        tokens: torch.Tensor,  # (1, T) long
+        start: int,
+        *,
+        logits_last: int | None = None,
+        compute_logits: bool = True,
+    ) -> ModelOutput:
+        assert self.cache is not None, "begin() a sequence first"
+        return self.model.extend(self.cache, tokens, start, logits_last=logits_last, compute_logits=compute_logits)
+
+    def commit(self, length: int) -> None:
+        assert self.cache is not None, "begin() a sequence first"
+        self.cache.commit(0, length)
+
+    def pass_seconds(self, row_counts: Sequence[int], repeats: int, logits_last: int | None = None) -> dict[int, float]:
+        return time_passes(self.model, row_counts, self.kv_dtype, repeats, logits_last=logits_last)

@@ -1,0 +1,84 @@
+"""``specdecode serve``: load a decoder and serve it over HTTP (``serving/server.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from specdecode.cli.train import non_negative_int, positive_int
+    from specdecode.config import DEFAULT_K, METHODS
+    from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
+    from specdecode.kv.static import KV_DTYPES
+    from specdecode.quant.apply import QUANT_CHOICES
+
+    parser = sub.add_parser(
+        "serve",
+        help="serve the models over an OpenAI-compatible HTTP API",
+        description=(
+            "OpenAI-compatible /v1/completions and /v1/chat/completions (stream: true for server-sent "
+            "events), /v1/models, /health and /metrics (Prometheus). Requests with methods none, ngram "
+            "and draft are batched together (continuous batching over a paged KV cache); the other "
+            "methods run one at a time. Listens on loopback unless --host says otherwise."
+        ),
+    )
+    parser.add_argument("--target", help="the model whose output is reproduced (default: demo 1.5B)")
+    parser.add_argument("--draft", help="the draft model (default: demo 0.5B with the demo target)")
+    parser.add_argument("--method", choices=METHODS, default="draft", help="default method; a request may pass 'method'")
+    parser.add_argument("--k", type=int, default=DEFAULT_K, help="tokens drafted per step")
+    parser.add_argument("--heads", help="medusa/eagle heads folder (from `specdecode train`)")
+    parser.add_argument("--tree-size", type=int, default=None, help="medusa/eagle: drafted tree nodes per step")
+    parser.add_argument("--model-name", help="the name clients pass as 'model' (default: the target's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    parser.add_argument("--target-quant", choices=QUANT_CHOICES, default="none")
+    parser.add_argument("--draft-quant", choices=QUANT_CHOICES, default="none")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
+    parser.add_argument("--max-batch", type=non_negative_int, default=DEFAULT_MAX_BATCH,
+                        help="most requests decoded together (0: no batching, one request at a time)")
+    parser.add_argument("--kv-cache-tokens", type=positive_int, default=DEFAULT_KV_CACHE_TOKENS,
+                        help="paged KV cache slots per model for the batch (requests wait or are preempted beyond it)")
+    parser.add_argument("--batch-policy", choices=BATCH_POLICIES, default="async",
+                        help="async: each request keeps all it accepts; sync: a step keeps the batch's fewest")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specdecode import SpecDecoder
+    from specdecode.errors import InvalidRequestError
+    from specdecode.models import demo
+    from specdecode.serving.worker import BatchWorker
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+
+        from specdecode.serving.server import serve
+    except ImportError as err:
+        raise InvalidRequestError(f'`specdecode serve` needs the server extras: pip install "specdecode[serve]" ({err}).') from err
+    if not 0 < args.port < 65536:
+        raise InvalidRequestError(f"--port must be in 1..65535, got {args.port}.")
+    decoder = SpecDecoder.from_pretrained(
+        args.target, args.draft, method=args.method, k=args.k, heads=args.heads, tree_size=args.tree_size,
+        dtype=args.dtype, device=args.device, target_quant=args.target_quant, draft_quant=args.draft_quant,
+        kv_dtype=args.kv_dtype,
+    )
+    name = args.model_name or (args.target or demo.DEFAULT_TARGET)
+    worker = None
+    if args.max_batch > 0:
+        if args.kv_dtype != "auto":
+            print("--kv-dtype int8: the batch engine's paged cache has no int8 storage yet; requests run one at a time.",
+                  file=sys.stderr)
+        else:
+            print(f"Timing the models for the batch's cost-aware draft length (max batch {args.max_batch}) ...",
+                  file=sys.stderr)
+            engine = decoder.batch_engine(max_batch=args.max_batch, kv_cache_tokens=args.kv_cache_tokens,
+                                          policy=args.batch_policy)
+            worker = BatchWorker(engine)
+    serve(decoder, name, args.host, args.port, log_level=args.log_level, worker=worker)
+    return 0

@@ -1,0 +1,1 @@
+"""Pass costs and the draft-length policies (one request and a batch)."""

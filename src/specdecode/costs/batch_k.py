@@ -1,0 +1,183 @@
+"""How many tokens a whole batch drafts per step, from acceptance and measured pass costs.
+
+The batch engine drafts one k for every speculating row (each row capped by its own request's
+k and remaining tokens). The choice maximises the batch's expected tokens per second:
+
+    sum_b E(a_b, k_b) / (k draft passes over the draft-model rows + one verify pass of
+                         B rows x (max k_b + 1) tokens, the batch padded to its longest row)
+
+with E(a, k) = (1 - a^(k+1)) / (1 - a) (``k_policy.expected_tokens``). k = 0 decodes the whole
+batch plainly, and is kept unless some k is predicted to beat it by ``SPECULATION_MARGIN``. On a bandwidth-bound device a plain pass over B rows costs little more than one
+over a single row, while a speculative pass carries B x (k + 1) rows, so as the batch grows
+speculation stops paying and the choice falls to plain decoding by itself.
+
+Costs are per pass *shape* (rows, tokens per row): ``PassCosts`` starts from single-sequence
+passes timed over a few token counts (``engine.time_passes``) and a few batched shapes
+(``engine.batch.time_batched_passes``); unseen shapes are priced by the prior scaled by what
+batched passes cost relative to it, and every shape that runs keeps its own live cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specdecode.costs.k_policy import PROBE_AFTER, PROBE_K, blend, expected_tokens, interpolate
+
+MAX_PROBE_AFTER = 96  # the longest wait between probes
+OPTIMISTIC_ACCEPTANCE = 0.9  # probe only if drafts accepted this often would pay
+READ_AHEAD_HORIZON = 16  # steps over which a draft read-ahead's cost is spread
+SPECULATION_MARGIN = 0.1  # the predicted gain over a plain step that speculation must show
+
+
+class PassCosts:
+    """Seconds of one forward pass of ``batch`` rows x ``width`` tokens.
+
+    The prior is a table of single-sequence passes over some token counts, interpolated
+    linearly (and extrapolated with the last slope); a batched pass of the same token count
+    costs more (every row reads its own KV), which ``scale``, the running ratio of live passes
+    to the prior, accounts for. A shape that has run is priced by its own live timings.
+    """
+
+    def __init__(
+        self, measured: dict[int, float], live: bool = True, shapes: dict[tuple[int, int], float] | None = None
+    ) -> None:
+        """``measured``: single-sequence passes by token count; ``shapes``: batched passes timed
+        by (rows, tokens per row), which also set the starting scale."""
+        if not measured or any(rows < 1 or seconds <= 0 for rows, seconds in measured.items()):
+            raise ValueError(f"PassCosts needs positive timings for token counts >= 1, got {measured}")
+        self.points = dict(measured)
+        self.live = live
+        self.shapes: dict[tuple[int, int], float] = dict(shapes or {})
+        ratios = [seconds / self.prior(b * t) for (b, t), seconds in self.shapes.items()]
+        self.scale = sum(ratios) / len(ratios) if ratios else 1.0
+
+    def prior(self, rows: int) -> float:
+        """The single-sequence pass over ``rows`` tokens, interpolated from the timed ones."""
+        return interpolate(self.points, rows)
+
+    def seconds(self, batch: int, width: int) -> float:
+        measured = self.shapes.get((batch, width))
+        return measured if measured is not None else self.prior(batch * width) * self.scale
+
+    def observe(self, batch: int, width: int, seconds: float) -> None:
+        if not self.live or batch < 1 or width < 1 or seconds <= 0:
+            return
+        self.shapes[(batch, width)] = blend(self.shapes.get((batch, width)), seconds)
+        self.scale = blend(self.scale, seconds / self.prior(batch * width))
+
+
+@dataclass(slots=True, frozen=True)
+class BatchRow:
+    """A speculating row, as the batch's draft-length choice sees it."""
+
+    acceptance: float
+    cap: int  # the most tokens this row may draft this step
+    uses_draft_model: bool
+    backlog: int = 0  # committed tokens the draft model must read before this row can draft
+    observed: bool = True  # False: no draft of this row verified yet (``acceptance`` is a prior)
+    remaining: int = 1 << 30  # tokens the request may still generate
+    stops_early: bool = False  # its drafts end at the draft model's confidence cut-off
+
+
+@dataclass(slots=True)
+class BatchK:
+    """The batch's k (module docstring). Drafting after plain steps first costs a read-ahead
+    pass over the draft-model rows' backlogs, priced in and spread over the next
+    ``READ_AHEAD_HORIZON`` steps (the rows then stay caught up). A lone row whose drafts were
+    never verified counts as ``OPTIMISTIC_ACCEPTANCE`` until they are.
+
+    Without cost tables it drafts each row's cap (a fixed k). After ``probe_after`` plain steps
+    in a row it drafts ``PROBE_K`` tokens, so the acceptance estimates stay current, but only
+    if speculation would pay with optimistic acceptance; each probe that does not bring
+    speculation back doubles the wait (up to ``MAX_PROBE_AFTER``), so a load where speculation
+    never pays costs few probes.
+    """
+
+    k_max: int
+    verify: PassCosts | None = None
+    draft: PassCosts | None = None
+    plain_streak: int = 0
+    probe_after: int = PROBE_AFTER
+    probing: bool = False
+
+    def choose(self, speculative: Sequence[BatchRow], batch_size: int) -> int:
+        if not speculative:
+            # Steps with no row that could draft are not plain steps the probes wait out: a
+            # draft request joining after a run of plain-only requests starts a fresh count.
+            self.plain_streak = 0
+            return 0
+        if self.verify is None or (self.draft is None and any(row.uses_draft_model for row in speculative)):
+            return self.k_max
+        if self.plain_streak >= self.probe_after:
+            # Probe only where fresh estimates could change the answer.
+            if self._best(speculative, batch_size, OPTIMISTIC_ACCEPTANCE) > 0:
+                self.probing = True
+                return min(PROBE_K, self.k_max)
+            self.plain_streak = 0
+        best = self._best(speculative, batch_size)
+        if best > 0:
+            self.probe_after = PROBE_AFTER  # speculation pays again: probe at the usual rate later
+            if batch_size == 1 and speculative[0].stops_early:
+                # A lone row whose drafts stop where the draft model is unsure: the cut-off, not
+                # k, should end them (priced as k full passes, long drafts look dearer than they
+                # are: at one request the batch engine made 1.48x plain with the chosen k, 1.61x
+                # with k = 4, measured in bench_batch_policies). The verify pass is as wide as
+                # the draft turned out, so an early stop wastes nothing.
+                return speculative[0].cap
+        elif self.probing:
+            self.probe_after = min(2 * self.probe_after, MAX_PROBE_AFTER)
+        self.probing = False
+        return best
+
+    def _best(self, speculative: Sequence[BatchRow], batch_size: int, acceptance: float | None = None) -> int:
+        """The k with the highest expected rate; ``acceptance`` replaces every row's estimate."""
+        assert self.verify is not None
+        model_rows = [row for row in speculative if row.uses_draft_model]
+        plain_rows = batch_size - len(speculative)
+        behind = [row for row in model_rows if row.backlog > 0]
+        read_ahead = 0.0
+        if behind:
+            assert self.draft is not None
+            # Two tokens a step is a modest guess of how many steps the rows have left.
+            horizon = max(1, min(READ_AHEAD_HORIZON, min(row.remaining for row in behind) // 2))
+            read_ahead = self.draft.seconds(len(behind), max(row.backlog for row in behind)) / horizon
+
+        def rate_of(row: BatchRow) -> float:
+            if acceptance is not None:
+                return acceptance
+            # A lone row not yet verified gets the benefit of the doubt once: its first step
+            # measures its acceptance (as CostAwareK drafts its first k before any measurement).
+            # In a batch of several the doubt is dearer (every row's verify is padded to the
+            # longest draft; the rows' prompts are read into the draft model first) and the
+            # rows' own estimates (the pooled rate, or the prior) stand: a fresh server's first
+            # batch of 4 took 90% on trust and ran at 0.89x plain (benchmarks/replay_load.py).
+            if row.observed or batch_size > 1:
+                return row.acceptance
+            return OPTIMISTIC_ACCEPTANCE
+
+        # Speculate only for a clear predicted gain: the cost model's error on a busy CPU is
+        # about this size, and a marginal gain is lost to read-aheads and probes.
+        best, best_rate = 0, batch_size / self.verify.seconds(batch_size, 1) * (1 + SPECULATION_MARGIN)
+        for k in range(1, self.k_max + 1):
+            capped = [(rate_of(row), min(k, row.cap)) for row in speculative]
+            tokens = plain_rows + sum(expected_tokens(a, kb) for a, kb in capped)
+            seconds = self.verify.seconds(batch_size, 1 + max(kb for _, kb in capped))
+            if model_rows:
+                assert self.draft is not None
+                seconds += k * self.draft.seconds(len(model_rows), 1) + read_ahead
+            if tokens / seconds > best_rate * (1 + 1e-9):
+                best, best_rate = k, tokens / seconds
+        return best
+
+    def observe(
+        self, batch: int, width: int, drafted: int, verify_seconds: float,
+        draft_rows: int, draft_passes: int, draft_seconds: float,
+    ) -> None:
+        """A step's verify pass (``batch`` rows x ``width`` tokens, ``drafted`` of them drafts)
+        and its draft passes over ``draft_rows`` rows (0 passes: not to be learnt from)."""
+        self.plain_streak = 0 if drafted else self.plain_streak + 1
+        if self.verify is not None:
+            self.verify.observe(batch, width, verify_seconds)
+        if self.draft is not None and draft_passes > 0:
+            self.draft.observe(draft_rows, 1, draft_seconds / draft_passes)

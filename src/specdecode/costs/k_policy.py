@@ -1,0 +1,237 @@
+"""How many tokens to draft each step: fixed, cost-aware (``--k auto``) or by thresholds.
+
+A step that drafts k tokens, each accepted with probability a independently, emits
+E(k) = (1 - a^(k+1)) / (1 - a) tokens (the bonus token counted; E(0) = 1, plain decoding) and
+costs k draft passes plus one verify pass over k + 1 rows. The cost-aware schedule keeps a
+running estimate of a and the measured costs on this machine and picks, every step, the k in
+0..k_max that maximises E(k) / cost(k): k = 0 when speculation does not pay.
+
+- acceptance: per-token, pooled over recent steps with exponential forgetting (a step that
+  proposed n tokens and had m accepted tried m + 1 positions, or n if all were accepted);
+- verify cost per row count: measured once per engine by timing the target on 1..k_max + 1
+  rows (``SpecEngine.verify_costs``), then kept current from the live steps on the CPU;
+- draft cost per pass: measured live from the draft time of each step.
+
+After ``PROBE_AFTER`` plain steps in a row the schedule drafts a little again, so a prompt
+whose later part becomes predictable gets speculation back.
+
+The threshold schedule is the seed's rule: raise k by one while the acceptance estimate is
+above ``RAISE_ABOVE``, drop to ``k_min`` when it falls below ``DROP_BELOW``.
+
+The decision is made on the host from numbers the engine already has, so it adds no device
+sync. It never changes which tokens are emitted, only how many are drafted: output stays
+lossless whatever k is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specdecode.config import DEFAULT_K_MAX
+
+ACCEPTANCE_DECAY = 0.85  # weight kept by older observations per step: a window of ~7 steps
+PRIOR_ACCEPTANCE = 0.6
+PRIOR_WEIGHT = 2.0  # pseudo-trials behind the prior
+# Goodput comes in runs (easy and hard stretches of text) that recent steps predict poorly; a
+# window of ~30 steps judges a source over the request, so a few bad steps do not switch off
+# a source that pays overall.
+GOODPUT_DECAY = 0.97
+COST_DECAY = 0.8  # weight of the old cost estimate in a live update
+PROBE_AFTER = 12  # plain steps in a row before drafting again
+PROBE_K = 2
+RAISE_ABOVE = 0.8
+DROP_BELOW = 0.4
+
+
+def interpolate(points: dict[int, float], x: int) -> float:
+    """A cost table's value at ``x``: linear between the nearest measured points, the first
+    point's value below them, the last segment's slope extended beyond them."""
+    if x in points:
+        return points[x]
+    known = sorted(points)
+    if x < known[0]:
+        return points[known[0]]
+    below = max(r for r in known if r < x)
+    above = [r for r in known if r > x]
+    if above:
+        upper = above[0]
+    elif len(known) >= 2:  # extrapolate the last segment's slope
+        upper, below = below, known[-2]
+    else:
+        return points[below] * x / below
+    slope = (points[upper] - points[below]) / (upper - below)
+    return points[below] + slope * (x - below)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a step drafting k emits on average, the bonus token counted."""
+    if k <= 0:
+        return 1.0
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def best_plan(
+    acceptance: float,
+    verify_seconds: Sequence[float],
+    draft_pass_seconds: float,
+    k_max: int,
+    *,
+    k_min: int = 0,
+    extra_seconds: float = 0.0,
+) -> tuple[int, float]:
+    """(k, expected tokens per second) for the k in k_min..k_max with the highest rate.
+
+    verify_seconds[r - 1] is the cost of a verify pass over r rows (r = k + 1);
+    ``extra_seconds`` is a cost the step pays once whatever k is (a drafter's catch-up).
+    Returns (k_min, 0.0) when no k in range fits the cost table.
+    """
+    best, best_rate = k_min, 0.0
+    for k in range(k_min, min(k_max, len(verify_seconds) - 1) + 1):
+        cost = k * draft_pass_seconds + verify_seconds[k] + extra_seconds
+        rate = expected_tokens(acceptance, k) / cost if cost > 0 else 0.0
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best, best_rate
+
+
+def best_k(acceptance: float, verify_seconds: Sequence[float], draft_pass_seconds: float, k_max: int) -> int:
+    """The k in 0..k_max maximising expected tokens per second (0 = plain decoding)."""
+    return best_plan(acceptance, verify_seconds, draft_pass_seconds, k_max)[0]
+
+
+def blend(old: float | None, new: float) -> float:
+    """A live cost estimate moved towards a new measurement (the first one taken as is)."""
+    return new if old is None else COST_DECAY * old + (1 - COST_DECAY) * new
+
+
+def update_verify_cost(verify_seconds: list[float], proposed: int, seconds: float) -> None:
+    """Blend a live verify pass over ``proposed`` + 1 rows into the per-row-count cost table."""
+    if proposed + 1 <= len(verify_seconds):
+        verify_seconds[proposed] = blend(verify_seconds[proposed], seconds)
+
+
+@dataclass(slots=True)
+class AcceptanceEstimate:
+    """Per-token acceptance pooled over recent steps, starting from a weak prior."""
+
+    trials: float = 0.0
+    accepted: float = 0.0
+    decay: float = ACCEPTANCE_DECAY
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.trials = self.trials * self.decay + accepted + (1 if accepted < proposed else 0)
+        self.accepted = self.accepted * self.decay + accepted
+
+
+@dataclass(slots=True)
+class GoodputEstimate:
+    """Tokens per second of one way of stepping, pooled over its recent steps with forgetting.
+
+    Starts as ``prior_seconds`` of decoding at ``prior_rate``, so a source that has not run yet
+    has a rate to compare (a hopeful prior gets it tried); the prior fades like any old step.
+    """
+
+    prior_rate: float
+    prior_seconds: float
+    tokens: float = 0.0
+    seconds: float = 0.0
+    decay: float = GOODPUT_DECAY
+
+    def __post_init__(self) -> None:
+        self.tokens += self.prior_rate * self.prior_seconds
+        self.seconds += self.prior_seconds
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * self.decay + tokens
+        self.seconds = self.seconds * self.decay + seconds
+
+
+class KSchedule(Protocol):
+    def next_k(self) -> int:
+        """Tokens to draft this step (0 = plain step)."""
+
+    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
+        """What the step did: drafts proposed and accepted, its measured draft and verify time."""
+
+
+@dataclass(slots=True)
+class FixedK:
+    k: int
+
+    def next_k(self) -> int:
+        return self.k
+
+    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class ThresholdK:
+    """Raise k above RAISE_ABOVE acceptance, drop to k_min below DROP_BELOW."""
+
+    k: int
+    k_min: int = 1
+    k_max: int = DEFAULT_K_MAX
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+
+    def next_k(self) -> int:
+        return self.k
+
+    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
+        self.acceptance.observe(proposed, accepted)
+        rate = self.acceptance.rate
+        if rate > RAISE_ABOVE:
+            self.k = min(self.k + 1, self.k_max)
+        elif rate < DROP_BELOW:
+            self.k = self.k_min
+
+
+@dataclass(slots=True)
+class CostAwareK:
+    """Pick the k that maximises E(k) / measured cost(k) each step."""
+
+    verify_seconds: list[float]  # index r - 1: a verify pass over r rows; at least k_max + 1 entries
+    k_max: int = DEFAULT_K_MAX
+    first_k: int = 5  # before any draft cost is measured
+    live_costs: bool = True  # update verify costs from steps; False where timings are asynchronous
+    draft_pass_seconds: float | None = None
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    plain_streak: int = 0
+    steps: int = 0
+
+    def next_k(self) -> int:
+        if self.draft_pass_seconds is None:  # no draft pass measured yet
+            k = min(self.first_k, self.k_max)
+        elif self.plain_streak >= PROBE_AFTER:
+            k = min(PROBE_K, self.k_max)
+        else:
+            k = best_k(self.acceptance.rate, self.verify_seconds, self.draft_pass_seconds, self.k_max)
+        return k
+
+    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
+        self.plain_streak = self.plain_streak + 1 if proposed == 0 else 0
+        self.acceptance.observe(proposed, accepted)
+        self.steps += 1
+        if proposed > 0 and self.steps > 1:
+            # The first step's draft time includes the drafter's own prefill of the prompt, so it
+            # says nothing about a draft pass. A drafter that proposes without model passes
+            # (n-gram lookup) costs its host time per token.
+            per_pass = draft_seconds / (draft_passes if draft_passes > 0 else proposed)
+            self.draft_pass_seconds = blend(self.draft_pass_seconds, per_pass)
+        if self.live_costs:
+            update_verify_cost(self.verify_seconds, proposed, verify_seconds)
+

@@ -1,0 +1,426 @@
+"""Batched speculative decoding: many requests share each draft and verify pass.
+
+Each step: the scheduler admits waiting requests (prefilled together in one padded target pass),
+the batch's draft length k is chosen from live acceptance and measured costs
+(``costs.batch_k.BatchK``; k = 0 decodes the whole batch plainly), every running sequence reserves
+its KV slots, the drafters propose (prompt lookup per row on the host; the draft model for all
+its rows in one pass per drafted token), the target scores every row's last committed token and
+drafts in ONE padded pass, and each row is verified on its own with its request's sampling
+parameters and generator. One host read per step brings every row's emitted tokens back.
+
+Rows accept different numbers of tokens. Policy ``async`` (the default) lets each keep all it
+accepted; each sequence's length, positions and cache are its own. Policy ``sync`` makes the
+batch wait for its slowest member: every row that drafted keeps only as many accepted tokens
+as the row that accepted fewest (plus the token after them). A kept prefix of a lossless
+sample is still a lossless sample, so both policies leave every request's output
+distribution the target's; ``sync`` only emits less per step.
+
+Invariant per sequence between steps (as in ``engine/single.py``): L committed tokens, target KV
+valid for positions [0, L - 1); the next verify pass feeds the last committed token with the
+drafts. Methods: ``none``, ``ngram`` and ``draft`` batch; the tree methods, ``auto`` and
+``layerskip`` keep their single-sequence engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.backends.device import host_to_device
+from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SamplingParams
+from specdecode.costs.batch_k import BatchK, BatchRow, PassCosts
+from specdecode.costs.k_policy import AcceptanceEstimate
+from specdecode.drafters.base import DraftProposal
+from specdecode.drafters.batch_draft import BatchDraftModel, DraftRow
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.engine.metrics import GenerationStats, Stopwatch
+from specdecode.engine.sampling import LogitsProcessor, make_generator
+from specdecode.engine.scheduler import ScheduledSequence, Scheduler
+from specdecode.engine.stopping import cut_at_stop
+from specdecode.engine.verify import PAD_TOKEN, greedy_verify, rejection_verify
+from specdecode.errors import InvalidRequestError
+from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVCache, stack_padded
+from specdecode.models.llama import Transformer
+
+BATCH_METHODS = ("none", "ngram", "draft")
+BATCH_POLICIES = ("async", "sync")
+DEFAULT_MAX_BATCH = 8
+POOLED_ACCEPTANCE_DECAY = 0.98  # the engine-wide estimate forgets over ~50 steps
+POOLED_PRIOR_TRIALS = 6.0  # how many of its trials a new request's estimate inherits, at most
+# Below this many tried draft positions a row's estimate is too thin to stop drafting on (one
+# rejected first token would read as 40% acceptance): the chooser treats it as unobserved.
+MIN_OBSERVED_TRIALS = 3.0
+DEFAULT_KV_CACHE_TOKENS = 16384  # per model; the demo target's bf16 KV: 28 KiB a token, 0.45 GiB
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    stats: GenerationStats
+    error: BaseException | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    request_id: str
+    params: SamplingParams
+    method: str
+    k: int  # the most tokens this request lets a step draft
+    processor: LogitsProcessor
+    generator: torch.Generator | None
+    tokens: list[int]  # committed, host
+    committed: torch.Tensor  # (capacity,) long, device: the same tokens
+    stats: GenerationStats
+    started: float
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    ngram: NgramDrafter | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - self.stats.new_tokens
+
+
+class BatchEngine:
+    """Continuous-batching speculative decoder over paged KV caches (not thread-safe: one
+    thread calls ``add``, ``abort`` and ``step``)."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        draft: Transformer | None,
+        eos_token_ids: Sequence[int],
+        *,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        policy: str = "async",
+        k_max: int = DEFAULT_K_MAX,
+        verify_costs: PassCosts | None = None,
+        draft_costs: PassCosts | None = None,
+        ngram_max: int = DEFAULT_NGRAM_MAX,
+        ngram_min: int = DEFAULT_NGRAM_MIN,
+        draft_confidence: float = 0.0,
+        sync_timing: bool = False,
+    ) -> None:
+        if policy not in BATCH_POLICIES:
+            raise InvalidRequestError(f"policy must be one of {', '.join(BATCH_POLICIES)}, got {policy!r}.")
+        if kv_cache_tokens < block_size:
+            raise InvalidRequestError(f"kv_cache_tokens must be at least one block ({block_size}), got {kv_cache_tokens}.")
+        self.target, self.eos_token_ids, self.policy, self.k_max = target, frozenset(eos_token_ids), policy, k_max
+        num_blocks = kv_cache_tokens // block_size + 1  # + the reserved null block
+        self.target_cache = PagedKVCache(target.config, num_blocks, target.dtype, target.device, block_size)
+        self.drafter: BatchDraftModel | None = None
+        if draft is not None:
+            draft_cache = PagedKVCache(draft.config, num_blocks, draft.dtype, draft.device, block_size)
+            self.drafter = BatchDraftModel(draft, draft_cache, target.config.vocab_size)
+        self.scheduler = Scheduler(self.target_cache, self.drafter.cache if self.drafter else None, max_batch, k_max + 1)
+        self.chooser = BatchK(k_max, verify_costs, draft_costs)
+        self.ngram_sizes = (ngram_max, ngram_min)
+        self.draft_confidence = draft_confidence  # the draft model's per-row cut-off (batch_draft.DraftRow)
+        self.sync_timing = sync_timing
+        self._ids = itertools.count()
+        # Acceptance pooled over every request of a method: a new request starts from it (the
+        # model pair and the workload decide acceptance more than any one request does).
+        self._pooled_acceptance = {method: AcceptanceEstimate(decay=POOLED_ACCEPTANCE_DECAY) for method in BATCH_METHODS}
+        self._requests: dict[str, ScheduledSequence] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        method: str = "none",
+        k: int | None = None,
+        request_id: str | None = None,
+        stats: GenerationStats | None = None,
+    ) -> str:
+        """Queue a request; it joins the batch at a coming step. Returns its id. ``stats`` (a
+        fresh ``GenerationStats``) is filled as it decodes; one is made when not given."""
+        k = self.check_request(len(prompt_ids), params, method, k)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"A request with id {request_id!r} is already running.")
+        prompt_len = len(prompt_ids)
+        capacity = prompt_len + params.max_new_tokens
+        committed = torch.zeros(capacity + 1, dtype=torch.long, device=self.device)
+        committed[:prompt_len] = host_to_device(list(prompt_ids), torch.long, self.device)
+        processor = LogitsProcessor.from_params(params)
+        request = _Request(
+            request_id=request_id, params=params, method=method, k=k, processor=processor,
+            generator=None if processor.greedy else make_generator(params.seed, self.device),
+            tokens=list(prompt_ids), committed=committed,
+            stats=stats or GenerationStats(), started=time.perf_counter(),
+            ngram=NgramDrafter(*self.ngram_sizes) if method == "ngram" else None,
+        )
+        request.stats.method, request.stats.prompt_tokens = method, prompt_len
+        pooled = self._pooled_acceptance[method]
+        if pooled.trials > 0:
+            weight = min(1.0, POOLED_PRIOR_TRIALS / pooled.trials)
+            request.acceptance = AcceptanceEstimate(trials=pooled.trials * weight, accepted=pooled.accepted * weight)
+        if request.ngram is not None:
+            request.ngram.start(prompt_len, capacity)
+        seq = ScheduledSequence(next(self._ids), prompt_len, capacity, uses_draft=method == "draft", state=request)
+        self.scheduler.add(seq)
+        self._requests[request_id] = seq
+        return request_id
+
+    def check_request(self, prompt_len: int, params: SamplingParams, method: str, k: int | None) -> int:
+        """Raise InvalidRequestError for a request this engine cannot take; the k cap it would use.
+        Reads only fixed configuration, so any thread may call it before submitting."""
+        if method not in BATCH_METHODS:
+            raise InvalidRequestError(f"The batch engine decodes methods {', '.join(BATCH_METHODS)}; got {method!r}.")
+        if method == "draft" and self.drafter is None:
+            raise InvalidRequestError("This engine was built without a draft model; use method 'none' or 'ngram'.")
+        if prompt_len < 1:
+            raise InvalidRequestError("The prompt is empty.")
+        k = self.k_max if k is None else k
+        if method != "none" and not 1 <= k <= self.k_max:
+            raise InvalidRequestError(f"k must be in 1..{self.k_max} (the engine's k_max), got {k}.")
+        self.scheduler.check_fits(prompt_len + params.max_new_tokens, uses_draft=method == "draft")
+        return k
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request (between steps): its blocks go back to the pools at once."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        request: _Request = seq.state
+        request.stats.stop_reason = "cancelled"
+        self._finish(seq)
+        return RequestOutput(request_id, [], True, request.stats)
+
+    def abort_all(self, error: BaseException) -> list[RequestOutput]:
+        """Fail every request (after an error inside a step), leaving the pools empty."""
+        outputs = []
+        for request_id in list(self._requests):
+            output = self.abort(request_id)
+            if output is not None:
+                output.stats.stop_reason, output.error = "error", error
+                outputs.append(output)
+        return outputs
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def _finish(self, seq: ScheduledSequence) -> None:
+        request: _Request = seq.state
+        request.stats.total_seconds = time.perf_counter() - request.started
+        self.scheduler.finish(seq)
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
+        self._requests.pop(request.request_id, None)
+
+    # -- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Admit, draft, verify and commit once for the whole batch; what each request got."""
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted)
+        running = list(self.scheduler.running)
+        if not running:
+            return []
+        requests: list[_Request] = [seq.state for seq in running]
+        drafting = [seq for seq in running if self._may_draft(seq.state)]
+        plans = [self._plan_row(seq) for seq in drafting]
+        k = self.chooser.choose(plans, len(requests))
+        read_ahead = k > 0 and any(plan.backlog for plan in plans)
+        wanted = {seq.seq_id: 0 for seq in running}
+        wanted.update({seq.seq_id: min(k, self._max_draft(seq.state)) for seq in drafting})
+
+        def needs(seq: ScheduledSequence) -> tuple[int, int]:
+            request: _Request = seq.state
+            return len(request.tokens) + wanted[seq.seq_id], len(request.tokens) + wanted[seq.seq_id] - 1
+
+        for seq in self.scheduler.reserve(needs):
+            if self.drafter is not None:
+                self.drafter.forget(seq.seq_id)
+        running = list(self.scheduler.running)
+        if not running:
+            return []
+        draft_watch, verify_watch = Stopwatch(self.device, self.sync_timing), Stopwatch(self.device, self.sync_timing)
+        with draft_watch:
+            proposals, draft_passes, draft_rows = self._draft(running, wanted)
+        with verify_watch:
+            emitted = self._verify(running, proposals)
+        self.chooser.observe(
+            batch=len(proposals), width=1 + max(p.num_tokens for p in proposals), drafted=sum(p.num_tokens for p in proposals),
+            verify_seconds=verify_watch.elapsed, draft_rows=draft_rows,
+            # A step that read a backlog first says little about one draft pass: not learnt from.
+            draft_passes=0 if read_ahead else draft_passes, draft_seconds=draft_watch.elapsed,
+        )
+        return self._commit(running, proposals, emitted, draft_watch.elapsed, verify_watch.elapsed, draft_passes)
+
+    @staticmethod
+    def _may_draft(request: _Request) -> bool:
+        # A request's first token comes from a plain step: its time to first token never pays
+        # for a draft model reading the prompt, nor for a draft step priced on a guessed
+        # acceptance while requests sent with it are still arriving.
+        return request.method != "none" and request.stats.new_tokens > 0
+
+    def _plan_row(self, seq: ScheduledSequence) -> BatchRow:
+        request: _Request = seq.state
+        backlog = 0
+        if request.method == "draft":
+            assert self.drafter is not None
+            backlog = self.drafter.backlog(seq.seq_id, len(request.tokens))
+        return BatchRow(request.acceptance.rate, self._max_draft(request), request.method == "draft", backlog,
+                        observed=request.acceptance.trials >= MIN_OBSERVED_TRIALS, remaining=request.remaining,
+                        stops_early=request.method == "draft" and self.draft_confidence > 0)
+
+    def _max_draft(self, request: _Request) -> int:
+        # A step emits at most k + 1 tokens: never draft past max_new_tokens.
+        return max(0, min(request.k, request.remaining - 1))
+
+    def _prefill(self, seqs: list[ScheduledSequence]) -> None:
+        """Fill newly admitted (or readmitted) sequences' target caches with their committed tokens
+        but the last, which the first verify pass feeds: one padded pass for all of them. The draft
+        model reads them the first time a sequence drafts (``BatchDraftModel.add``)."""
+        started = time.perf_counter()
+        requests: list[_Request] = [seq.state for seq in seqs]
+        rows = [(seq, request) for seq, request in zip(seqs, requests, strict=True) if len(request.tokens) > 1]
+        if rows:
+            host_positions = [list(range(len(request.tokens) - 1)) for _, request in rows]
+            view, positions = self.target_cache.view([seq.seq_id for seq, _ in rows], host_positions,
+                                                     self.target.config.sliding_window)
+            tokens = stack_padded([request.committed[: len(request.tokens) - 1] for _, request in rows])
+            self.target(tokens, positions, view, view, compute_logits=False)
+        for seq, request in zip(seqs, requests, strict=True):
+            self.target_cache.commit(seq.seq_id, len(request.tokens) - 1)
+            request.stats.target_forward_passes += int(len(request.tokens) > 1)
+        for seq, request in zip(seqs, requests, strict=True):
+            if request.method == "draft":
+                assert self.drafter is not None
+                self.drafter.add(seq.seq_id)  # reads the prompt when it first drafts
+        elapsed = time.perf_counter() - started
+        for request in requests:
+            request.stats.prefill_seconds += elapsed
+
+    def _draft(
+        self, running: list[ScheduledSequence], wanted: dict[int, int]
+    ) -> tuple[list[DraftProposal], int, int]:
+        """Each row's proposal (possibly empty), the draft model's passes and rows per pass."""
+        empty = torch.empty((1, 0), dtype=torch.long, device=self.device)
+        proposals = [DraftProposal(tokens=empty, probs=None) for _ in running]
+        model_rows, model_index = [], []
+        for index, seq in enumerate(running):
+            request: _Request = seq.state
+            k = wanted[seq.seq_id]
+            if k == 0:
+                continue
+            if request.ngram is not None:
+                request.ngram.extend(request.tokens[len(request.ngram.history):])
+                match, _ = request.ngram.match(k)
+                if match:
+                    proposals[index] = DraftProposal(tokens=host_to_device([match], torch.long, self.device), probs=None)
+            elif request.method == "draft":
+                length = len(request.tokens)
+                model_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator,
+                                           self.draft_confidence))
+                model_index.append(index)
+        passes = 0
+        if model_rows:
+            assert self.drafter is not None
+            drafted, passes = self.drafter.propose(model_rows)
+            for index, proposal in zip(model_index, drafted, strict=True):
+                proposals[index] = proposal
+        return proposals, passes, len(model_rows)
+
+    def _verify(self, running: list[ScheduledSequence], proposals: list[DraftProposal]) -> list[list[int]]:
+        """One target pass over every row; each row's emitted tokens (accepted drafts + one)."""
+        inputs, host_positions = [], []
+        for seq, proposal in zip(running, proposals, strict=True):
+            request: _Request = seq.state
+            length = len(request.tokens)
+            inputs.append(torch.cat([request.committed[length - 1 : length], proposal.tokens[0]]))
+            host_positions.append(list(range(length - 1, length + proposal.num_tokens)))
+        view, positions = self.target_cache.view([seq.seq_id for seq in running], host_positions, self.target.config.sliding_window)
+        tokens = stack_padded(inputs)
+        logits = self.target(tokens, positions, view, view).logits  # (B, T, V)
+        rows = []
+        for b, (seq, proposal) in enumerate(zip(running, proposals, strict=True)):
+            request: _Request = seq.state
+            k = proposal.num_tokens
+            row_logits = logits[b : b + 1, : k + 1]
+            if request.processor.greedy:
+                result = greedy_verify(proposal.tokens, row_logits)
+            else:
+                result = rejection_verify(proposal.tokens, proposal.probs, request.processor.probs(row_logits), request.generator)
+            rows.append(result.tokens[0])
+        emitted = stack_padded(rows, PAD_TOKEN).tolist()  # the one host read of the step
+        return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in emitted]
+
+    def _commit(
+        self,
+        running: list[ScheduledSequence],
+        proposals: list[DraftProposal],
+        emitted: list[list[int]],
+        draft_seconds: float,
+        verify_seconds: float,
+        draft_passes: int,
+    ) -> list[RequestOutput]:
+        accepted = [len(row) - 1 for row in emitted]
+        if self.policy == "sync":
+            drafted = [a for a, p in zip(accepted, proposals, strict=True) if p.num_tokens > 0]
+            if drafted:
+                slowest = min(drafted)
+                accepted = [min(a, slowest) for a in accepted]
+                emitted = [row[: a + 1] for row, a in zip(emitted, accepted, strict=True)]
+        outputs = []
+        for seq, proposal, row, accepted_len in zip(running, proposals, emitted, accepted, strict=True):
+            request: _Request = seq.state
+            stats = request.stats
+            stats.draft_seconds += draft_seconds
+            stats.verify_seconds += verify_seconds
+            if request.method == "draft":
+                stats.draft_forward_passes += draft_passes
+            stats.record_step(proposal.num_tokens, accepted_len)
+            if proposal.num_tokens > 0:
+                request.acceptance.observe(proposal.num_tokens, accepted_len)
+                self._pooled_acceptance[request.method].observe(proposal.num_tokens, accepted_len)
+            new_tokens, stop_reason = cut_at_stop(row, request.remaining, self.eos_token_ids, request.params.ignore_eos)
+            count = len(new_tokens)
+            length = len(request.tokens)
+            request.committed[length : length + count] = host_to_device(new_tokens, torch.long, self.device)
+            request.tokens.extend(new_tokens)
+            seq.num_tokens = len(request.tokens)
+            self.target_cache.commit(seq.seq_id, length + min(accepted_len, count - 1))
+            if request.method == "draft" and proposal.num_tokens > 0:
+                assert self.drafter is not None
+                self.drafter.on_verified(seq.seq_id, accepted_len)
+            stats.new_tokens += count
+            stats.stop_reason = stop_reason or "running"
+            if stop_reason:
+                self._finish(seq)
+            outputs.append(RequestOutput(request.request_id, new_tokens, bool(stop_reason), stats))
+        return outputs
+
+    # -- convenience -------------------------------------------------------------------------
+    def run(self) -> dict[str, list[int]]:
+        """Step until every queued request is done; each request's new tokens by id."""
+        generated: dict[str, list[int]] = {}
+        while self.has_unfinished:
+            for output in self.step():
+                generated.setdefault(output.request_id, []).extend(output.new_tokens)
+        return generated

@@ -1,0 +1,76 @@
+"""Logits to probabilities and tokens.
+
+The same ``LogitsProcessor`` is applied to the target's and the draft's logits: rejection
+sampling is lossless only if p and q are the distributions the two models would actually
+sample from, after temperature, top-k and top-p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.config import SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class LogitsProcessor:
+    temperature: float
+    top_k: int
+    top_p: float
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> LogitsProcessor:
+        return cls(params.temperature, params.top_k, params.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:  # (..., V) -> (..., V) float32
+        """Sampling distribution: temperature, then top-k, then top-p (nucleus), as HF orders them."""
+        if self.greedy:
+            raise ValueError("greedy decoding has no sampling distribution; use argmax")
+        scaled = logits.float() / self.temperature
+        vocab = scaled.shape[-1]
+        if 0 < self.top_k < vocab:
+            kth = torch.topk(scaled, self.top_k, dim=-1).values[..., -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+            sorted_probs = sorted_logits.softmax(-1)
+            # Drop a token when the tokens ranked above it already hold top_p of the mass;
+            # the most likely token always survives.
+            mass_before = sorted_probs.cumsum(-1) - sorted_probs
+            drop_sorted = mass_before >= self.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            scaled = scaled.masked_fill(drop, float("-inf"))
+        return scaled.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs (N, V) -> (N,) long."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def draw(
+    logits: torch.Tensor,  # (N, V)
+    processor: LogitsProcessor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's next token (N,) and the distribution q (N, V) it was drawn from; greedy: the
+    argmax and None (a deterministic draft)."""
+    if processor.greedy:
+        return logits.argmax(dim=-1), None
+    q = processor.probs(logits)
+    return sample(q, generator), q
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

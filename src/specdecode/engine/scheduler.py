@@ -1,0 +1,142 @@
+"""Continuous batching: which requests decode in the next step, and room for them in the KV pools.
+
+Requests wait in arrival order and join the running batch between steps while the batch has
+room (``max_batch``) and the KV pools have free blocks for the request's committed tokens plus
+one step of drafting. First come, first served: a request that does not fit holds back the ones
+behind it, so a long prompt is not starved by short ones.
+
+Before each step every running sequence reserves the slots the step will write (target and
+draft pools). When the pool runs dry, the most recently admitted sequence is *preempted*: its
+blocks go back to the pool and it returns to the front of the queue, keeping the tokens it has
+committed; when readmitted it is prefilled again from them (recomputation), so its output is
+the same as if it had never been interrupted. A request that could not fit even in an empty
+pool is refused when it is added, never mid-flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode.errors import InvalidRequestError
+from specdecode.kv.paged import OutOfBlocks, PagedKVCache, blocks_for
+
+
+@dataclass(slots=True, eq=False)
+class ScheduledSequence:
+    """What the scheduler needs to know about one request; the engine keeps the rest in ``state``."""
+
+    seq_id: int
+    num_tokens: int  # committed tokens (prompt + output so far)
+    max_tokens: int  # the most committed tokens it can reach (prompt + max_new_tokens)
+    uses_draft: bool  # keeps a sequence in the draft model's pool
+    state: Any = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        target_cache: PagedKVCache,
+        draft_cache: PagedKVCache | None,
+        max_batch: int,
+        step_lookahead: int,
+    ) -> None:
+        if max_batch < 1:
+            raise InvalidRequestError(f"max_batch must be >= 1, got {max_batch}.")
+        self.target_cache = target_cache
+        self.draft_cache = draft_cache
+        self.max_batch = max_batch
+        # Slots past the committed tokens one step may write: the verify pass's k + 1 rows.
+        self.step_lookahead = step_lookahead
+        self.waiting: deque[ScheduledSequence] = deque()
+        self.running: list[ScheduledSequence] = []
+        self.preemptions = 0
+
+    def _pools(self, seq: ScheduledSequence) -> list[PagedKVCache]:
+        pools = [self.target_cache]
+        if seq.uses_draft:
+            if self.draft_cache is None:
+                raise InvalidRequestError("This engine has no draft model.")
+            pools.append(self.draft_cache)
+        return pools
+
+    def add(self, seq: ScheduledSequence) -> None:
+        """Queue a request; refuse one that could not fit in an empty pool."""
+        self.check_fits(seq.max_tokens, seq.uses_draft)
+        self.waiting.append(seq)
+
+    def check_fits(self, max_tokens: int, uses_draft: bool) -> None:
+        """Raise InvalidRequestError unless a sequence of ``max_tokens`` fits in an empty pool."""
+        need = max_tokens + self.step_lookahead
+        pools = [self.target_cache] + ([self.draft_cache] if uses_draft and self.draft_cache is not None else [])
+        for pool in pools:
+            if blocks_for(need, pool.block_size) > pool.usable_blocks:
+                raise InvalidRequestError(
+                    f"The request needs up to {need} KV slots but the cache holds "
+                    f"{pool.usable_blocks * pool.block_size}; lower max_tokens or start the engine with a "
+                    "larger KV cache (--kv-cache-tokens)."
+                )
+
+    def admit(self) -> list[ScheduledSequence]:
+        """Move waiting requests into the batch while they fit; returns the ones admitted now."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            need = seq.num_tokens + self.step_lookahead
+            if any(pool.blocks_needed(None, need) > pool.free_blocks for pool in self._pools(seq)):
+                break
+            self.waiting.popleft()
+            for pool in self._pools(seq):  # reserved now, so the next request sees what is left
+                pool.add(seq.seq_id)
+                pool.reserve(seq.seq_id, need)
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def reserve(
+        self,
+        needs: Callable[[ScheduledSequence], tuple[int, int]],
+    ) -> list[ScheduledSequence]:
+        """Reserve each running sequence's slots for the step: ``needs(seq)`` gives (target, draft)
+        slot counts. Preempts the youngest sequences when blocks run out; returns the preempted."""
+        preempted: list[ScheduledSequence] = []
+        index = 0
+        while index < len(self.running):
+            seq = self.running[index]
+            target_slots, draft_slots = needs(seq)
+            try:
+                self.target_cache.reserve(seq.seq_id, target_slots)
+                if seq.uses_draft and draft_slots > 0:
+                    assert self.draft_cache is not None
+                    self.draft_cache.reserve(seq.seq_id, draft_slots)
+            except OutOfBlocks:
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted.append(victim)
+                continue  # retry this sequence (or stop, if it was the victim)
+            index += 1
+        return preempted
+
+    def preempt(self, seq: ScheduledSequence) -> None:
+        """Free the sequence's blocks and queue it first, to be recomputed from its tokens."""
+        self._release(seq)
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: ScheduledSequence) -> None:
+        """The request ended (done, cancelled or failed): return its blocks, forget it."""
+        if seq in self.running:
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _release(self, seq: ScheduledSequence) -> None:
+        self.running.remove(seq)
+        for pool in self._pools(seq):
+            pool.free(seq.seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

@@ -1,0 +1,281 @@
+"""The decoding loop: prefill -> (draft -> verify -> commit)* for one request.
+
+The engine owns the target's sequence on its backend (``backends/base.py``: the KV cache
+behind ``begin``/``extend``/``commit``) and the committed token buffer. Plain decoding is
+the same loop with zero drafted tokens per step: the target scores the last committed token
+alone and "verification" picks its next token, so both paths share every line that matters
+for equality.
+
+Invariant between steps: the committed sequence has length L; the target cache holds valid
+K/V for positions [0, L - 1); the last committed token is fed by the next verify pass
+together with the draft tokens, at positions L - 1 .. L - 1 + k.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.backends.base import SequenceModel
+from specdecode.backends.device import host_to_device
+from specdecode.backends.torch_backend import TorchSequence
+from specdecode.config import ACCEPTANCE_RULES, SamplingParams
+from specdecode.costs.k_policy import KSchedule, interpolate
+from specdecode.costs.timing import VERIFY_COST_REPEATS
+from specdecode.drafters.base import Drafter, TreeDrafter, is_tree_drafter
+from specdecode.engine.metrics import GenerationStats, Stopwatch
+from specdecode.engine.sampling import LogitsProcessor, make_generator
+from specdecode.engine.stopping import cut_at_stop
+from specdecode.engine.tree import tree_view
+from specdecode.engine.verify import (
+    PAD_TOKEN,
+    greedy_tree_verify,
+    greedy_verify,
+    rejection_tree_verify,
+    rejection_verify,
+    typical_tree_verify,
+)
+from specdecode.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One draft-and-verify step, as the decoding loop needs it."""
+
+    tokens: list[int]  # the accepted + 1 emitted tokens (host)
+    device_tokens: torch.Tensor  # (>= accepted + 1,) long: the same, on the device
+    accepted: int
+    proposed: int  # drafted tokens (a tree: its depth, the most it could have accepted)
+    draft_seconds: float
+    verify_seconds: float
+    draft_passes: int = 0
+    nodes: int = 0  # drafted tree nodes (tree methods)
+
+
+class SpecEngine:
+    def __init__(self, target: SequenceModel, eos_token_ids: Sequence[int], *, sync_timing: bool = False) -> None:
+        self.target = target
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sync_timing = sync_timing
+        self._verify_costs: dict[int, list[float]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def verify_costs(self, max_rows: int, repeats: int = VERIFY_COST_REPEATS) -> list[float]:
+        """Seconds of a target pass over 1..max_rows rows on this machine (best of ``repeats``).
+
+        Measured once per engine on a scratch sequence at a short context, for the cost-aware
+        draft length (``costs.k_policy.CostAwareK``) and the auto method; cached per ``max_rows``.
+        """
+        if max_rows in self._verify_costs:
+            return list(self._verify_costs[max_rows])
+        # Time a few row counts and interpolate the rest: each timing costs full target passes.
+        probed = sorted({1, 2, 3, 4, (max_rows + 1) // 2 + 1, max_rows} & set(range(1, max_rows + 1)))
+        measured = self.target.pass_seconds(probed, repeats)
+        costs = [interpolate(measured, rows) for rows in range(1, max_rows + 1)]
+        self._verify_costs[max_rows] = costs
+        return list(costs)
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        drafter: Drafter | TreeDrafter | None,
+        k: int,
+        stats: GenerationStats,
+        schedule: KSchedule | None = None,
+        acceptance: str = "lossless",
+    ) -> Iterator[list[int]]:
+        """Yield the newly committed tokens after each step; fill ``stats`` as it goes.
+
+        ``k`` is the most tokens drafted per step; ``k`` = 0 (or no drafter) is plain
+        autoregressive decoding. A drafter may propose fewer tokens than asked, even none: that
+        step decodes plainly. ``schedule`` (``costs/k_policy.py``) chooses the draft length per
+        step instead, up to ``k``. A tree drafter (``drafters.base.TreeDrafter``) proposes a
+        token tree each step instead (the torch backend only); ``acceptance="typical"``
+        verifies its trees with Medusa's lossy typical acceptance. Closing the iterator early
+        (a stop string) still leaves ``stats`` complete.
+        """
+        started = time.perf_counter()
+        device = self.device
+        prompt_len = len(prompt_ids)
+        max_new = params.max_new_tokens
+        speculate = drafter is not None and k > 0
+        tree_mode = speculate and is_tree_drafter(drafter)
+        if acceptance not in ACCEPTANCE_RULES:
+            raise InvalidRequestError(f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {acceptance!r}.")
+        if acceptance == "typical" and not tree_mode:
+            raise InvalidRequestError("Typical acceptance applies to the tree methods (medusa, eagle) only.")
+        if tree_mode and not isinstance(self.target, TorchSequence):
+            raise InvalidRequestError("Token trees need tree attention, which only the torch backend has.")
+        capacity = prompt_len + max_new + 1
+        # A tree pass writes all its nodes past the committed length before keeping one path.
+        self.target.begin(capacity + (drafter.max_tree_nodes if tree_mode else 0))
+        processor = LogitsProcessor.from_params(params)
+        generator = None if processor.greedy else make_generator(params.seed, device)
+        committed = torch.empty((1, capacity), dtype=torch.long, device=device)
+        committed[0, :prompt_len] = host_to_device(list(prompt_ids), torch.long, device)
+        stats.prompt_tokens = prompt_len
+        watches = (Stopwatch(device, self.sync_timing), Stopwatch(device, self.sync_timing))
+        step = self._stepper(drafter if speculate else None, k, schedule, tree_mode, committed, processor, generator,
+                             acceptance, watches)
+        on_committed = getattr(drafter, "on_committed", None) if speculate else None
+        try:
+            # Prefill all but the last prompt token; the first verify pass feeds that one with
+            # the first draft, so even the first new token can be speculated.
+            with Stopwatch(device, self.sync_timing) as prefill_watch:
+                if speculate:
+                    drafter.start(prompt_len, capacity, self.target)
+                if on_committed is not None:
+                    on_committed(list(prompt_ids))
+                if prompt_len > 1:
+                    out = self.target.extend(committed[:, : prompt_len - 1], 0, compute_logits=False)
+                    stats.target_forward_passes += 1
+                    if tree_mode:
+                        drafter.observe(out.hidden, 0)
+                self.target.commit(prompt_len - 1)
+            stats.prefill_seconds = prefill_watch.elapsed
+
+            length = prompt_len
+            while True:
+                remaining = max_new - stats.new_tokens
+                result = step(length, remaining)
+                stats.draft_seconds += result.draft_seconds
+                stats.verify_seconds += result.verify_seconds
+                stats.draft_forward_passes += result.draft_passes
+                stats.tree_nodes_proposed += result.nodes
+                stats.record_step(result.proposed, result.accepted)
+
+                new_tokens, stop_reason = cut_at_stop(result.tokens, remaining, self.eos_token_ids, params.ignore_eos)
+                count = len(new_tokens)
+                committed[0, length : length + count] = result.device_tokens[:count]
+                # K/V of the previously last token and of the accepted drafts are now valid.
+                self.target.commit(length + min(result.accepted, count - 1))
+                length += count
+                stats.new_tokens += count
+                if on_committed is not None:
+                    on_committed(new_tokens)
+                stats.stop_reason = stop_reason or "running"
+                yield new_tokens
+                if stop_reason:
+                    break
+        finally:
+            stats.total_seconds = time.perf_counter() - started
+
+    def _stepper(
+        self,
+        drafter: Drafter | TreeDrafter | None,
+        k: int,
+        schedule: KSchedule | None,
+        tree_mode: bool,
+        committed: torch.Tensor,  # (1, capacity) long
+        processor: LogitsProcessor,
+        generator: torch.Generator | None,
+        acceptance: str,
+        watches: tuple[Stopwatch, Stopwatch],
+    ) -> Callable[[int, int], StepResult]:
+        """The step function for this request, chosen once: ``step(length, remaining)`` drafts,
+        verifies and returns what the step emitted (plain, a chain of drafts, or a token tree)."""
+        if drafter is None:
+            return lambda length, remaining: self._chain_step(None, committed, length, 0, processor, generator, watches)
+        if tree_mode:
+            return lambda length, remaining: self._tree_step(
+                drafter, committed, length, remaining - 1, processor, generator, acceptance, watches
+            )
+
+        def chain(length: int, remaining: int) -> StepResult:
+            # Never draft past max_new_tokens: a step emits at most k + 1 tokens.
+            step_k = min(schedule.next_k() if schedule is not None else k, k, remaining - 1)
+            result = self._chain_step(drafter, committed, length, step_k, processor, generator, watches)
+            if result.proposed > 0:
+                drafter.on_verified(result.accepted)
+            if schedule is not None:
+                schedule.observe(result.proposed, result.accepted, result.draft_seconds, result.draft_passes,
+                                 result.verify_seconds)
+            return result
+
+        return chain
+
+    def _chain_step(
+        self,
+        drafter: Drafter | None,
+        committed: torch.Tensor,  # (1, capacity) long
+        length: int,
+        k: int,
+        processor: LogitsProcessor,
+        generator: torch.Generator | None,
+        watches: tuple[Stopwatch, Stopwatch],
+    ) -> StepResult:
+        """Draft up to k tokens in a line, verify them in one target pass."""
+        draft_watch, verify_watch = watches
+        device = self.device
+        draft_seconds, draft_passes = 0.0, 0
+        draft_tokens = torch.empty((1, 0), dtype=torch.long, device=device)
+        draft_probs = None
+        if k > 0:
+            assert drafter is not None
+            with draft_watch:
+                proposal = drafter.propose(committed[:, :length], k, processor, generator)
+            draft_seconds, draft_passes = draft_watch.elapsed, proposal.forward_passes
+            draft_tokens, draft_probs = proposal.tokens, proposal.probs
+            k = proposal.num_tokens
+        with verify_watch:
+            inputs = torch.cat([committed[:, length - 1 : length], draft_tokens], dim=1)
+            logits = self.target.extend(inputs, length - 1).logits  # (1, k + 1, V)
+            if processor.greedy:
+                result = greedy_verify(draft_tokens, logits)
+            else:
+                result = rejection_verify(draft_tokens, draft_probs, processor.probs(logits), generator)
+            emitted_row = result.tokens[0].tolist()  # the one host sync of the step
+        # Read the accepted count off the same row: a second tensor read would be a second sync.
+        emitted_count = emitted_row.index(PAD_TOKEN) if PAD_TOKEN in emitted_row else len(emitted_row)
+        return StepResult(
+            tokens=emitted_row[:emitted_count], device_tokens=result.tokens[0], accepted=emitted_count - 1,
+            proposed=k, draft_seconds=draft_seconds, verify_seconds=verify_watch.elapsed, draft_passes=draft_passes,
+        )
+
+    def _tree_step(
+        self,
+        drafter: TreeDrafter,
+        committed: torch.Tensor,  # (1, capacity) long
+        length: int,
+        max_depth: int,
+        processor: LogitsProcessor,
+        generator: torch.Generator | None,
+        acceptance: str,
+        watches: tuple[Stopwatch, Stopwatch],
+    ) -> StepResult:
+        """Draft a token tree, score every node in one target pass, keep the accepted path."""
+        draft_watch, verify_watch = watches
+        device = self.device
+        with draft_watch:
+            # Never draft past max_new_tokens: a path of depth d emits d + 1 tokens.
+            tree = drafter.propose_tree(committed[:, :length], max_depth, processor, generator)
+        start = length - 1  # the root's slot and position
+        target = self.target
+        assert isinstance(target, TorchSequence) and target.cache is not None  # checked in decode()
+        with verify_watch:
+            positions = tree.positions(start, device)
+            view = tree_view(tree, start, device, target.model.config.sliding_window)
+            out = target.model(tree.tokens[None], positions, target.cache, view, contiguous_start=start)
+            logits = out.logits[0]  # (N, V)
+            if processor.greedy:
+                result = greedy_tree_verify(tree, logits)
+            elif acceptance == "typical":
+                result = typical_tree_verify(tree, processor.probs(logits), generator)
+            else:
+                result = rejection_tree_verify(tree, processor.probs(logits), generator)
+            target.cache.keep_path(0, start, result.path)
+            # Index with a device tensor: a Python list index is copied from pageable memory (a sync).
+            drafter.observe(out.hidden[:, host_to_device(result.path, torch.long, device)], start)
+        return StepResult(
+            tokens=result.tokens, device_tokens=host_to_device(result.tokens, torch.long, device),
+            accepted=len(result.path) - 1, proposed=tree.max_depth, nodes=tree.size - 1,
+            draft_seconds=draft_watch.elapsed, verify_seconds=verify_watch.elapsed, draft_passes=drafter.last_forward_passes,
+        )

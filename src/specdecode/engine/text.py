@@ -1,0 +1,114 @@
+"""Tokenizer-side helpers: prompts, end-of-generation tokens, incremental detokenisation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from specdecode.errors import InvalidRequestError, TokenizerMismatchError
+
+# Special tokens that end a turn in the families we support. Checkpoints' generation configs
+# list them too; a GGUF carries only one eos id, so we add those present in the vocabulary.
+END_OF_GENERATION_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+
+Messages = list[dict[str, str]]
+
+
+def eos_token_ids(tokenizer: Any, model_folder: Path, config_eos: Sequence[int]) -> list[int]:
+    ids: set[int] = set(config_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_cfg = model_folder / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    vocab = tokenizer.get_vocab()
+    special = set(getattr(tokenizer, "all_special_tokens", []) or []) | set(
+        str(t) for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()
+    )
+    for token in END_OF_GENERATION_TOKENS:
+        if token in vocab and token in special:
+            ids.add(vocab[token])
+    return sorted(ids)
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Messages, chat: bool) -> list[int]:
+    """Token ids for a raw prompt, or for a chat (a string is one user message)."""
+    if isinstance(prompt, list):
+        chat = True
+    if not chat:
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequestError("The prompt is empty.")
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("This model's tokenizer has no chat template; drop --chat.")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_same_tokenizer(target_tok: Any, draft_tok: Any, target_name: str, draft_name: str) -> None:
+    """Raise unless both tokenizers map the same strings to the same ids.
+
+    Model vocabularies (embedding rows) may still differ by padding rows; that is handled
+    where logits meet.
+    """
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = [t for t in target_vocab if draft_vocab.get(t) != target_vocab[t]][:3]
+    differing += [t for t in draft_vocab if t not in target_vocab][: 3 - len(differing)]
+    raise TokenizerMismatchError(
+        f"The target ({target_name}) and the draft ({draft_name}) use different tokenizers "
+        f"({len(target_vocab)} vs {len(draft_vocab)} tokens; e.g. {differing!r} differ). "
+        "Speculative decoding needs a draft from the same model family."
+    )
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas for streaming.
+
+    Decodes the whole output each time (cheap for chat-length outputs, and always right for
+    byte-level BPE), holds back an incomplete UTF-8 character, and holds back any tail that
+    could be the start of a stop string so that a stop string is never half-printed.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.token_ids: list[int] = []
+        self.text = ""  # full text so far, stop-truncated when stopped
+        self.emitted = 0
+        self.stopped = False
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append tokens; return the text that may be shown now."""
+        self.token_ids.extend(new_ids)
+        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        safe_end = len(self.text)
+        if self.text.endswith("\ufffd"):
+            safe_end = len(self.text.rstrip("\ufffd"))
+        for stop in self.stop:
+            found = self.text.find(stop, max(0, self.emitted - len(stop)))
+            if found != -1:
+                self.text = self.text[:found]
+                self.stopped = True
+                safe_end = found
+                break
+        if not self.stopped:
+            for stop in self.stop:
+                for size in range(min(len(stop) - 1, safe_end), 0, -1):
+                    if self.text[:safe_end].endswith(stop[:size]):
+                        safe_end = min(safe_end, safe_end - size)
+                        break
+        delta = self.text[self.emitted : safe_end] if safe_end > self.emitted else ""
+        self.emitted = max(self.emitted, safe_end)
+        return delta
+
+    def flush(self) -> str:
+        """Everything not yet shown, at the end of generation."""
+        delta = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return delta

@@ -1,0 +1,259 @@
+"""Verification of drafted tokens: pure functions, no model or cache in sight.
+
+Terms (for one sequence with k drafted tokens d_1..d_k and target rows p_0..p_k, where row
+p_i is the target's distribution for the token after d_1..d_i):
+
+- accepted tokens: the longest prefix d_1..d_n that the acceptance rule keeps (0 <= n <= k);
+- recovered token: when n < k, the token emitted in place of the rejected d_{n+1}, drawn
+  from the residual norm(max(0, p_n - q_n)) (greedy: the target's argmax at row n);
+- bonus token: when n == k, one more token drawn from the last row p_k for free.
+
+Each step therefore emits n + 1 tokens. ``VerifyResult.tokens`` row b holds them in its first
+``accepted_len[b] + 1`` entries; the rest is padding (-1).
+
+With rejection sampling (accept d_i with probability min(1, p(d_i) / q(d_i))) the emitted
+tokens are distributed exactly as if sampled from the target alone. A deterministic drafter
+(n-gram lookup) has a one-hot q: acceptance becomes p(d_i), and the residual is p with d_i
+removed, renormalised.
+
+Trees (``TokenTree``, batch size 1): node i's target row is p_i, the distribution after the
+path root..i. The accepted tokens are a root-to-node path, and the recovered/bonus token
+follows its deepest node. ``rejection_tree_verify`` is recursive rejection sampling over each
+node's children (SpecInfer), lossless like the chain rule; ``typical_tree_verify`` is Medusa's
+typical acceptance, which is lossy and only for callers that opt in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.backends.device import host_to_device
+from specdecode.engine.tree import ROOT, TokenTree
+
+PAD_TOKEN = -1
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    accepted_len: torch.Tensor  # (B,) long: number of draft tokens accepted
+    tokens: torch.Tensor  # (B, k + 1) long: accepted drafts, then the recovered/bonus token, then PAD
+
+
+def _accepted_prefix_len(accepted: torch.Tensor) -> torch.Tensor:  # (B, k) bool -> (B,) long
+    return accepted.long().cumprod(dim=1).sum(dim=1)
+
+
+def _emit(draft_tokens: torch.Tensor, accepted_len: torch.Tensor, final_token: torch.Tensor) -> torch.Tensor:
+    """Assemble (B, k+1) outputs: drafts[:n], final token at n, PAD after."""
+    batch, k = draft_tokens.shape
+    index = torch.arange(k + 1, device=draft_tokens.device)[None, :]
+    padded = torch.cat([draft_tokens, draft_tokens.new_full((batch, 1), PAD_TOKEN)], dim=1)
+    out = torch.where(index < accepted_len[:, None], padded, PAD_TOKEN)
+    return out.scatter(1, accepted_len[:, None], final_token[:, None])
+
+
+def greedy_verify(
+    draft_tokens: torch.Tensor,  # (B, k) long
+    target_logits: torch.Tensor,  # (B, k + 1, V)
+) -> VerifyResult:
+    """Accept the longest prefix equal to the target's argmax, then emit the target's own token."""
+    target_argmax = target_logits.argmax(dim=-1)  # (B, k + 1)
+    k = draft_tokens.shape[1]
+    accepted_len = _accepted_prefix_len(draft_tokens == target_argmax[:, :k])
+    final = target_argmax.gather(1, accepted_len[:, None]).squeeze(1)
+    return VerifyResult(accepted_len, _emit(draft_tokens, accepted_len, final))
+
+
+def rejection_verify(
+    draft_tokens: torch.Tensor,  # (B, k) long
+    draft_probs: torch.Tensor | None,  # (B, k, V) float, or None for a deterministic (one-hot) draft
+    target_probs: torch.Tensor,  # (B, k + 1, V) float
+    generator: torch.Generator | None,
+) -> VerifyResult:
+    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023)."""
+    batch, k = draft_tokens.shape
+    device = target_probs.device
+    p_draft = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)  # (B, k)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)
+    uniform = torch.rand((batch, k), generator=generator, device=device, dtype=p_draft.dtype)
+    # u < p/q written without the division, so q == 0 (impossible for a sampled token, but
+    # cheap to guard) rejects rather than producing NaN.
+    accepted_len = _accepted_prefix_len(uniform * q_draft < p_draft)
+
+    rows = torch.arange(batch, device=device)
+    p_row = target_probs[rows, accepted_len]  # (B, V): p_n
+    # q_n, or zeros for the bonus row (n == k), which turns the residual into p_k itself.
+    rejected = accepted_len < k
+    capped = accepted_len.clamp(max=max(k - 1, 0))
+    if k == 0:
+        q_row = torch.zeros_like(p_row)
+    elif draft_probs is None:
+        rejected_token = draft_tokens[rows, capped]
+        q_row = torch.zeros_like(p_row).scatter(1, rejected_token[:, None], 1.0)
+    else:
+        q_row = draft_probs[rows, capped]
+    q_row = q_row * rejected[:, None]
+    residual = (p_row - q_row).clamp_min(0.0)
+    mass = residual.sum(-1, keepdim=True)
+    # A zero residual only arises from rounding when p == q; fall back to p then.
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)
+    final = torch.multinomial(residual, 1, generator=generator).squeeze(1)
+    return VerifyResult(accepted_len, _emit(draft_tokens, accepted_len, final))
+
+
+# --- token trees (batch size 1) ----------------------------------------------------------
+
+DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Medusa's defaults for typical acceptance
+DEFAULT_POSTERIOR_ALPHA = 0.3
+
+
+@dataclass(slots=True)
+class TreeVerifyResult:
+    path: list[int]  # accepted nodes, root first (host): [0, a1, ..., an]
+    tokens: list[int]  # the n + 1 emitted tokens (host): tokens of a1..an, then the recovered/bonus token
+
+    @property
+    def accepted_len(self) -> int:
+        return len(self.path) - 1
+
+
+def _parent_rows(tree: TokenTree, device: torch.device) -> torch.Tensor:  # -> (N,) long
+    """Row of each node's parent; the root points at itself (its row is never judged)."""
+    return host_to_device([ROOT, *tree.parents[1:]], torch.long, device)
+
+
+def _deepest_accepted(
+    tree: TokenTree,
+    acceptable: torch.Tensor,  # (N,) bool: node i passes its own test (the root's entry is ignored)
+) -> torch.Tensor:  # () long
+    """The deepest node whose whole path passes, ties to the lowest index; stays on the device."""
+    size = tree.size
+    device = acceptable.device
+    index = torch.arange(size, device=device)
+    # Not ``acceptable[ROOT] = True``: writing a Python scalar into a GPU tensor waits for the GPU.
+    acceptable = acceptable | (index == ROOT)
+    ancestors = tree.ancestor_mask(device)  # (N, N)
+    path_ok = (acceptable[None, :] | ~ancestors).all(dim=1)
+    depth = host_to_device(tree.depths, torch.long, device)
+    # One integer key (deeper first, then lower index) so a single argmax decides both.
+    key = torch.where(path_ok, depth * size + (size - 1 - index), -1)
+    return key.argmax()
+
+
+def _tree_result(tree: TokenTree, best: int, node_tokens: list[int], final: int) -> TreeVerifyResult:
+    path = tree.path_to(best)
+    return TreeVerifyResult(path, [node_tokens[node] for node in path[1:]] + [final])
+
+
+def greedy_tree_verify(
+    tree: TokenTree,
+    target_logits: torch.Tensor,  # (N, V): row i = the target's logits after the path root..i
+) -> TreeVerifyResult:
+    """Accept the deepest path whose every token is the target's argmax at its parent.
+
+    Node i matches when tokens[i] == argmax(target_logits[parents[i]]); among the nodes whose
+    path matches throughout, the deepest wins (ties: the lowest index), and the target's
+    argmax at that node follows it. One device-to-host transfer in all.
+    """
+    target_argmax = target_logits.argmax(dim=-1)  # (N,)
+    matches = tree.tokens == target_argmax[_parent_rows(tree, target_logits.device)]
+    best = _deepest_accepted(tree, matches).view(1)  # (1,): a 0-dim index would sync via .item()
+    host = torch.cat([best, target_argmax[best], tree.tokens]).tolist()
+    return _tree_result(tree, host[0], host[2:], host[1])
+
+
+def _normalised(
+    residual: torch.Tensor,  # (V,) float, non-negative
+    fallback: torch.Tensor,  # (V,) float
+) -> torch.Tensor:  # (V,)
+    mass = residual.sum()
+    # Zero mass only arises from rounding (an exact residual of a rejection is never empty);
+    # fall back to the node's target row then, as rejection_verify does. No host sync.
+    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), fallback)
+
+
+def rejection_tree_verify(
+    tree: TokenTree,
+    target_probs: torch.Tensor,  # (N, V) float: row i = the target's sampling distribution after root..i
+    generator: torch.Generator | None,
+) -> TreeVerifyResult:
+    """Lossless recursive rejection sampling over a token tree (SpecInfer, Miao et al. 2024).
+
+    At a node with residual r (initially its target row) the children are tried in node
+    order. A sampled child c, drawn from q = draft_probs[node], is accepted with probability
+    min(1, r(c) / q(c)), else r becomes norm(max(0, r - q)); a deterministic child (one-hot q)
+    is accepted with probability r(c), else r loses c and is renormalised. Each try is one
+    speculative-sampling step whose output is distributed as r, so by induction the emitted
+    token after every accepted node follows its target row. An accepted child becomes the
+    node; when every child is rejected (or at a leaf) the final token is drawn from r.
+
+    Siblings sampled independently (with replacement) from the same q keep this exact.
+    A sampled child with q(c) == 0 cannot come from q; the test ``u * q < r`` then accepts it
+    exactly when r(c) > 0 (the limit of the ratio) without dividing by zero.
+
+    Cost: one transfer up front (every child's first-try p and q and one uniform per node),
+    then one host sync per child tried after a sibling's rejection and one for the final draw.
+    """
+    device = target_probs.device
+    children = tree.children()
+    parent_rows = _parent_rows(tree, device)
+    # A child's first try sees its parent's untouched target row: gather all of those at once.
+    first_p = target_probs[parent_rows, tree.tokens]  # (N,)
+    first_q = first_p.new_ones(tree.size) if tree.draft_probs is None else tree.draft_probs[parent_rows, tree.tokens]
+    uniforms = torch.rand(tree.size, generator=generator, device=device, dtype=first_p.dtype)
+    first_p_host, first_q_host, uniforms_host = torch.stack([first_p, first_q.to(first_p.dtype), uniforms]).tolist()
+    node_tokens = tree.tokens.tolist()
+
+    node = ROOT
+    residual: torch.Tensor | None = None  # None: the node's target row, untouched so far
+    while True:
+        for child in children[node]:
+            token = node_tokens[child]
+            r_child = first_p_host[child] if residual is None else residual[token].item()
+            q_child = first_q_host[child] if tree.sampled[child] else 1.0  # deterministic: one-hot q
+            if uniforms_host[child] * q_child < r_child:
+                node, residual = child, None
+                break
+            base = target_probs[node] if residual is None else residual
+            if tree.sampled[child]:
+                rest = (base - tree.draft_probs[node]).clamp_min(0.0)
+            else:
+                rest = base.clone()
+                rest[token] = 0.0
+            residual = _normalised(rest, target_probs[node])
+        else:  # every child rejected, or a leaf
+            break
+    final_row = target_probs[node] if residual is None else residual
+    final = int(torch.multinomial(final_row, 1, generator=generator).item())
+    return _tree_result(tree, node, node_tokens, final)
+
+
+def typical_tree_verify(
+    tree: TokenTree,
+    target_probs: torch.Tensor,  # (N, V) float: row i = the target's sampling distribution after root..i
+    generator: torch.Generator | None,
+    posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD,
+    posterior_alpha: float = DEFAULT_POSTERIOR_ALPHA,
+) -> TreeVerifyResult:
+    """Medusa's typical acceptance (Cai et al. 2024). LOSSY: the output is NOT distributed as
+    the target's; use it only behind an explicit opt-in.
+
+    Node i is acceptable when p_parent(token_i) > min(posterior_threshold,
+    posterior_alpha * exp(-H(p_parent))), H the entropy: a flat target row accepts many
+    plausible tokens, a peaked one only likely ones. The deepest node whose path is
+    acceptable throughout wins (ties: the lowest index) and the final token is drawn from
+    its target row. One device-to-host transfer in all.
+    """
+    entropy = torch.special.entr(target_probs).sum(dim=-1)  # (N,) nats; entr(0) = 0
+    cutoff = (posterior_alpha * torch.exp(-entropy)).clamp(max=posterior_threshold)  # (N,)
+    parent_rows = _parent_rows(tree, target_probs.device)
+    acceptable = target_probs[parent_rows, tree.tokens] > cutoff[parent_rows]
+    best = _deepest_accepted(tree, acceptable).view(1)  # (1,): a 0-dim index would sync via .item()
+    final = torch.multinomial(target_probs[best], 1, generator=generator).view(1)
+    host = torch.cat([best, final, tree.tokens]).tolist()
+    return _tree_result(tree, host[0], host[2:], host[1])

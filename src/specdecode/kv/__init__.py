@@ -1,0 +1,1 @@
+"""KV caches: the static cache written by position and the paged block pool."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server and the thread that steps the batch engine for it."""

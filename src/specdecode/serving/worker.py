@@ -1,0 +1,142 @@
+"""A ``BatchEngine`` stepping in a background thread, fed by any number of caller threads.
+
+``submit`` queues a request and returns an iterator over its committed token chunks (and the
+``GenerationStats`` the engine fills). The worker thread alone touches the engine: between two
+steps it takes new requests and cancellations from its inbox, then runs one step for the whole
+batch and hands each request its new tokens. Closing a request's iterator early (a stop string,
+a client that went away) cancels the request, which frees its KV blocks before the next step.
+If a step fails, every request in flight gets the error and the pools are emptied; the worker
+keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from specdecode.config import SamplingParams
+from specdecode.engine.batch import BatchEngine, RequestOutput
+from specdecode.engine.metrics import GenerationStats
+
+IDLE_WAIT_SECONDS = 0.5  # how long an idle worker sleeps on its inbox before checking for shutdown
+# When work arrives at an idle worker, wait this long for requests sent at the same moment, so
+# they start in one batch instead of the first running a step alone (its prefill, and a draft
+# step priced for a batch of one) while the others queue.
+DEFAULT_BATCH_WINDOW_SECONDS = 0.05
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    method: str
+    k: int | None
+    stats: GenerationStats
+    outbox: queue.Queue[RequestOutput | BaseException]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class BatchWorker:
+    def __init__(self, engine: BatchEngine, batch_window: float = DEFAULT_BATCH_WINDOW_SECONDS) -> None:
+        self.engine = engine
+        self.batch_window = batch_window
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._outboxes: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
+        self._next_id = 0
+        self._id_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="specdecode-batch", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, method: str, k: int | None = None
+    ) -> tuple[Iterator[list[int]], GenerationStats]:
+        """Queue a request (validated now: InvalidRequestError is raised here, not later)."""
+        self.engine.check_request(len(prompt_ids), params, method, k)
+        with self._id_lock:
+            request_id = f"batch-{self._next_id}"
+            self._next_id += 1
+        stats = GenerationStats(method=method, prompt_tokens=len(prompt_ids))
+        outbox: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        self._inbox.put(_Add(request_id, list(prompt_ids), params, method, k, stats, outbox))
+        return self._chunks(request_id, outbox), stats
+
+    def _chunks(self, request_id: str, outbox: queue.Queue[RequestOutput | BaseException]) -> Iterator[list[int]]:
+        finished = False
+        try:
+            while True:
+                item = outbox.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.error is not None:
+                    finished = True
+                    raise item.error
+                if item.new_tokens:
+                    yield item.new_tokens
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    def close(self) -> None:
+        """Stop the worker after its current step (requests in flight are cancelled)."""
+        self._stopped.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=60)
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=IDLE_WAIT_SECONDS) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(command, _Add):
+                self._outboxes[command.request_id] = command.outbox
+                try:
+                    self.engine.add_request(
+                        command.prompt_ids, command.params, command.method, command.k,
+                        request_id=command.request_id, stats=command.stats,
+                    )
+                except Exception as err:  # refused (e.g. no room): tell that caller only
+                    self._outboxes.pop(command.request_id).put(err)
+            elif isinstance(command, _Abort):
+                if self.engine.abort(command.request_id) is not None:
+                    self._outboxes.pop(command.request_id, None)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            idle = not self.engine.has_unfinished
+            self._take_commands(block=idle)
+            if not self.engine.has_unfinished:
+                continue
+            if idle and self.batch_window > 0:
+                self._stopped.wait(self.batch_window)
+                self._take_commands(block=False)
+            try:
+                outputs = self.engine.step()
+            except Exception as err:  # one bad step must not take the server down
+                outputs = self.engine.abort_all(err)
+            for output in outputs:
+                outbox = self._outboxes.get(output.request_id)
+                if outbox is None:
+                    continue
+                if output.finished:
+                    del self._outboxes[output.request_id]
+                outbox.put(output)
+        for request_id in list(self._outboxes):
+            self.engine.abort(request_id)
+            self._outboxes.pop(request_id).put(RuntimeError("The batch worker stopped."))

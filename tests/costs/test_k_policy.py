@@ -1,0 +1,134 @@
+"""The draft-length schedules: the k chooser on synthetic costs, the threshold rule, and that
+an adaptive k never changes the output."""
+
+from pathlib import Path
+
+import pytest
+from helpers import PROMPTS, decoder, plain_tokens
+
+from specdecode import SamplingParams
+from specdecode.api import resolve_k
+from specdecode.costs.k_policy import (
+    DROP_BELOW,
+    PROBE_AFTER,
+    PROBE_K,
+    AcceptanceEstimate,
+    CostAwareK,
+    ThresholdK,
+    best_k,
+    expected_tokens,
+)
+from specdecode.errors import InvalidRequestError
+
+# A bandwidth-bound CPU: a verify pass over r rows costs 1 + 0.1 (r - 1) units.
+FLAT_VERIFY = [1.0 + 0.1 * r for r in range(9)]
+
+
+def test_expected_tokens_formula() -> None:
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 4) == 1.0
+
+
+def test_best_k_follows_acceptance_and_costs() -> None:
+    # Free drafts and near-certain acceptance: draft as far as allowed.
+    assert best_k(0.99, FLAT_VERIFY, 0.0, k_max=8) == 8
+    # Nothing is ever accepted: plain decoding.
+    assert best_k(0.0, FLAT_VERIFY, 0.05, k_max=8) == 0
+    # A draft pass as costly as the target's: speculation cannot pay even at 90% acceptance.
+    assert best_k(0.9, FLAT_VERIFY, 1.0, k_max=8) == 0
+    # The demo pair's ratio (draft pass ~0.35 of a target pass): by hand, at a = 0.8 the rate
+    # E(k) / (0.35 k + 1 + 0.1 k) is 1.000, 1.241, 1.284, 1.256 for k = 0..3, so k = 2; at
+    # a = 0.9 it is 1.463 for k = 3 and 4 (k = 3 by a hair: 1.4634 vs 1.4627).
+    assert best_k(0.8, FLAT_VERIFY, 0.35, k_max=8) == 2
+    assert best_k(0.9, FLAT_VERIFY, 0.35, k_max=8) == 3
+    # The chooser respects k_max and the table's length.
+    assert best_k(0.99, FLAT_VERIFY, 0.0, k_max=2) == 2
+    assert best_k(0.99, FLAT_VERIFY[:4], 0.0, k_max=8) == 3
+
+
+def test_best_k_plain_when_multi_row_verify_is_expensive() -> None:
+    # int4 on this CPU: 6 rows cost 3x one row. At 60% acceptance only k = 1 still pays
+    # (rate 1.096 against 1.0 plain and 0.98 for k = 2).
+    steep = [1.0, 1.16, 1.4, 1.7, 2.4, 3.0, 3.1, 3.2, 3.3]
+    assert best_k(0.6, steep, 0.3, k_max=8) == 1
+
+
+def test_acceptance_estimate_counts_tried_positions() -> None:
+    estimate = AcceptanceEstimate(decay=1.0)
+    estimate.observe(proposed=5, accepted=2)  # positions 1, 2 accepted, 3 rejected: 3 tried
+    estimate.observe(proposed=4, accepted=4)  # all 4 tried and accepted
+    assert (estimate.trials, estimate.accepted) == (7, 6)
+    estimate.observe(proposed=0, accepted=0)  # a plain step says nothing about acceptance
+    assert estimate.trials == 7
+    assert 6 / 7 > estimate.rate > 0.6  # pulled slightly towards the prior
+
+
+def test_cost_aware_schedule_drops_to_plain_and_probes_again() -> None:
+    schedule = CostAwareK(list(FLAT_VERIFY), k_max=8, first_k=5)
+    assert schedule.next_k() == 5  # nothing measured yet
+    schedule.observe(5, 0, draft_seconds=10.0, draft_passes=5, verify_seconds=1.5)  # includes the draft's prefill
+    assert schedule.draft_pass_seconds is None
+    for _ in range(6):
+        k = schedule.next_k()
+        schedule.observe(k, 0, draft_seconds=0.3 * k, draft_passes=k, verify_seconds=FLAT_VERIFY[k])
+    assert schedule.next_k() == 0  # every draft rejected: plain steps
+    for _ in range(PROBE_AFTER):
+        schedule.observe(0, 0, 0.0, 0, FLAT_VERIFY[0])
+    assert schedule.next_k() == PROBE_K  # after a run of plain steps it tries again
+    for _ in range(8):
+        schedule.observe(PROBE_K, PROBE_K, 0.3 * PROBE_K, PROBE_K, FLAT_VERIFY[PROBE_K])
+    assert schedule.next_k() >= 3  # acceptance came back: longer drafts
+
+
+def test_threshold_rule() -> None:
+    schedule = ThresholdK(k=5, k_min=1, k_max=7)
+    for _ in range(10):
+        schedule.observe(schedule.next_k(), schedule.next_k(), 0.1, 1, 1.0)
+    assert schedule.next_k() == 7  # raised above 80% acceptance, capped at k_max
+    while schedule.acceptance.rate >= DROP_BELOW:
+        schedule.observe(schedule.next_k(), 0, 0.1, 1, 1.0)
+    assert schedule.next_k() == 1  # dropped to the minimum below 40%
+
+
+@pytest.mark.parametrize("policy", ["cost", "threshold"])
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_adaptive_k_keeps_greedy_output(policy: str, method: str, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+    proposed = 0
+    for prompt in PROMPTS[:4]:
+        result = dec.generate(prompt, SamplingParams(max_new_tokens=24), method=method, k="auto", k_policy=policy)
+        assert result.token_ids == plain_tokens(tiny_qwen2_dir, prompt), prompt
+        proposed += result.stats.draft_tokens_proposed
+    if method == "draft":
+        assert proposed > 0
+
+
+def test_verify_costs_are_measured_once(tiny_qwen2_dir: Path) -> None:
+    dec = decoder(tiny_qwen2_dir, None, method="none")
+    costs = dec.engine.verify_costs(9)
+    assert len(costs) == 9 and all(c > 0 for c in costs)
+    assert dec.engine.verify_costs(9) == costs  # cached: no second measurement
+
+
+def test_k_arguments() -> None:
+    assert resolve_k("auto", None) == (None, "cost")
+    assert resolve_k("auto", "threshold") == (None, "threshold")
+    assert resolve_k(4, None) == (4, None)
+    with pytest.raises(InvalidRequestError, match="positive integer or 'auto'"):
+        resolve_k("many", None)
+
+
+def test_cli_accepts_k_auto_and_rejects_bad_values(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path, capsys) -> None:
+    from specdecode import cli
+
+    base = ["generate", "--target", str(tiny_qwen2_dir), "--draft", str(tiny_close_draft_dir), "--dtype", "fp32",
+            "--device", "cpu", "--max-new-tokens", "6", "--quiet", "--json", "def f():"]
+    assert cli.main(base + ["--k", "auto", "--k-policy", "threshold", "--k-max", "4"]) == 0
+    assert '"token_ids"' in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(base + ["--k", "lots"])
+    with pytest.raises(SystemExit):
+        cli.main(base + ["--k", "auto", "--k-policy", "sometimes"])

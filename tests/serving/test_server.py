@@ -1,0 +1,235 @@
+"""The OpenAI-compatible server: the official openai client, streaming, metrics, bad input, cancellation."""
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from specdecode import SamplingParams, SpecDecoder
+from specdecode.serving.server import APIError, create_app, parse_request
+from specdecode.serving.worker import BatchWorker
+
+MODEL = "tiny"
+PROMPT = "def quicksort(arr):"
+MESSAGES = [{"role": "user", "content": "Write a quicksort"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path):
+    dec = SpecDecoder.from_pretrained(str(tiny_qwen2_dir), str(tiny_close_draft_dir), draft_confidence=0.0,
+                                      dtype="fp32", device="cpu", show_progress=False)
+    port = _free_port()
+    # As `specdecode serve` runs it: none/ngram/draft batched by a worker, the rest one at a time.
+    worker = BatchWorker(dec.batch_engine(max_batch=4, kv_cache_tokens=1024, cost_aware=False))
+    app = create_app(dec, MODEL, worker=worker)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", dec
+    server.should_exit = True
+    thread.join(timeout=10)
+    worker.close()
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_completions_with_the_openai_client(served) -> None:
+    base, dec = served
+    expected = dec.generate(PROMPT, SamplingParams(max_new_tokens=12)).text
+    client = _client(base)
+    result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert result.choices[0].text == expected
+    assert result.usage.completion_tokens > 0 and result.choices[0].finish_reason in ("stop", "length")
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_completions_with_the_openai_client(served) -> None:
+    base, dec = served
+    expected = dec.generate(MESSAGES, SamplingParams(max_new_tokens=10), chat=True).text
+    client = _client(base)
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0)
+    assert result.choices[0].message.content == expected and result.choices[0].message.role == "assistant"
+    streamed = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
+    # A per-request method (an extension field) keeps greedy output.
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+                                           extra_body={"method": "none"})
+    assert plain.choices[0].message.content == expected
+
+
+def test_models_health_and_metrics(served) -> None:
+    base, _ = served
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    assert [m.id for m in _client(base).models.list()] == [MODEL]
+    _client(base).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    text = httpx.get(base + "/metrics").text
+    assert "# TYPE specdecode_requests_total counter" in text
+    assert _metric(base, 'specdecode_requests_total{status="ok"}') >= 1
+    assert _metric(base, "specdecode_generated_tokens_total") >= 4
+    assert _metric(base, "specdecode_tau") >= 1.0
+    assert _metric(base, "specdecode_requests_running") == 0 and _metric(base, "specdecode_kv_cache_tokens") == 0
+    assert _metric(base, "specdecode_kv_blocks_used") == 0 and _metric(base, "specdecode_kv_blocks_total") > 0
+
+
+def test_concurrent_requests_share_the_batch_and_match_their_single_outputs(served) -> None:
+    """Greedy requests of mixed methods and lengths sent at once (batched ones and one on the
+    single-sequence engine) each get what they get alone; every KV block comes back."""
+    base, dec = served
+    cases = [("def quicksort(arr):", "draft", 14), ("The quick brown fox", "none", 9),
+             ("1, 2, 3, 4, 5,", "ngram", 16), ("x", "draft", 5), ("import numpy as np", "auto", 8)]
+    expected = [dec.generate(p, SamplingParams(max_new_tokens=n), method=m).text for p, m, n in cases]
+    results: list[str | None] = [None] * len(cases)
+
+    def ask(i: int) -> None:
+        prompt, method, n = cases[i]
+        out = _client(base).completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                               extra_body={"method": method})
+        results[i] = out.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == expected
+    assert _metric(base, "specdecode_kv_blocks_used") == 0 and _metric(base, "specdecode_batch_size") == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "gpt-4", "prompt": PROMPT}, 404, "model"),
+        ({"prompt": PROMPT}, 400, "model"),
+        ({"model": MODEL, "prompt": PROMPT, "max_tokens": -3}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": PROMPT, "max_tokens": 10**9}, 400, "prompt"),
+        ({"model": MODEL, "prompt": PROMPT, "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": PROMPT, "temperature": 5}, 400, "temperature"),
+        ({"model": MODEL, "prompt": PROMPT, "temperature": True}, 400, "temperature"),
+        ({"model": MODEL, "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
+        ({"model": MODEL, "prompt": PROMPT, "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": PROMPT, "stop": [1, 2]}, 400, "stop"),
+        ({"model": MODEL, "prompt": PROMPT, "method": "magic"}, 400, "method"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "word " * 2000, "max_tokens": 4}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "word " * 2000, "max_tokens": 4, "stream": True}, 400, "prompt"),
+    ],
+)
+def test_bad_input_gets_an_openai_style_4xx(served, body: dict, status: int, param: str) -> None:
+    base, _ = served
+    response = httpx.post(base + "/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_unknown_routes_and_the_server_keeps_serving(served) -> None:
+    base, _ = served
+    response = httpx.post(base + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    bad_chat = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
+    assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "messages"
+    assert httpx.get(base + "/v2/nothing").status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        _client(base).completions.create(model="other", prompt=PROMPT, max_tokens=2)
+    ok = _client(base).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens > 0
+
+
+def test_a_disconnected_stream_is_cancelled(served, monkeypatch) -> None:
+    base, dec = served
+    real_stream, real_token_stream = dec.stream, dec.token_stream
+
+    class Slow:  # 50 ms per delta, so the client leaves mid-generation
+        def __init__(self, stream) -> None:
+            self.stream, self.stats = stream, stream.stats
+
+        def __iter__(self):
+            for delta in self.stream:
+                time.sleep(0.05)
+                yield delta
+
+    def slow_stream(*args, **kwargs):  # the single-sequence engine's path
+        return Slow(real_stream(*args, **kwargs))
+
+    def slow_token_stream(*args, **kwargs):  # the batched path
+        return Slow(real_token_stream(*args, **kwargs))
+
+    monkeypatch.setattr(dec, "stream", slow_stream)
+    monkeypatch.setattr(dec, "token_stream", slow_token_stream)
+    cancelled = _metric(base, 'specdecode_requests_total{status="cancelled"}')
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # one event, then hang up
+    deadline = time.time() + 10
+    while _metric(base, 'specdecode_requests_total{status="cancelled"}') == cancelled:
+        assert time.time() < deadline, "the request was not cancelled"
+        time.sleep(0.05)
+    assert _metric(base, "specdecode_requests_running") == 0 and _metric(base, "specdecode_kv_cache_tokens") == 0
+    deadline = time.time() + 10
+    while _metric(base, "specdecode_kv_blocks_used") != 0:  # the worker frees them before its next step
+        assert time.time() < deadline, "the cancelled request kept its KV blocks"
+        time.sleep(0.05)
+    monkeypatch.undo()
+    assert _client(base).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0).usage.completion_tokens > 0
+
+
+def test_parse_request_defaults_and_errors() -> None:
+    req = parse_request({"model": "m", "prompt": "hi"}, chat=False, served_names=("m",), methods=("none",))
+    assert req.params.max_new_tokens == 16 and req.params.temperature == 1.0 and not req.stream
+    chat = parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
+                          "stop": "\n"}, chat=True, served_names=("m",), methods=("none",))
+    assert chat.params.max_new_tokens == 5 and chat.params.stop == ("\n",)
+    with pytest.raises(APIError) as err:
+        parse_request([1, 2], chat=False, served_names=("m",), methods=())
+    assert err.value.status == 400
+    body = json.loads(json.dumps(err.value.body()))
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_load_test_script_runs_against_the_server(served) -> None:
+    import asyncio
+    import importlib.util
+
+    base, _ = served
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "load_test.py"
+    spec = importlib.util.spec_from_file_location("load_test", path)
+    load_test = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules["load_test"] = load_test  # dataclasses look their module up there
+    spec.loader.exec_module(load_test)
+    row = asyncio.run(load_test.run_level(base, MODEL, "draft", concurrency=3, requests=4, max_tokens=6))
+    assert row["completed"] == 4 and not row["errors"] and row["completion_tokens"] > 0
+    assert row["ttft_seconds"]["p50"] is not None
