@@ -1,0 +1,1 @@
+"""Where model passes run: the torch models (``specdecode.models``) or llama.cpp (``llamacpp``)."""
