@@ -20,18 +20,19 @@ import torch
 
 pytest.importorskip("llama_cpp")
 
-import tiny_models  # noqa: E402
-from specdecode.backends.llamacpp import (  # noqa: E402
+import tiny_models
+
+from specdecode.backends.llamacpp import (
     BackendUnavailableError,
     ContextOverflowError,
     LlamaCppModel,
     physical_core_count,
 )
-from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeError, UnsupportedModelError  # noqa: E402
+from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeError, UnsupportedModelError
 
 PRECISE_ATOL = 1e-4
 DEFAULT_ATOL = 2e-2
-PRECISE = dict(kv_type="f32", flash_attn=False)
+PRECISE = {"kv_type": "f32", "flash_attn": False}  # the settings that match fp32 torch closely
 # Fixed ids below TINY_VOCAB_SIZE, long enough to exercise RoPE over several positions.
 PROMPT = [509, 5, 300, 200, 45, 67, 88, 12, 400, 3, 250, 510]
 OTHER_TAIL = [17, 230, 99, 480]  # fed after a rollback instead of PROMPT's tail

@@ -17,14 +17,16 @@ Logits come out of llama.cpp's buffer with exactly one copy (into the returned t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import os
 import sys
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import numpy as np
 import torch
@@ -59,14 +61,19 @@ class LlamaCppDecodeError(SpecDecodeError):
 def _import_llama_cpp() -> ModuleType:
     try:
         import llama_cpp
-    except ImportError as err:  # also OSError-like failures to load libllama surface as ImportError
+    except ImportError as err:  # a missing or unloadable libllama also surfaces as ImportError
         raise BackendUnavailableError(
             "the llama.cpp backend needs llama-cpp-python: `pip install llama-cpp-python` (it compiles "
-            "llama.cpp, so it needs a C++ compiler and CMake), or use the torch backend instead "
-            f"({err})"
+            f"llama.cpp, so it needs a C++ compiler and CMake), or use the torch backend instead ({err})"
         ) from err
-    _LogSink.install(llama_cpp)
+    _set_up_once(llama_cpp)
     return llama_cpp
+
+
+@functools.cache  # the log callback and the backend are process-global: set them up once
+def _set_up_once(llama_cpp: ModuleType) -> None:
+    _LogSink.install(llama_cpp)
+    llama_cpp.llama_backend_init()
 
 
 class _LogSink:
@@ -76,37 +83,31 @@ class _LogSink:
     a callback that prints everything to stderr, which this one replaces.
     """
 
-    recent: deque[str] = deque(maxlen=RECENT_LOG_LINES)
-    echo = False  # True: also print every line to stderr (LlamaCppModel(verbose=True))
-    _callback: Any = None  # the ctypes callback; referenced here so it is never garbage-collected
-    _last_level = 0
-    _backend_ready = False
+    recent: ClassVar[deque[str]] = deque(maxlen=RECENT_LOG_LINES)
+    echo: ClassVar[bool] = False  # also print every line to stderr (LlamaCppModel(verbose=True))
+    _callback: ClassVar[Any] = None  # the ctypes callback, held here so it is never garbage-collected
+    _last_level: ClassVar[int] = 0
 
     @classmethod
     def install(cls, llama_cpp: ModuleType) -> None:
-        if cls._callback is None:
-            cls._callback = llama_cpp.llama_log_callback(cls._log)
-            llama_cpp.llama_log_set(cls._callback, ctypes.c_void_p(0))
-        if not cls._backend_ready:
-            llama_cpp.llama_backend_init()
-            cls._backend_ready = True
+        cls._callback = llama_cpp.llama_log_callback(cls._log)
+        llama_cpp.llama_log_set(cls._callback, ctypes.c_void_p(0))
 
     @classmethod
-    def _log(cls, level: int, text: bytes, user_data: Any) -> None:
-        # Never raise here: an exception in a ctypes callback cannot reach the caller.
-        try:
+    def _log(cls, level: int, text: bytes | None, user_data: int | None) -> None:
+        # Never raise: an exception in a ctypes callback cannot reach anyone who could handle it.
+        with contextlib.suppress(Exception):
             message = text.decode("utf-8", errors="replace") if text else ""
-            if level != GGML_LOG_LEVEL_CONT:
+            if level != GGML_LOG_LEVEL_CONT:  # a continuation keeps its first part's level
                 cls._last_level = level
             if cls._last_level >= GGML_LOG_LEVEL_WARN:
                 cls.recent.append(message.rstrip("\n"))
             if cls.echo:
                 print(message, end="", file=sys.stderr, flush=True)
-        except Exception:  # noqa: BLE001
-            pass
 
     @classmethod
     def take_recent(cls) -> str:
+        """The last few warnings and errors, joined; forgets them."""
         lines = [line for line in cls.recent if line.strip()]
         cls.recent.clear()
         return "; ".join(lines[-5:])
@@ -127,7 +128,8 @@ def physical_core_count() -> int:
     for cpu in cpus:
         topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
-            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+            package = (topology / "physical_package_id").read_text().strip()
+            cores.add((package, (topology / "core_id").read_text().strip()))
         except OSError:
             return max(1, len(cpus))
     return max(1, len(cores))
@@ -291,7 +293,7 @@ class LlamaCppModel:
         self._validate(requests)
         for seq, _, start, _ in requests:
             self.truncate(seq, start)
-        # Flat token order: request after request. outputs[i] = (request, row) of logit row i.
+        # Tokens of all requests, request after request; flat_out marks the ones that get a logit row.
         flat_tokens: list[int] = []
         flat_pos: list[int] = []
         flat_seq: list[int] = []
@@ -305,13 +307,14 @@ class LlamaCppModel:
             flat_out.extend([mode == "all"] * (count - 1) + [mode != "none"])
             rows = {"all": count, "last": 1, "none": 0}[mode]
             results.append(np.empty((rows, self.vocab_size), dtype=np.float32) if rows else None)
+        # row_owner[i] = (request, row in its result) of the i-th logit row llama.cpp writes.
         row_owner = [(r, row) for r, res in enumerate(results) if res is not None for row in range(len(res))]
 
         next_output = 0
         try:
             for begin in range(0, len(flat_tokens), self.n_batch):
-                end = min(begin + self.n_batch, len(flat_tokens))
-                n_outputs = self._decode(flat_tokens[begin:end], flat_pos[begin:end], flat_seq[begin:end], flat_out[begin:end])
+                chunk = slice(begin, min(begin + self.n_batch, len(flat_tokens)))
+                n_outputs = self._decode(flat_tokens[chunk], flat_pos[chunk], flat_seq[chunk], flat_out[chunk])
                 if n_outputs:
                     self._copy_logits(results, row_owner[next_output : next_output + n_outputs])
                     next_output += n_outputs
@@ -368,7 +371,7 @@ class LlamaCppModel:
         for seq, tokens, start, mode in requests:
             self._check_seq(seq)
             if seq in seen:
-                raise InvalidRequestError(f"sequence {seq} appears twice in one batch; merge its tokens into one request")
+                raise InvalidRequestError(f"sequence {seq} appears twice in one batch; merge its tokens into one")
             seen.add(seq)
             if mode not in LOGITS_MODES:
                 raise InvalidRequestError(f"logits must be one of {LOGITS_MODES}, got {mode!r}")
@@ -412,14 +415,12 @@ class LlamaCppModel:
             llama_cpp.llama_model_free(self._model)
             self._model = None
 
-    def __enter__(self) -> LlamaCppModel:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit the binding may be half torn down
             self.close()
-        except Exception:  # noqa: BLE001  (at interpreter exit the binding may be half torn down)
-            pass
