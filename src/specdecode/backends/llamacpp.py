@@ -1,0 +1,426 @@
+"""A GGUF model run by llama.cpp (through llama-cpp-python's ctypes binding of the C API).
+
+``LlamaCppModel`` owns one llama.cpp model and one context. Sequences are llama.cpp sequence
+ids ``0 .. n_seq_max - 1``; llama.cpp's memory (its KV cache) holds their keys and values.
+
+Invariant: the cache of sequence ``s`` holds positions ``0 .. cached_length(s) - 1`` and
+nothing else. ``forward(s, tokens, start)`` first drops positions ``>= start``, then appends
+the tokens at ``start .. start + T - 1``; so re-feeding after a rejected draft is safe, and
+``truncate`` is the whole of rollback. ``start`` may not exceed ``cached_length(s)``: llama.cpp
+rejects a batch whose first position for a sequence is not the cached length (no holes).
+If a pass fails, every sequence it touched is cut back to its ``start``, so the invariant
+holds after an exception too.
+
+Logits come out of llama.cpp's buffer with exactly one copy (into the returned tensor).
+``llama_cpp`` is imported on first use, so this module imports without the binding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import sys
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, ClassVar, Self
+
+import numpy as np
+import torch
+
+from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeError
+
+LOGITS_MODES = ("all", "last", "none")
+KV_TYPES = ("f16", "f32")  # llama.cpp's default is f16; f32 makes logits match fp32 torch closely
+# ggml's log levels (ggml.h). llama-cpp-python's own _logger maps an older numbering.
+GGML_LOG_LEVEL_WARN = 3
+GGML_LOG_LEVEL_CONT = 5
+# llama_decode return codes (llama.h).
+DECODE_OK = 0
+DECODE_NO_KV_SLOT = 1
+DECODE_ABORTED = 2
+DECODE_INVALID_BATCH = -1
+RECENT_LOG_LINES = 20  # warnings/errors kept to explain a failed load or decode
+
+
+class BackendUnavailableError(SpecDecodeError):
+    """The llama.cpp backend was asked for but llama-cpp-python is not installed."""
+
+
+class ContextOverflowError(InvalidRequestError):
+    """A pass would write positions beyond the context the model was created with."""
+
+
+class LlamaCppDecodeError(SpecDecodeError):
+    """llama_decode refused or failed a batch."""
+
+
+def _import_llama_cpp() -> ModuleType:
+    try:
+        import llama_cpp
+    except ImportError as err:  # a missing or unloadable libllama also surfaces as ImportError
+        raise BackendUnavailableError(
+            "the llama.cpp backend needs llama-cpp-python: `pip install llama-cpp-python` (it compiles "
+            f"llama.cpp, so it needs a C++ compiler and CMake), or use the torch backend instead ({err})"
+        ) from err
+    _set_up_once(llama_cpp)
+    return llama_cpp
+
+
+@functools.cache  # the log callback and the backend are process-global: set them up once
+def _set_up_once(llama_cpp: ModuleType) -> None:
+    _LogSink.install(llama_cpp)
+    llama_cpp.llama_backend_init()
+
+
+class _LogSink:
+    """Swallows llama.cpp's log output, keeping recent warnings and errors for our exceptions.
+
+    llama.cpp's logger is process-global, so there is one sink; importing llama_cpp installs
+    a callback that prints everything to stderr, which this one replaces.
+    """
+
+    recent: ClassVar[deque[str]] = deque(maxlen=RECENT_LOG_LINES)
+    echo: ClassVar[bool] = False  # also print every line to stderr (LlamaCppModel(verbose=True))
+    _callback: ClassVar[Any] = None  # the ctypes callback, held here so it is never garbage-collected
+    _last_level: ClassVar[int] = 0
+
+    @classmethod
+    def install(cls, llama_cpp: ModuleType) -> None:
+        cls._callback = llama_cpp.llama_log_callback(cls._log)
+        llama_cpp.llama_log_set(cls._callback, ctypes.c_void_p(0))
+
+    @classmethod
+    def _log(cls, level: int, text: bytes | None, user_data: int | None) -> None:
+        # Never raise: an exception in a ctypes callback cannot reach anyone who could handle it.
+        with contextlib.suppress(Exception):
+            message = text.decode("utf-8", errors="replace") if text else ""
+            if level != GGML_LOG_LEVEL_CONT:  # a continuation keeps its first part's level
+                cls._last_level = level
+            if cls._last_level >= GGML_LOG_LEVEL_WARN:
+                cls.recent.append(message.rstrip("\n"))
+            if cls.echo:
+                print(message, end="", file=sys.stderr, flush=True)
+
+    @classmethod
+    def take_recent(cls) -> str:
+        """The last few warnings and errors, joined; forgets them."""
+        lines = [line for line in cls.recent if line.strip()]
+        cls.recent.clear()
+        return "; ".join(lines[-5:])
+
+
+def physical_core_count() -> int:
+    """Physical cores among the CPUs this process may run on.
+
+    llama.cpp's matrix kernels gain nothing from a core's second hyperthread and lose when
+    threads outnumber the cores they get, so we count (package, core) pairs over the affinity
+    mask rather than logical CPUs; where the topology is unreadable, the number of allowed CPUs.
+    """
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+    cores: set[tuple[str, str]] = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            cores.add((package, (topology / "core_id").read_text().strip()))
+        except OSError:
+            return max(1, len(cpus))
+    return max(1, len(cores))
+
+
+class LlamaCppModel:
+    """One GGUF model and one llama.cpp context on the CPU, with ``n_seq_max`` sequences.
+
+    n_ctx:       positions each sequence may hold (the context is sized n_ctx * n_seq_max and
+                 each sequence gets its own KV stream, so sequences never compete for room).
+    n_batch:     tokens per llama_decode call (also the micro-batch); longer inputs are split.
+    n_threads:   threads for every pass; default: the physical cores this process may use.
+    kv_type:     "f16" (llama.cpp's default, half the memory) or "f32".
+    flash_attn:  None lets llama.cpp decide (it enables it on CPU); its CPU kernel works in f16,
+                 so False plus kv_type "f32" is what gives logits within ~1e-5 of fp32 torch.
+    verbose:     print llama.cpp's log (process-wide: llama.cpp has one logger).
+    """
+
+    def __init__(
+        self,
+        gguf_path: str | Path,
+        *,
+        n_ctx: int = 4096,
+        n_seq_max: int = 1,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+        kv_type: str = "f16",
+        flash_attn: bool | None = None,
+        verbose: bool = False,
+    ) -> None:
+        self._llama = None  # set first: close() (and __del__) must work on a half-built object
+        self._model = None
+        self._ctx = None
+        self._batch = None
+        for name, value in (("n_ctx", n_ctx), ("n_seq_max", n_seq_max), ("n_batch", n_batch)):
+            if value < 1:
+                raise InvalidRequestError(f"{name} must be at least 1, got {value}")
+        if kv_type not in KV_TYPES:
+            raise InvalidRequestError(f"kv_type must be one of {KV_TYPES}, got {kv_type!r}")
+        llama_cpp = _import_llama_cpp()
+        self._llama = llama_cpp
+        _LogSink.echo = verbose
+        self.path = Path(gguf_path)
+        self.n_ctx = n_ctx
+        self.n_seq_max = n_seq_max
+        self.n_batch = n_batch
+        self.n_threads = n_threads if n_threads is not None else physical_core_count()
+
+        self._model = self._load_model(llama_cpp)
+        self.vocab_size: int = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))
+        self._ctx = self._new_context(llama_cpp, kv_type, flash_attn)
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._init_batch(llama_cpp)
+
+    # ---------------------------------------------------------------------------- setup
+
+    def _load_model(self, llama_cpp: ModuleType) -> Any:
+        if not self.path.is_file():
+            raise ModelLoadError(f"no GGUF file at {self.path}: check the path")
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0  # this backend runs on the CPU; the torch backend owns GPUs
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP  # 0.3.36's spelling of use_mmap=True
+        _LogSink.take_recent()
+        model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
+        if not model:
+            detail = _LogSink.take_recent() or "no detail from llama.cpp"
+            raise ModelLoadError(
+                f"llama.cpp could not load {self.path} ({detail}); is it a complete GGUF file of an "
+                "architecture this llama-cpp-python version supports?"
+            )
+        return model
+
+    def _new_context(self, llama_cpp: ModuleType, kv_type: str, flash_attn: bool | None) -> Any:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = self.n_ctx * self.n_seq_max
+        params.n_batch = self.n_batch
+        params.n_ubatch = self.n_batch  # one compute graph per llama_decode unless the input is split
+        params.n_seq_max = self.n_seq_max
+        # Per-sequence KV streams: attention of one sequence never scans another's cells.
+        params.kv_unified = False
+        params.n_outputs_max = 0  # 0: up to n_batch logit rows per pass
+        params.n_outputs_max_per_seq = 0  # default 1 in 0.3.36; verification needs a row per token
+        params.n_threads = self.n_threads
+        params.n_threads_batch = self.n_threads
+        params.embeddings = False
+        kv_ggml_type = llama_cpp.GGML_TYPE_F16 if kv_type == "f16" else llama_cpp.GGML_TYPE_F32
+        params.type_k = kv_ggml_type
+        params.type_v = kv_ggml_type
+        params.flash_attn_type = {
+            None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[flash_attn]
+        ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if not ctx:
+            detail = _LogSink.take_recent() or "no detail from llama.cpp"
+            self.close()
+            raise ModelLoadError(
+                f"llama.cpp could not create a context for {self.path} with n_ctx={self.n_ctx} x "
+                f"n_seq_max={self.n_seq_max} ({detail}); try a smaller n_ctx or n_seq_max"
+            )
+        # llama.cpp may round the context up, never down; our checks use what was asked for.
+        assert llama_cpp.llama_n_ctx_seq(ctx) >= self.n_ctx
+        return ctx
+
+    def _init_batch(self, llama_cpp: ModuleType) -> None:
+        # One batch for the model's lifetime, written through numpy views of its C arrays so
+        # filling it costs a few vectorised stores instead of a Python loop over fields.
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        n = self.n_batch
+        self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(n,))
+        self._positions = np.ctypeslib.as_array(self._batch.pos, shape=(n,))
+        self._n_seq_id = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))
+        self._wants_logits = np.ctypeslib.as_array(self._batch.logits, shape=(n,))
+        self._seq_slots = [self._batch.seq_id[i] for i in range(n)]  # each token's seq id array
+        self._n_seq_id[:] = 1
+
+    # ---------------------------------------------------------------------------- cache
+
+    def cached_length(self, seq: int) -> int:
+        """Positions the cache holds for ``seq`` (0 for an empty sequence)."""
+        self._check_seq(seq)
+        return self._llama.llama_memory_seq_pos_max(self._memory, seq) + 1
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Keep positions < length of ``seq`` (rollback of rejected tokens)."""
+        self._check_seq(seq)
+        if length < 0:
+            raise InvalidRequestError(f"length must be >= 0, got {length}")
+        if not self._llama.llama_memory_seq_rm(self._memory, seq, length, -1):
+            raise LlamaCppDecodeError(
+                f"llama.cpp cannot cut sequence {seq} back to {length} positions (its memory, e.g. a "
+                "recurrent state, cannot be partially removed); clear the sequence and re-feed it"
+            )
+
+    def clear(self, seq: int | None = None) -> None:
+        """Drop one sequence, or all of them (None)."""
+        if seq is None:
+            self._check_seq(0)
+            self._llama.llama_memory_clear(self._memory, False)  # metadata only: cells are rewritten before use
+            return
+        self._check_seq(seq)
+        self._llama.llama_memory_seq_rm(self._memory, seq, -1, -1)  # a whole sequence never fails
+
+    # ---------------------------------------------------------------------------- passes
+
+    def forward(self, seq: int, tokens: Sequence[int], start: int, logits: str = "all") -> torch.Tensor | None:
+        """Feed ``tokens`` at positions start .. start + T - 1 of sequence ``seq``.
+
+        Cached positions >= start are dropped first. Returns float32 logits: (T, V) for "all",
+        (1, V) for the last token with "last", None for "none" (a prefill: no logits computed).
+        """
+        return self.forward_batch([(seq, tokens, start, logits)])[0]
+
+    def forward_batch(self, requests: Sequence[tuple[int, Sequence[int], int, str]]) -> list[torch.Tensor | None]:
+        """Several (seq, tokens, start, logits) requests, on distinct sequences, in one llama_decode.
+
+        Same semantics per request as ``forward``; results in request order. Only when the
+        requests hold more than n_batch tokens together is the work split over several calls.
+        """
+        self._validate(requests)
+        for seq, _, start, _ in requests:
+            self.truncate(seq, start)
+        # Tokens of all requests, request after request; flat_out marks the ones that get a logit row.
+        flat_tokens: list[int] = []
+        flat_pos: list[int] = []
+        flat_seq: list[int] = []
+        flat_out: list[bool] = []
+        results: list[np.ndarray | None] = []
+        for seq, tokens, start, mode in requests:
+            count = len(tokens)
+            flat_tokens.extend(tokens)
+            flat_pos.extend(range(start, start + count))
+            flat_seq.extend([seq] * count)
+            flat_out.extend([mode == "all"] * (count - 1) + [mode != "none"])
+            rows = {"all": count, "last": 1, "none": 0}[mode]
+            results.append(np.empty((rows, self.vocab_size), dtype=np.float32) if rows else None)
+        # row_owner[i] = (request, row in its result) of the i-th logit row llama.cpp writes.
+        row_owner = [(r, row) for r, res in enumerate(results) if res is not None for row in range(len(res))]
+
+        next_output = 0
+        try:
+            for begin in range(0, len(flat_tokens), self.n_batch):
+                chunk = slice(begin, min(begin + self.n_batch, len(flat_tokens)))
+                n_outputs = self._decode(flat_tokens[chunk], flat_pos[chunk], flat_seq[chunk], flat_out[chunk])
+                if n_outputs:
+                    self._copy_logits(results, row_owner[next_output : next_output + n_outputs])
+                    next_output += n_outputs
+        except BaseException:
+            for seq, _, start, _ in requests:  # keep the invariant: nothing past start survives a failed pass
+                self._llama.llama_memory_seq_rm(self._memory, seq, start, -1)
+            raise
+        return [None if res is None else torch.from_numpy(res) for res in results]
+
+    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], outputs: list[bool]) -> int:
+        count = len(tokens)
+        self._tokens[:count] = tokens
+        self._positions[:count] = positions
+        self._wants_logits[:count] = outputs
+        slots = self._seq_slots
+        for i, seq in enumerate(seqs):
+            slots[i][0] = seq
+        self._batch.n_tokens = count
+        rc = self._llama.llama_decode(self._ctx, self._batch)
+        if rc != DECODE_OK:
+            raise self._decode_error(rc, count)
+        return sum(outputs)
+
+    def _copy_logits(self, results: list[np.ndarray | None], owners: list[tuple[int, int]]) -> None:
+        # The only copy: llama.cpp's logit rows (in batch order) straight into the result arrays.
+        buffer = np.ctypeslib.as_array(self._llama.llama_get_logits(self._ctx), shape=(len(owners), self.vocab_size))
+        i = 0
+        while i < len(owners):
+            request, first_row = owners[i]
+            run = 1  # consecutive rows of one request go in one slice copy
+            while i + run < len(owners) and owners[i + run][0] == request:
+                run += 1
+            results[request][first_row : first_row + run] = buffer[i : i + run]
+            i += run
+
+    def _decode_error(self, rc: int, count: int) -> LlamaCppDecodeError:
+        detail = _LogSink.take_recent()
+        detail = f" (llama.cpp: {detail})" if detail else ""
+        if rc == DECODE_NO_KV_SLOT:
+            return LlamaCppDecodeError(
+                f"the llama.cpp context is full: no KV cache room for {count} more tokens{detail}; "
+                "truncate or clear sequences, or create the model with a larger n_ctx"
+            )
+        if rc == DECODE_ABORTED:
+            return LlamaCppDecodeError(f"llama_decode was aborted{detail}")
+        if rc == DECODE_INVALID_BATCH:
+            return LlamaCppDecodeError(f"llama.cpp rejected the batch as invalid{detail}")
+        return LlamaCppDecodeError(f"llama_decode failed with code {rc}{detail}")
+
+    def _validate(self, requests: Sequence[tuple[int, Sequence[int], int, str]]) -> None:
+        if not requests:
+            raise InvalidRequestError("forward_batch needs at least one (seq, tokens, start, logits) request")
+        seen: set[int] = set()
+        for seq, tokens, start, mode in requests:
+            self._check_seq(seq)
+            if seq in seen:
+                raise InvalidRequestError(f"sequence {seq} appears twice in one batch; merge its tokens into one")
+            seen.add(seq)
+            if mode not in LOGITS_MODES:
+                raise InvalidRequestError(f"logits must be one of {LOGITS_MODES}, got {mode!r}")
+            if len(tokens) == 0:
+                raise InvalidRequestError(f"no tokens to feed to sequence {seq}")
+            bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+            cached = self.cached_length(seq)
+            if not 0 <= start <= cached:
+                raise InvalidRequestError(
+                    f"start {start} is not within sequence {seq}'s {cached} cached positions: llama.cpp "
+                    "needs each sequence fed without holes, so feed the tokens before it first"
+                )
+            if start + len(tokens) > self.n_ctx:
+                raise ContextOverflowError(
+                    f"sequence {seq} would reach position {start + len(tokens) - 1}, past the context of "
+                    f"{self.n_ctx} positions; create the model with a larger n_ctx or shorten the input"
+                )
+
+    def _check_seq(self, seq: int) -> None:
+        if self._ctx is None:  # the memory and batch pointers are freed: using them would crash
+            raise SpecDecodeError("this LlamaCppModel is closed; create a new one")
+        if not 0 <= seq < self.n_seq_max:
+            raise InvalidRequestError(f"sequence id {seq} is outside 0..{self.n_seq_max - 1}; raise n_seq_max")
+
+    # ---------------------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Free the context, the batch and the model; safe to call twice."""
+        llama_cpp = self._llama
+        if llama_cpp is None:
+            return
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the binding may be half torn down
+            self.close()
