@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from specdecode.backends.base import SequenceModel
 from specdecode.backends.device import resolve_device, resolve_dtype
+from specdecode.backends.llamacpp_sequence import LlamaCppSequence, load_llamacpp_model
+from specdecode.backends.select import LLAMACPP, choose_backend
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import (
     DRAFT_MODEL_METHODS,
@@ -38,7 +44,7 @@ from specdecode.errors import InvalidRequestError
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
 from specdecode.kv.static import check_kv_dtype
 from specdecode.models.heads import DraftHeads, EagleHead, MedusaHeads, load_heads
-from specdecode.models.loader import LoadedModel, load_model
+from specdecode.models.loader import LoadedModel, gguf_source, load_model
 from specdecode.quant.apply import check_quant
 
 CATCH_UP_PROBE_ROWS = 64  # tokens in the timed draft pass that prices a catch-up per token
@@ -138,22 +144,35 @@ class SpecDecoder:
         self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
         # One drafter per method this decoder can run; a call picks one by name.
         self.ngram_drafter = NgramDrafter(spec.ngram_max, spec.ngram_min)
+        self.backend = target.backend
+        if self.backend == LLAMACPP and (spec.skip_layers or heads is not None or kv_dtype != "auto"):
+            raise InvalidRequestError(
+                "Layer skip, Medusa/EAGLE heads and the int8 KV cache need the torch backend (--backend torch)."
+            )
         self.draft_drafter = None if draft is None else DraftModelDrafter(
-            TorchSequence(draft.model, kv_dtype), target.config.vocab_size, spec.draft_confidence
+            self._sequence(draft), target.config.vocab_size, spec.draft_confidence
         )
         self.drafters: dict[str, Drafter] = {"ngram": self.ngram_drafter}
         if self.draft_drafter is not None:
             self.drafters["draft"] = self.draft_drafter
         if spec.skip_layers:  # shares the target's weights and KV cache: costs no memory
             self.drafters["layerskip"] = LayerSkipDrafter(target.model, spec.skip_layers, spec.draft_confidence)
-        self.engine = SpecEngine(TorchSequence(target.model, kv_dtype), self.eos_token_ids)
+        self.engine = SpecEngine(self._sequence(target), self.eos_token_ids)
         self._draft_token_seconds: float | None = None  # the auto method's catch-up price
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
             self.attach_heads(heads, spec.tree_size)
 
+    def _sequence(self, loaded: LoadedModel) -> SequenceModel:
+        """One sequence of a loaded model on its backend, for the single-request engine."""
+        if loaded.backend == LLAMACPP:
+            return LlamaCppSequence(loaded.model)
+        return TorchSequence(loaded.model, self.kv_dtype)
+
     def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
         """Make method ``heads.config.kind`` (medusa or eagle) available with these heads."""
+        if self.backend != "torch":
+            raise InvalidRequestError("Medusa and EAGLE heads need the torch backend (--backend torch).")
         heads.config.check_target(self.target.config)
         trained_for = heads.config.target_name
         if trained_for and trained_for != self.target.name:
@@ -206,6 +225,7 @@ class SpecDecoder:
         heads: str | Path | None = None,
         tree_size: int | None = None,
         acceptance: str = "lossless",
+        backend: str = "auto",
         show_progress: bool = True,
     ) -> SpecDecoder:
         """Load models by name: a demo model name, a .gguf file, a local HF folder or a hub id.
@@ -219,7 +239,10 @@ class SpecDecoder:
         (``layerskip_config``); the demo target has a tuned file built in. Methods ``medusa``
         and ``eagle`` need ``heads``, a folder ``specdecode train`` wrote for this target;
         ``tree_size`` bounds their trees and ``acceptance="typical"`` opts into Medusa's
-        lossy typical acceptance.
+        lossy typical acceptance. ``backend`` (``backends/select.py``): "auto" runs GGUF files
+        on llama.cpp on a CPU where llama-cpp-python is installed and the method allows it,
+        "torch" or "llama.cpp" force one; on llama.cpp ``dtype="fp32"`` keeps its KV cache in
+        f32 (exact to ~1e-5 against fp32 torch), any other dtype takes llama.cpp's f16 cache.
         """
         from specdecode.models import demo
 
@@ -250,12 +273,26 @@ class SpecDecoder:
                     "--method draft needs a draft model: pass --draft (a smaller model with the same "
                     "tokenizer), or --method none for plain decoding."
                 )
+        uses_draft = method in DRAFT_MODEL_METHODS and draft is not None
+        choice = choose_backend(
+            backend, target_is_gguf=gguf_source(target, show_progress) is not None,
+            draft_is_gguf=(gguf_source(draft, show_progress) is not None) if uses_draft else None,
+            device=torch_device, method=method, weight_quant=(target_quant, draft_quant) != ("none", "none"),
+            kv_int8=kv_dtype == "int8",
+        )
+        if show_progress:
+            print(f"specdecode: backend {choice.name} ({choice.reason})", file=sys.stderr, flush=True)
+        if choice.name == LLAMACPP:
+            exact = torch_dtype == torch.float32
+            target_model = load_llamacpp_model(target, exact=exact, show_progress=show_progress)
+            draft_model = load_llamacpp_model(draft, exact=exact, show_progress=show_progress) if uses_draft else None
+            return cls(target_model, draft_model, spec)
         target_model = load_model(target, torch_dtype, torch_device, show_progress=show_progress, quant=target_quant)
         if skip_layers or layerskip_config or method == "layerskip":
             chosen = resolve_skip_layers(target, target_model.config.num_layers, skip_layers, layerskip_config)
             spec = replace(spec, skip_layers=chosen)
         draft_model = None
-        if method in DRAFT_MODEL_METHODS and draft is not None:
+        if uses_draft:
             draft_model = load_model(draft, torch_dtype, torch_device, show_progress=show_progress, quant=draft_quant)
         loaded_heads = None if heads is None else load_heads(heads, torch_dtype, torch_device)
         return cls(target_model, draft_model, spec, kv_dtype=kv_dtype, heads=loaded_heads)
@@ -369,6 +406,11 @@ class SpecDecoder:
         costs and falls to plain decoding where speculation stops paying; without it every
         speculative request drafts its own k each step.
         """
+        if self.backend != "torch":
+            raise InvalidRequestError(
+                "The continuous-batching engine (generate_batch, the server) runs on the torch backend; "
+                "load the decoder with backend='torch' (--backend torch)."
+            )
         if self.kv_dtype != "auto":
             raise InvalidRequestError("The batch engine's paged KV cache stores the model dtype only; drop --kv-dtype int8.")
         verify_costs = draft_costs = None

@@ -247,6 +247,24 @@ class LlamaCppModel:
         self._seq_slots = [self._batch.seq_id[i] for i in range(n)]  # each token's seq id array
         self._n_seq_id[:] = 1
 
+    def describe(self) -> dict[str, Any]:
+        """The model's shape and special tokens as llama.cpp read them from the GGUF metadata."""
+        llama, model = self._llama, self._model
+        vocab = llama.llama_model_get_vocab(model)
+        buffer = ctypes.create_string_buffer(256)
+        length = llama.llama_model_meta_val_str(model, b"general.architecture", buffer, len(buffer))
+        eos = {llama.llama_vocab_eos(vocab), llama.llama_vocab_eot(vocab)} - {-1}  # -1: the vocabulary has none
+        return {
+            "architecture": buffer.value.decode() if length > 0 else "unknown",
+            "n_layer": llama.llama_model_n_layer(model),
+            "n_embd": llama.llama_model_n_embd(model),
+            "n_head": llama.llama_model_n_head(model),
+            "n_head_kv": llama.llama_model_n_head_kv(model),
+            "n_ctx_train": llama.llama_model_n_ctx_train(model),
+            "eos_token_ids": sorted(eos),
+            "weight_bytes": llama.llama_model_size(model),
+        }
+
     # ---------------------------------------------------------------------------- cache
 
     def cached_length(self, seq: int) -> int:

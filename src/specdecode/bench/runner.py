@@ -203,7 +203,8 @@ class Bench:
             k=config.k, draft_confidence=config.draft_confidence,
             ngram_max=config.ngram_max, ngram_min=config.ngram_min,
             skip_layers=config.skip_layers, layerskip_config=config.layerskip_config,
-            dtype=config.dtype, device=config.device, kv_dtype=config.kv_dtype, show_progress=not config.quiet,
+            dtype=config.dtype, device=config.device, kv_dtype=config.kv_dtype, backend="torch",
+            show_progress=not config.quiet,
         )
         if any(label.base == "layerskip" for label in labels.values()) and not self.decoder.spec.skip_layers:
             # No layers given: the target's built-in tuned choice (the demo target has one).

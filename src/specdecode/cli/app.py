@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdecode.backends.base import BACKENDS
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
 from specdecode.cli.serve import add_serve_parser, cmd_serve
 from specdecode.cli.train import add_train_parser, add_tree_arguments, cmd_train
@@ -77,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto", help="auto: bf16 where supported, else fp32")
     gen.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    gen.add_argument("--backend", choices=BACKENDS, default="auto",
+                     help="auto: llama.cpp for GGUF files on the CPU where llama-cpp-python is installed, else torch")
     _add_quant_arguments(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
@@ -154,7 +157,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     overlap = set(train) & set(held)
     if overlap:
         raise InvalidRequestError(f"{len(overlap)} evaluation prompt(s) also appear among the training prompts; keep them apart.")
-    base = SpecDecoder.from_pretrained(args.target, args.draft, method="draft", draft_confidence=0.0,
+    base = SpecDecoder.from_pretrained(args.target, args.draft, method="draft", draft_confidence=0.0, backend="torch",
                                        dtype=args.dtype, device=args.device, show_progress=not args.quiet)
     assert base.draft is not None
     if config.train_layers > base.draft.config.num_layers:
@@ -228,7 +231,8 @@ def cmd_tune_layerskip(args: argparse.Namespace) -> int:
     except ValueError:
         raise InvalidRequestError(f"--skip-counts takes integers, got {','.join(args.skip_counts)}.") from None
     decoder = SpecDecoder.from_pretrained(
-        args.target, method="none", k_max=args.k_max, dtype=args.dtype, device=args.device, show_progress=not args.quiet
+        args.target, method="none", k_max=args.k_max, dtype=args.dtype, device=args.device, backend="torch",
+        show_progress=not args.quiet,
     )
     chat = _use_chat(decoder.tokenizer, args.chat)
     prompts = [decoder.encode(text, chat=chat) for text in texts]
@@ -477,6 +481,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         target_quant=args.target_quant,
         draft_quant=args.draft_quant,
         kv_dtype=args.kv_dtype,
+        backend=args.backend,
         heads=args.heads,
         tree_size=args.tree_size,
         acceptance=args.acceptance,

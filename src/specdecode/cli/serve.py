@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdecode.backends.base import BACKENDS
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
 
 
@@ -36,6 +37,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="auto: llama.cpp for GGUF files on the CPU (requests then run one at a time), else torch")
     parser.add_argument("--target-quant", choices=QUANT_CHOICES, default="none")
     parser.add_argument("--draft-quant", choices=QUANT_CHOICES, default="none")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
@@ -66,12 +69,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     decoder = SpecDecoder.from_pretrained(
         args.target, args.draft, method=args.method, k=args.k, heads=args.heads, tree_size=args.tree_size,
         dtype=args.dtype, device=args.device, target_quant=args.target_quant, draft_quant=args.draft_quant,
-        kv_dtype=args.kv_dtype,
+        kv_dtype=args.kv_dtype, backend=args.backend,
     )
     name = args.model_name or (args.target or demo.DEFAULT_TARGET)
     worker = None
     if args.max_batch > 0:
-        if args.kv_dtype != "auto":
+        if decoder.backend != "torch":
+            print(f"backend {decoder.backend}: the continuous-batching engine runs on torch; requests run one at a "
+                  "time (--backend torch to batch them).", file=sys.stderr)
+        elif args.kv_dtype != "auto":
             print("--kv-dtype int8: the batch engine's paged cache has no int8 storage yet; requests run one at a time.",
                   file=sys.stderr)
         else:

@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -27,11 +28,12 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt
 @dataclass(slots=True)
 class LoadedModel:
     name: str
-    folder: Path
-    model: Transformer
+    folder: Path  # the tokenizer (and, on the torch backend, config and weights)
+    model: Any  # models.llama.Transformer on the torch backend, backends.llamacpp.LlamaCppModel on llama.cpp
     tokenizer: object  # a transformers PreTrainedTokenizerBase
     config: ModelConfig
     quant: str = "none"  # weight quantization applied at load: none, int8, int4
+    backend: str = "torch"  # where its passes run: "torch" or "llama.cpp"
 
 
 def gguf_source(name: str, show_progress: bool = True) -> Path | None:
