@@ -72,17 +72,15 @@ def train_pattern_heads(kind: str, features: tuple[Path, list[Path]], out: Path,
 NEAR_TIE = 5e-3
 
 
-def greedy_margins(model, prompt_ids: list[int], continuation: list[int], kv_dtype: str = "auto") -> list[float]:
-    """The top-1 minus top-2 logit gap of ``model`` at each position of ``continuation``
-    (teacher-forced: one pass over prompt + continuation, through a cache of ``kv_dtype``)."""
-    import torch
-
-    from specdecode.kv.static import reusable_cache
-
+def greedy_margins(dec, prompt_ids: list[int], continuation: list[int]) -> list[float]:
+    """The top-1 minus top-2 logit gap of ``dec``'s target at each position of ``continuation``
+    (teacher-forced: one pass over prompt + continuation on the decoder's own backend, through
+    the cache kind it decodes with)."""
     ids = list(prompt_ids) + list(continuation)
-    cache = reusable_cache(None, model.config, len(ids), model.dtype, model.device, kv_dtype)
+    target = dec.engine.target
+    target.begin(len(ids))
     with torch.inference_mode():
-        logits = model.extend(cache, torch.tensor([ids], device=model.device), 0).logits[0]  # (T, V)
+        logits = target.extend(torch.tensor([ids], device=target.device), 0).logits[0]  # (T, V)
     top2 = logits[len(prompt_ids) - 1 : len(ids) - 1].float().topk(2, dim=-1).values  # (len(continuation), 2)
     return (top2[:, 0] - top2[:, 1]).tolist()
 
@@ -133,16 +131,25 @@ NEW_TOKENS = 3
 CHI2_CRITICAL_P001 = {26: 54.05, 25: 52.62, 24: 51.18, 23: 49.73, 22: 48.27, 21: 46.80, 20: 45.31}
 
 
+def last_logits(dec, ids: list[int]) -> torch.Tensor:  # -> (V,)
+    """The target's logits after ``ids``, computed by the target alone: a cacheless pass of the
+    torch model, or one fresh pass of the llama.cpp sequence."""
+    with torch.inference_mode():
+        if dec.backend == "torch":
+            tokens = torch.tensor([ids], device=dec.engine.device)
+            return dec.target.model(tokens, torch.arange(len(ids), device=tokens.device)[None]).logits[0, -1]
+        target = dec.engine.target
+        target.begin(len(ids))
+        return target.extend(torch.tensor([ids]), 0, logits_last=1).logits[0, -1]
+
+
 def exact_sequence_distribution(dec, prompt_ids: list[int]) -> dict[tuple[int, ...], float]:
     processor = LogitsProcessor(temperature=1.0, top_k=TOP_K, top_p=1.0)
-    model = dec.target.model
     dist: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(NEW_TOKENS):
         grown = {}
         for seq, prob in dist.items():
-            ids = torch.tensor([prompt_ids + list(seq)], device=dec.engine.device)
-            with torch.inference_mode():
-                logits = model(ids, torch.arange(ids.shape[1], device=ids.device)[None]).logits[0, -1]
+            logits = last_logits(dec, prompt_ids + list(seq))
             probs = processor.probs(logits)
             for token in torch.nonzero(probs > 0).flatten().tolist():
                 grown[seq + (token,)] = prob * probs[token].item()
@@ -188,10 +195,13 @@ def install_wrong_residual(monkeypatch, module=None) -> None:
 def copyable_prompt(dec) -> list[int]:
     head = dec.encode("def quicksort(arr):")
     vocab = dec.target.config.vocab_size
-    candidates = torch.tensor([head + [x] + head for x in range(vocab)])  # (V, T)
-    positions = torch.arange(candidates.shape[1]).expand_as(candidates)
-    with torch.inference_mode():
-        logits = dec.target.model(candidates, positions).logits[:, -1]  # (V, V)
+    if dec.backend == "torch":  # all candidates in one batched pass
+        candidates = torch.tensor([head + [x] + head for x in range(vocab)])  # (V, T)
+        positions = torch.arange(candidates.shape[1]).expand_as(candidates)
+        with torch.inference_mode():
+            logits = dec.target.model(candidates, positions).logits[:, -1]  # (V, V)
+    else:
+        logits = torch.stack([last_logits(dec, head + [x] + head) for x in range(vocab)])  # (V, V)
     probs = LogitsProcessor(temperature=1.0, top_k=3, top_p=1.0).probs(logits)
     p_self = probs[torch.arange(vocab), torch.arange(vocab)]
     chosen = int(torch.argmin((p_self - 0.5).abs()))

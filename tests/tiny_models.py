@@ -593,3 +593,50 @@ def make_spm_vocab(num_merges: int = 150) -> tuple[list[str], list[float], list[
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
     types += [gguf.TokenType.NORMAL] * (len(learned) + len(chars))
     return tokens, scores, [int(t) for t in types]
+
+
+def write_tiny_qwen3_gguf(tokenizer_dir: Path, path: Path, seed: int = 0) -> None:
+    """A random 2-layer Qwen3 (q/k RMSNorm per head, no biases) with the tiny tokenizer."""
+    hidden, layers, heads, kv_heads, head_dim, ffn = 128, 2, 4, 2, 32, 256
+    vocab = TINY_VOCAB_SIZE
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int) -> np.ndarray:
+        return (WEIGHT_INIT_STD * rng.standard_normal(shape)).astype(np.float32)
+
+    def gain(size: int) -> np.ndarray:
+        return (1.0 + NORM_GAIN_NOISE_STD * rng.standard_normal(size)).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_name("tiny-qwen3")
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1_000_000.0)
+    _add_tokenizer_metadata(writer, tokenizer_dir, vocab)
+    writer.add_tensor("token_embd.weight", weight(vocab, hidden))
+    writer.add_tensor("output_norm.weight", gain(hidden))
+    writer.add_tensor("output.weight", weight(vocab, hidden))
+    for layer in range(layers):
+        prefix = f"blk.{layer}."
+        writer.add_tensor(prefix + "attn_norm.weight", gain(hidden))
+        writer.add_tensor(prefix + "attn_q.weight", weight(heads * head_dim, hidden))
+        writer.add_tensor(prefix + "attn_k.weight", weight(kv_heads * head_dim, hidden))
+        writer.add_tensor(prefix + "attn_v.weight", weight(kv_heads * head_dim, hidden))
+        writer.add_tensor(prefix + "attn_q_norm.weight", gain(head_dim))
+        writer.add_tensor(prefix + "attn_k_norm.weight", gain(head_dim))
+        writer.add_tensor(prefix + "attn_output.weight", weight(hidden, heads * head_dim))
+        writer.add_tensor(prefix + "ffn_norm.weight", gain(hidden))
+        writer.add_tensor(prefix + "ffn_gate.weight", weight(ffn, hidden))
+        writer.add_tensor(prefix + "ffn_up.weight", weight(ffn, hidden))
+        writer.add_tensor(prefix + "ffn_down.weight", weight(hidden, ffn))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -195,7 +195,7 @@ def test_greedy_speculative_equals_plain_of_the_same_quantized_target(
     accepted = proposed = compared = total = 0
     for prompt in PROMPTS[:4]:
         plain = dec.generate(prompt, SamplingParams(max_new_tokens=24), method="none").token_ids
-        margins = greedy_margins(dec.target.model, dec.encode(prompt), plain, kv_dtype)
+        margins = greedy_margins(dec, dec.encode(prompt), plain)
         for k in (1, 3, 6):
             result = dec.generate(prompt, SamplingParams(max_new_tokens=24), k=k)
             compared += assert_greedy_equal_up_to_near_tie(result.token_ids, plain, margins, f"k={k} prompt={prompt!r}")
