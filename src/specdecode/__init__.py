@@ -6,9 +6,10 @@
     print(result.text, result.stats.tau)
 """
 
-from specdecode.api import GenerationResult, GenerationStream, SpecDecoder
+from specdecode.api import SpecDecoder
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.stream import GenerationResult, GenerationStream
 from specdecode.errors import SpecDecodeError
 
 __all__ = [

@@ -5,9 +5,8 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,6 +23,7 @@ from specdecode.config import (
     SpecConfig,
     check_acceptance,
     check_k_policy,
+    resolve_k,
 )
 from specdecode.costs.batch_k import PassCosts
 from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK
@@ -33,12 +33,13 @@ from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import DEFAULT_TREE_SIZE as EAGLE_TREE_SIZE
 from specdecode.drafters.eagle import EagleDrafter
-from specdecode.drafters.layer_skip import LayerSkipDrafter, check_skip_layers
+from specdecode.drafters.layer_skip import LayerSkipDrafter, resolve_skip_layers
 from specdecode.drafters.medusa import MedusaDrafter, build_static_tree, cost_aware_tree_size
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.single import SpecEngine
+from specdecode.engine.stream import GenerationResult, GenerationStream
 from specdecode.engine.text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
@@ -49,74 +50,6 @@ from specdecode.quant.apply import check_quant
 
 CATCH_UP_PROBE_ROWS = 64  # tokens in the timed draft pass that prices a catch-up per token
 BATCH_PROBE_MAX_ROWS = 64  # the largest pass timed for the batch engine's costs; larger ones extrapolate
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # new tokens only (an end-of-generation token included, as HF does)
-    stats: GenerationStats
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
-
-
-class GenerationStream:
-    """Iterates over text deltas as tokens are accepted; ``.result`` is set when it ends."""
-
-    def __init__(self, token_chunks: Iterator[list[int]], decoder: IncrementalDecoder, stats: GenerationStats) -> None:
-        self._chunks = token_chunks
-        self._decoder = decoder
-        self.stats = stats
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        try:
-            for chunk in self._chunks:
-                delta = self._decoder.add(chunk)
-                if delta:
-                    yield delta
-                if self._decoder.stopped:
-                    self.stats.stop_reason = "stop_string"
-                    break
-            tail = self._decoder.flush()
-            if tail:
-                yield tail
-        finally:
-            self._chunks.close()  # finishes the engine's timing even when stopped early
-            self.result = GenerationResult(self._decoder.text, list(self._decoder.token_ids), self.stats)
-
-
-def resolve_skip_layers(
-    target: str, num_layers: int, skip_layers: Sequence[int] | None, layerskip_config: str | Path | None
-) -> tuple[int, ...]:
-    """The layers layer skip drops: given explicitly, from a tune-layerskip file, or the demo target's built-in choice."""
-    from specdecode.training.layer_search import LayerSkipChoice, builtin_choice
-
-    if skip_layers and layerskip_config:
-        raise InvalidRequestError("Give the layers to skip either as --skip-layers or as --layerskip-config, not both.")
-    if skip_layers:
-        return check_skip_layers(skip_layers, num_layers)
-    if layerskip_config:
-        return LayerSkipChoice.load(Path(layerskip_config), num_layers).skip_layers
-    builtin = builtin_choice(target)
-    if builtin is None:
-        raise InvalidRequestError(
-            f"--method layerskip needs the layers to skip for {target}: run `specdecode tune-layerskip --target "
-            f"{target} --out layerskip.json` and pass --layerskip-config layerskip.json, or give --skip-layers."
-        )
-    return check_skip_layers(builtin.skip_layers, num_layers)
-
-
-def resolve_k(k: int | str | None, k_policy: str | None) -> tuple[int | None, str | None]:
-    """(fixed k or None, policy or None) from ``k`` (an int, "auto" or None) and ``k_policy``."""
-    if isinstance(k, str):
-        if k != "auto":
-            raise InvalidRequestError(f"k must be a positive integer or 'auto', got {k!r}.")
-        if k_policy == "fixed":
-            raise InvalidRequestError("k='auto' needs k_policy 'cost' or 'threshold', not 'fixed'.")
-        return None, k_policy or "cost"
-    return k, k_policy
 
 
 class SpecDecoder:

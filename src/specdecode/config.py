@@ -247,3 +247,14 @@ def check_ngram_sizes(ngram_max: int, ngram_min: int) -> None:
         raise InvalidRequestError(
             f"n-gram sizes need 1 <= ngram_min <= ngram_max, got min {ngram_min} and max {ngram_max}."
         )
+
+
+def resolve_k(k: int | str | None, k_policy: str | None) -> tuple[int | None, str | None]:
+    """(fixed k or None, policy or None) from ``k`` (an int, "auto" or None) and ``k_policy``."""
+    if isinstance(k, str):
+        if k != "auto":
+            raise InvalidRequestError(f"k must be a positive integer or 'auto', got {k!r}.")
+        if k_policy == "fixed":
+            raise InvalidRequestError("k='auto' needs k_policy 'cost' or 'threshold', not 'fixed'.")
+        return None, k_policy or "cost"
+    return k, k_policy

@@ -7,7 +7,7 @@ import pytest
 from helpers import PROMPTS, decoder, plain_tokens
 
 from specdecode import SamplingParams
-from specdecode.api import resolve_k
+from specdecode.config import resolve_k
 from specdecode.costs.k_policy import (
     DROP_BELOW,
     PROBE_AFTER,

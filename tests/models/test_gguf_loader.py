@@ -445,8 +445,8 @@ def test_gguf_and_safetensors_loads_give_the_same_model(
     torch.testing.assert_close(a, b, atol=LOGITS_ATOL, rtol=0)
     params = SamplingParams(max_new_tokens=16)
     texts = [
-        SpecDecoder.from_pretrained(str(src), method="none", dtype="fp32", device="cpu", show_progress=False)
-        .generate("def quicksort(arr):", params)
+        SpecDecoder.from_pretrained(str(src), method="none", dtype="fp32", device="cpu", backend="torch",
+                                    show_progress=False).generate("def quicksort(arr):", params)
         for src in (paths["gguf"], paths["ref"])
     ]
     assert texts[0].token_ids == texts[1].token_ids and texts[0].text == texts[1].text

@@ -176,7 +176,8 @@ class Bench:
     """Loaded models and methods; ``run`` measures the prompts and returns the results dict."""
 
     def __init__(self, config: BenchConfig) -> None:
-        from specdecode.api import SpecDecoder, resolve_skip_layers
+        from specdecode.api import SpecDecoder
+        from specdecode.drafters.layer_skip import resolve_skip_layers
 
         if config.methods == DEFAULT_METHODS and not _layerskip_configured(config):
             # The default "every method" cannot include layer skip for a target nobody tuned it for.

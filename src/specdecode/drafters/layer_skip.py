@@ -18,6 +18,7 @@ Which layers to skip is a measured choice: ``specdecode tune-layerskip`` (``trai
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -88,3 +89,24 @@ class LayerSkipDrafter:
 
     def on_verified(self, num_accepted: int) -> None:
         pass  # the verify pass overwrote every slot a draft pass wrote
+
+
+def resolve_skip_layers(
+    target: str, num_layers: int, skip_layers: Sequence[int] | None, layerskip_config: str | Path | None
+) -> tuple[int, ...]:
+    """The layers layer skip drops: given explicitly, from a tune-layerskip file, or the demo target's built-in choice."""
+    from specdecode.training.layer_search import LayerSkipChoice, builtin_choice
+
+    if skip_layers and layerskip_config:
+        raise InvalidRequestError("Give the layers to skip either as --skip-layers or as --layerskip-config, not both.")
+    if skip_layers:
+        return check_skip_layers(skip_layers, num_layers)
+    if layerskip_config:
+        return LayerSkipChoice.load(Path(layerskip_config), num_layers).skip_layers
+    builtin = builtin_choice(target)
+    if builtin is None:
+        raise InvalidRequestError(
+            f"--method layerskip needs the layers to skip for {target}: run `specdecode tune-layerskip --target "
+            f"{target} --out layerskip.json` and pass --layerskip-config layerskip.json, or give --skip-layers."
+        )
+    return check_skip_layers(builtin.skip_layers, num_layers)

@@ -241,7 +241,7 @@ def cached_tokenizer_folder(gguf_path: Path, show_progress: bool = True) -> Path
     import sys
     import tempfile
 
-    from specdecode.models.gguf_loader import _open_gguf
+    from specdecode.models.gguf_metadata import open_gguf
     from specdecode.models.paths import cache_dir
 
     resolved = Path(gguf_path).expanduser().resolve()
@@ -255,7 +255,7 @@ def cached_tokenizer_folder(gguf_path: Path, show_progress: bool = True) -> Path
         return folder
     if show_progress:  # parsing a 150k-token vocabulary takes seconds
         print(f"specdecode: reading the tokenizer of {resolved.name}", file=sys.stderr, flush=True)
-    reader = _open_gguf(resolved)
+    reader = open_gguf(resolved)
     metadata = {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
     folder.parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))

@@ -33,10 +33,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdecode.api import GenerationStream, SpecDecoder
+from specdecode.api import SpecDecoder
 from specdecode.config import METHODS, SamplingParams
 from specdecode.engine.batch import BATCH_METHODS
 from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.stream import GenerationStream
 from specdecode.errors import SpecDecodeError
 from specdecode.serving.worker import BatchWorker
 

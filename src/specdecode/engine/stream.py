@@ -1,0 +1,51 @@
+"""What a generation returns: the result, and the stream of text deltas that leads to it.
+
+Both engines yield committed token chunks; ``GenerationStream`` turns them into text as tokens
+are accepted (stop strings applied by ``engine.text.IncrementalDecoder``) and finishes the
+engine's timing when the caller stops early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.text import IncrementalDecoder
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens only (an end-of-generation token included, as HF does)
+    stats: GenerationStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+class GenerationStream:
+    """Iterates over text deltas as tokens are accepted; ``.result`` is set when it ends."""
+
+    def __init__(self, token_chunks: Iterator[list[int]], decoder: IncrementalDecoder, stats: GenerationStats) -> None:
+        self._chunks = token_chunks
+        self._decoder = decoder
+        self.stats = stats
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            for chunk in self._chunks:
+                delta = self._decoder.add(chunk)
+                if delta:
+                    yield delta
+                if self._decoder.stopped:
+                    self.stats.stop_reason = "stop_string"
+                    break
+            tail = self._decoder.flush()
+            if tail:
+                yield tail
+        finally:
+            self._chunks.close()  # finishes the engine's timing even when stopped early
+            self.result = GenerationResult(self._decoder.text, list(self._decoder.token_ids), self.stats)
