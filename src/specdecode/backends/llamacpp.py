@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Self
 import numpy as np
 import torch
 
+from specdecode.backends.llamacpp_threads import attach_shared_threadpool
 from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeError
 
 LOGITS_MODES = ("all", "last", "none")
@@ -181,6 +182,8 @@ class LlamaCppModel:
         self._model = self._load_model(llama_cpp)
         self.vocab_size: int = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))
         self._ctx = self._new_context(llama_cpp, kv_type, flash_attn)
+        # One thread pool for all our contexts (a target and its draft): see llamacpp_threads.py.
+        self.shared_threads = attach_shared_threadpool(llama_cpp, self._ctx, self.n_threads)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._init_batch(llama_cpp)
 
