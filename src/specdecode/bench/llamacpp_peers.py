@@ -200,3 +200,79 @@ class LlamaCppPyMethod:
             proposed_at_position=list(stats.proposed_at_position),
             accepted_at_position=list(stats.accepted_at_position),
         )
+
+
+@dataclass(slots=True)
+class LlamaCppSide:
+    """What the llama.cpp methods of a run share: the GGUF files, our decoder on llama.cpp
+    (None when only peers run), and the settings every llama.cpp method gets alike."""
+
+    files: GGUFFiles
+    decoder: Any  # specdecode.SpecDecoder on the llama.cpp backend, or None
+    context: int  # positions per sequence, for ours and the peers alike
+    exact: bool  # dtype fp32: f32 KV cache, flash attention off
+    threads: int
+    target_bytes: int  # weight bytes per forward pass, as the GGUF stores them
+    draft_bytes: int
+
+    def describe(self) -> dict[str, Any]:
+        """The llama.cpp side as results.json records it."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            binding = version("llama-cpp-python")
+        except PackageNotFoundError:
+            binding = None
+        draft = self.files.draft
+        return {
+            "llama_cpp_python": binding,
+            "threads": self.threads,
+            "context": self.context,
+            "kv_cache": "f32, flash attention off" if self.exact else "f16, flash attention llama.cpp's choice",
+            "target": {"path": str(self.files.target), "weight_bytes_per_forward": self.target_bytes},
+            "draft": {"path": str(draft), "weight_bytes_per_forward": self.draft_bytes} if draft else None,
+        }
+
+
+def load_llamacpp_side(
+    target: str,
+    draft: str | None,
+    labels: dict[str, Any],  # method name -> bench.methods.MethodLabel, the llama.cpp ones only
+    *,
+    dtype: str,
+    context: int,
+    show_progress: bool,
+    **spec: Any,  # k, draft_confidence, ngram_max, ngram_min for our decoder
+) -> LlamaCppSide:
+    """Resolve the GGUF files and load our decoder on llama.cpp if any of our methods asks for it."""
+    import torch
+
+    from specdecode.api import SpecDecoder
+    from specdecode.backends.device import resolve_dtype
+    from specdecode.backends.llamacpp import physical_core_count
+    from specdecode.backends.select import LLAMACPP, llamacpp_installed
+    from specdecode.bench.methods import LLAMACPP_BIN_METHODS, LLAMACPP_PEERS, uses_draft_model
+    from specdecode.bench.roofline import gguf_weight_bytes_per_forward
+
+    needs_binding = [name for name, label in labels.items() if label.base not in LLAMACPP_BIN_METHODS]
+    if needs_binding and not llamacpp_installed():
+        raise InvalidRequestError(
+            f"Methods {', '.join(needs_binding)} need llama-cpp-python: pip install 'specdecode[llamacpp]' "
+            "(it compiles llama.cpp), or leave those methods out."
+        )
+    ours = {name: label for name, label in labels.items() if label.base not in LLAMACPP_PEERS}
+    ours_draft = any(uses_draft_model(label.base) for label in ours.values())
+    files = resolve_gguf_files(target, draft, list(labels), any(uses_draft_model(label.base) for label in labels.values()))
+    decoder = None
+    if ours:
+        decoder = SpecDecoder.from_pretrained(
+            str(files.target), str(files.draft) if ours_draft else None, method="draft" if ours_draft else "none",
+            dtype=dtype, device="cpu", backend=LLAMACPP, show_progress=show_progress,
+            **{key: value for key, value in spec.items() if value is not None},
+        )
+    return LlamaCppSide(
+        files=files, decoder=decoder, context=context,
+        exact=resolve_dtype(dtype, torch.device("cpu")) == torch.float32, threads=physical_core_count(),
+        target_bytes=gguf_weight_bytes_per_forward(files.target),
+        draft_bytes=gguf_weight_bytes_per_forward(files.draft) if files.draft else 0,
+    )
