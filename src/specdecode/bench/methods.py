@@ -134,7 +134,7 @@ def parse_method(label: str) -> MethodLabel:
             f"{label}: quantized and llama.cpp variants exist for specdecode's methods only, not {base} "
             "(the llama.cpp peers already run the GGUF files on llama.cpp)."
         )
-    if quants == LLAMACPP or quants.startswith(LLAMACPP + "/"):
+    if LLAMACPP in quants.split("/"):
         return _llamacpp_label(label, base, k, k_policy, quants)
     target_quant, slash, draft_quant = quants.partition("/")
     draft_quant = draft_quant if slash else "none"
