@@ -6,7 +6,6 @@ written to the printf formats in their source, run through stand-in executables)
 from __future__ import annotations
 
 import json
-import os
 import stat
 import sys
 from pathlib import Path
@@ -14,9 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-
 import tiny_models
+import torch
 from conftest import _noisy_copy
 
 from specdecode import cli
@@ -180,7 +178,7 @@ def test_binary_methods_run_with_greedy_arguments_and_a_timeout(tmp_path: Path) 
     _stand_in(tmp_path, "llama-speculative-simple", body)
     _stand_in(tmp_path, "llama-lookup", "time.sleep(30)")
     tokenizer = _CharTokenizer()
-    common = dict(tokenizer=tokenizer, eos_token_ids=[0], threads=3, context=512, exact=True, k=4)
+    common: dict[str, Any] = {"tokenizer": tokenizer, "eos_token_ids": [0], "threads": 3, "context": 512, "exact": True, "k": 4}
     draft = LlamaCppBinaryMethod("llamacpp-bin-draft", tmp_path, Path("t.gguf"), Path("d.gguf"), **common)
     turn = draft.run_turn(tokenizer.encode(PROMPT), SamplingParams(max_new_tokens=8))
     assert turn.text == "Hi! Hi!" and turn.draft_tokens_accepted == 5

@@ -177,7 +177,7 @@ class LlamaCppBinaryMethod:
         prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)  # the binary re-tokenizes it
         try:
             done = subprocess.run(self.command(prompt, params.max_new_tokens), capture_output=True, text=True,
-                                  errors="replace", timeout=self.timeout)
+                                  errors="replace", timeout=self.timeout, check=False)
         except subprocess.TimeoutExpired as err:
             raise InvalidRequestError(f"{self.binary.name} took more than {self.timeout:.0f} s on this prompt") from err
         if done.returncode != 0:

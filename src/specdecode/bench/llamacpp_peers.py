@@ -155,7 +155,7 @@ class LlamaCppPyMethod:
             self.draft.seconds = 0.0
         if params.seed is not None:
             llama.set_seed(params.seed)
-        sampling = dict(temp=params.temperature, top_k=params.top_k, top_p=params.top_p) if params.temperature > 0 else dict(temp=0.0)
+        sampling = {"temp": params.temperature, "top_k": params.top_k, "top_p": params.top_p} if params.temperature > 0 else {"temp": 0.0}
         tokens: list[int] = []
         yielded: list[int] = []  # tokens yielded after each pass
         draft_seconds = 0.0
