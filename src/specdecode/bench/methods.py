@@ -13,7 +13,17 @@ A specdecode method may name its draft length after a colon: ``draft:3``, ``draf
 name weight quantizations: ``none@int8`` is plain decoding of the
 int8 target, ``draft@int8/int4`` the draft method with an int8 target and an int4 draft
 (``quant.apply``). Its greedy output is checked against plain decoding of the same quantized
-target, and its speedup against ``none`` (the unquantized target).
+target, and its speedup against ``none`` (the unquantized target). The same slot may name
+the backend instead: ``draft@llama.cpp`` runs the draft method on the llama.cpp backend (the
+GGUF files themselves, which carry their own quantization, so the two cannot combine); its
+output is checked against ``none@llama.cpp`` and its speedup given against ``none`` and
+``none@llama.cpp``.
+
+The llama.cpp peers (``bench/llamacpp_peers.py``, ``bench/llamacpp_bin.py``) run the same
+GGUF files: ``llamacpp`` and ``llamacpp-lookup`` through llama-cpp-python's high-level
+``Llama``, ``llamacpp-bin-draft`` and ``llamacpp-bin-lookup`` through llama.cpp's own
+``llama-speculative-simple`` and ``llama-lookup`` binaries; their outputs are checked
+against ``llamacpp``.
 
 transformers exposes no acceptance counts, so for its methods we count forward passes with
 module hooks: tau is new tokens per target pass (1.0 exactly for ``hf``), the first target
@@ -37,17 +47,35 @@ HF_METHODS = ("hf", "hf-assisted", "hf-lookup")
 PLAIN_METHOD = "none"  # specdecode's plain decoding: the baseline of its own methods
 HF_PLAIN_METHOD = "hf"
 DEFAULT_HF_LOOKUP_TOKENS = 10  # transformers' documented example value
+# llama.cpp's peers on the same GGUF files: llama-cpp-python's high-level Llama, then
+# llama.cpp's own binaries (--llamacpp-bin).
+LLAMACPP_PY_METHODS = ("llamacpp", "llamacpp-lookup")
+LLAMACPP_BIN_METHODS = ("llamacpp-bin-draft", "llamacpp-bin-lookup")
+LLAMACPP_PEERS = LLAMACPP_PY_METHODS + LLAMACPP_BIN_METHODS
+LLAMACPP_PLAIN_PEER = "llamacpp"
+# llama-cpp-python's README: 10 "is the default and generally good for gpu, 2 performs better
+# for cpu-only machines"; this harness measures the CPU, so the CPU user's choice.
+DEFAULT_LLAMACPP_LOOKUP_TOKENS = 2
+PEERS = HF_METHODS + LLAMACPP_PEERS  # other libraries' methods: no draft length, quantization or backend
 
-
-QUANT_MARK = "@"
+QUANT_MARK = "@"  # the slot after it names weight quantizations or the backend
 K_MARK = ":"
 ADAPTIVE_K = {"auto": "cost", "threshold": "threshold"}  # label suffix -> k policy
+TORCH = "torch"
+LLAMACPP = "llama.cpp"  # as backends.select spells it
+PLAIN_LLAMACPP_METHOD = f"{PLAIN_METHOD}{QUANT_MARK}{LLAMACPP}"  # our plain decoding on llama.cpp
+
+
+def default_methods() -> tuple[str, ...]:
+    """What a run without --methods compares: specdecode's methods (plain first), then the
+    Hugging Face peers. The llama.cpp side is asked for by name (it needs GGUF files)."""
+    own = (PLAIN_METHOD,) + tuple(m for m in METHODS if m != PLAIN_METHOD)
+    return own + HF_METHODS
 
 
 def available_methods() -> tuple[str, ...]:
-    """specdecode's methods (plain first), then the Hugging Face peers."""
-    own = (PLAIN_METHOD,) + tuple(m for m in METHODS if m != PLAIN_METHOD)
-    return own + HF_METHODS
+    """Every base method name: the defaults, then the llama.cpp peers."""
+    return default_methods() + LLAMACPP_PEERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +87,24 @@ class MethodLabel:
     draft_quant: str = "none"
     k: int | None = None  # fixed draft length for this method (None: the run's --k)
     k_policy: str | None = None  # "cost" or "threshold" for an adaptive draft length
+    backend: str = TORCH  # where the method's passes run: "torch" or "llama.cpp" (the llama.cpp peers too)
 
     @property
     def plain(self) -> str:
-        """The plain decoding (of the same quantized target) this method must reproduce."""
+        """The plain decoding (same library, same backend, same quantized target) this method
+        must reproduce."""
         if self.base in HF_METHODS:
             return HF_PLAIN_METHOD
+        if self.base in LLAMACPP_PEERS:
+            return LLAMACPP_PLAIN_PEER
+        if self.backend == LLAMACPP:
+            return PLAIN_LLAMACPP_METHOD
         return PLAIN_METHOD if self.target_quant == "none" else f"{PLAIN_METHOD}{QUANT_MARK}{self.target_quant}"
+
+    @property
+    def on_llamacpp(self) -> bool:
+        """Whether the method reads the GGUF files through llama.cpp (ours on that backend, or a peer)."""
+        return self.backend == LLAMACPP
 
 
 def parse_method(label: str) -> MethodLabel:
@@ -74,11 +113,11 @@ def parse_method(label: str) -> MethodLabel:
     known = available_methods()
     if base not in known:
         raise InvalidRequestError(
-            f"Unknown method {base!r}; choose from: {', '.join(known)} (optionally with :k and @quant)."
+            f"Unknown method {base!r}; choose from: {', '.join(known)} (optionally with :k, and @quant or @llama.cpp)."
         )
     k, k_policy = None, None
     if k_marked:
-        if base in HF_METHODS or base == PLAIN_METHOD:
+        if base in PEERS or base == PLAIN_METHOD:
             raise InvalidRequestError(f"{label}: a draft length applies to specdecode's speculative methods only.")
         if base == "auto" and k_text in ADAPTIVE_K:
             raise InvalidRequestError(f"{label}: the auto method chooses its own source and draft length; ':N' sets its draft model's k.")
@@ -89,17 +128,39 @@ def parse_method(label: str) -> MethodLabel:
         else:
             raise InvalidRequestError(f"{label}: the draft length after ':' must be a positive integer, 'auto' or 'threshold'.")
     if not marked:
-        return MethodLabel(base, k=k, k_policy=k_policy)
+        return MethodLabel(base, k=k, k_policy=k_policy, backend=LLAMACPP if base in LLAMACPP_PEERS else TORCH)
+    if base in PEERS:
+        raise InvalidRequestError(
+            f"{label}: quantized and llama.cpp variants exist for specdecode's methods only, not {base} "
+            "(the llama.cpp peers already run the GGUF files on llama.cpp)."
+        )
+    if LLAMACPP in quants.split("/"):
+        return _llamacpp_label(label, base, k, k_policy, quants)
     target_quant, slash, draft_quant = quants.partition("/")
     draft_quant = draft_quant if slash else "none"
-    if base in HF_METHODS:
-        raise InvalidRequestError(f"{label}: quantized variants exist for specdecode's methods only, not {base}.")
     if slash and not uses_draft_model(base):
         raise InvalidRequestError(f"{label}: only the draft method has a draft model to quantize.")
     for quant in (target_quant, draft_quant):
         if quant not in QUANT_CHOICES:
-            raise InvalidRequestError(f"{label}: quantization must be one of {', '.join(QUANT_CHOICES)}, got {quant!r}.")
+            raise InvalidRequestError(f"{label}: quantization must be one of {', '.join(QUANT_CHOICES)} (or '@{LLAMACPP}' for the backend), got {quant!r}.")
     return MethodLabel(base, target_quant, draft_quant, k, k_policy)
+
+
+def _llamacpp_label(label: str, base: str, k: int | None, k_policy: str | None, slot: str) -> MethodLabel:
+    """``METHOD[:K]@llama.cpp``: specdecode's method on the llama.cpp backend."""
+    from specdecode.backends.select import TORCH_ONLY_METHODS
+
+    if slot != LLAMACPP:
+        raise InvalidRequestError(
+            f"{label}: quantization and llama.cpp cannot be combined (a GGUF file carries its own "
+            f"quantization; pick a quantized GGUF instead): write {base}{QUANT_MARK}{LLAMACPP}."
+        )
+    if base in TORCH_ONLY_METHODS:
+        raise InvalidRequestError(
+            f"{label}: method {base} needs the torch model (tree attention, hidden states or skipped layers); "
+            f"on llama.cpp choose from: {', '.join(m for m in default_methods() if m not in TORCH_ONLY_METHODS + PEERS)}."
+        )
+    return MethodLabel(base, k=k, k_policy=k_policy, backend=LLAMACPP)
 
 
 def plain_counterpart(method: str) -> str:
@@ -108,7 +169,7 @@ def plain_counterpart(method: str) -> str:
 
 
 def uses_draft_model(method: str) -> bool:
-    return method.partition(QUANT_MARK)[0].partition(K_MARK)[0] in DRAFT_MODEL_METHODS + ("hf-assisted",)
+    return method.partition(QUANT_MARK)[0].partition(K_MARK)[0] in DRAFT_MODEL_METHODS + ("hf-assisted", "llamacpp-bin-draft")
 
 
 @dataclass(slots=True)

@@ -37,6 +37,7 @@ def overall_rows(summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[li
                 _fmt(e.get("speedup_vs_none"), ".2f", "x"),
                 _fmt(e.get("decode_speedup_vs_none"), ".2f", "x"),
                 _fmt(e.get("speedup_vs_hf"), ".2f", "x"),
+                _fmt(e.get("speedup_vs_none_llamacpp"), ".2f", "x"),
                 _fmt(e.get("tau"), ".2f"),
                 _fmt(e.get("acceptance_rate"), ".0%"),
                 (f"{eq['equal_fraction']:.0%} vs {eq['reference']}" if eq.get("equal_fraction") is not None else "-"),
@@ -56,7 +57,7 @@ def overall_rows(summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[li
     return speed, cost
 
 
-SPEED_HEADER = ["method", "prompts", "tok/s", "vs none", "decode vs none", "vs hf", "tau", "accept", "greedy equal"]
+SPEED_HEADER = ["method", "prompts", "tok/s", "vs none", "decode vs none", "vs hf", "vs none@llama.cpp", "tau", "accept", "greedy equal"]
 COST_HEADER = ["method", "ceiling tok/s", "of ceiling", "draft passes/step", "prefill / draft / verify / other", "peak RSS GiB", "run +RSS MiB"]
 SPEED_TITLE = (
     "All prompts: tokens/s = total new tokens / total seconds; speedups on the same prompts; "
@@ -89,6 +90,8 @@ CATEGORY_TABLES = (
     ("speedup_vs_none", "Speedup over specdecode plain decoding (none) per category"),
     ("decode_speedup_vs_none", "Decode speedup over none per category (the seconds after prefill only)"),
     ("speedup_vs_hf", "Speedup over Hugging Face generate (hf) per category"),
+    ("speedup_vs_none_llamacpp", "Speedup over specdecode plain decoding on llama.cpp (none@llama.cpp) per category"),
+    ("decode_speedup_vs_none_llamacpp", "Decode speedup over none@llama.cpp per category (the seconds after prefill only)"),
     ("tau", "tau per category (tokens per target pass, bonus token counted)"),
 )
 
@@ -110,6 +113,11 @@ def limits_line(results: dict[str, Any]) -> str:
     weights = f"target {models['target']['weight_bytes_per_forward'] / 1e9:.2f} GB"
     if models.get("draft"):
         weights += f", draft {models['draft']['weight_bytes_per_forward'] / 1e9:.2f} GB"
+    gguf = models.get("llamacpp")
+    if gguf:  # the llama.cpp methods read the GGUF files as stored
+        weights += f"; on llama.cpp target {gguf['target']['weight_bytes_per_forward'] / 1e9:.2f} GB"
+        if gguf.get("draft"):
+            weights += f", draft {gguf['draft']['weight_bytes_per_forward'] / 1e9:.2f} GB"
     if not bw.get("copy_bytes_per_second"):
         return f"Weights read per forward pass: {weights}; bandwidth probe skipped, so no ceilings."
     return (

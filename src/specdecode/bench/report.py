@@ -21,21 +21,40 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from specdecode.bench.methods import HF_PLAIN_METHOD, PLAIN_METHOD, plain_counterpart
+from specdecode.bench.methods import (
+    HF_PLAIN_METHOD,
+    LLAMACPP_PLAIN_PEER,
+    PLAIN_LLAMACPP_METHOD,
+    PLAIN_METHOD,
+    plain_counterpart,
+)
 from specdecode.bench.roofline import ceiling_tokens_per_second
 
 ALL = "all"
 
 
+# A plain decoding's own reference, first present wins: library parity (none against hf,
+# llama-cpp-python's plain decoding against ours on the same backend) or backend parity.
+PLAIN_REFERENCES = {
+    PLAIN_METHOD: (HF_PLAIN_METHOD,),
+    HF_PLAIN_METHOD: (PLAIN_METHOD,),
+    LLAMACPP_PLAIN_PEER: (PLAIN_LLAMACPP_METHOD, PLAIN_METHOD),
+}
+# Baselines every method's speed is compared with, where the run has them.
+SPEEDUP_BASELINES = ((PLAIN_METHOD, "speedup_vs_none"), (HF_PLAIN_METHOD, "speedup_vs_hf"), (PLAIN_LLAMACPP_METHOD, "speedup_vs_none_llamacpp"))
+DECODE_BASELINES = ((PLAIN_METHOD, "decode_speedup_vs_none"), (PLAIN_LLAMACPP_METHOD, "decode_speedup_vs_none_llamacpp"))
+
+
 def equality_reference(method: str, methods: Sequence[str]) -> str | None:
-    """Whose greedy output a method must equal: its own library's plain decoding (of the same
-    quantized target); the two plain decodings (``none``, ``hf``) are checked against each
-    other (library parity), and plain decoding of a quantized target against ``none`` (how
-    often quantization leaves the output unchanged)."""
+    """Whose greedy output a method must equal: its own library's plain decoding on the same
+    backend (of the same quantized target); the plain decodings are checked against each other
+    (``none`` and ``hf``; ``llamacpp`` against ``none@llama.cpp``: library parity), and plain
+    decoding of a quantized target or on llama.cpp against ``none`` (how often quantization or
+    another backend's arithmetic leaves the output unchanged)."""
     reference = plain_counterpart(method)
-    if reference == method:
-        reference = {PLAIN_METHOD: HF_PLAIN_METHOD, HF_PLAIN_METHOD: PLAIN_METHOD}.get(method, PLAIN_METHOD)
-    return reference if reference in methods else None
+    if reference != method:
+        return reference if reference in methods else None
+    return next((r for r in PLAIN_REFERENCES.get(method, (PLAIN_METHOD,)) if r in methods), None)
 
 
 def chosen_repeat(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -166,12 +185,11 @@ def summarize(
         for group, group_runs in grouped[method].items():
             failed = sum(failures[method].values()) if group == ALL else failures[method].get(group, 0)
             entry = aggregate(group_runs, failed, *weight_bytes.get(method, (0, 0)), bandwidth)
-            entry.update(speedup_vs_none=None, decode_speedup_vs_none=None, speedup_vs_hf=None, equality=None)
-            for baseline, key in ((PLAIN_METHOD, "speedup_vs_none"), (HF_PLAIN_METHOD, "speedup_vs_hf")):
-                if baseline in grouped:
-                    entry[key] = _ratio(group_runs, grouped[baseline][group])
-            if PLAIN_METHOD in grouped:
-                entry["decode_speedup_vs_none"] = _ratio(group_runs, grouped[PLAIN_METHOD][group], _decode_rate)
+            entry.update({key: None for _, key in SPEEDUP_BASELINES + DECODE_BASELINES}, equality=None)
+            for baselines, rate in ((SPEEDUP_BASELINES, _rate), (DECODE_BASELINES, _decode_rate)):
+                for baseline, key in baselines:
+                    if baseline in grouped:
+                        entry[key] = _ratio(group_runs, grouped[baseline][group], rate)
             if greedy and reference is not None and group_runs:
                 ref_runs = grouped[reference][ALL]
                 compared = {p: first_difference(ts, ref_runs[p]) for p, ts in group_runs.items() if p in ref_runs}

@@ -13,6 +13,7 @@ sit below it; long prompts (compute-bound prefill) sit further below.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -49,6 +50,28 @@ def weight_bytes_per_forward(config: ModelConfig, dtype: torch.dtype, quant: str
     else:
         stored = sum(n * k for n, k in matrices) * element
     return stored + small * element
+
+
+GGUF_TOKEN_EMBEDDING = "token_embd.weight"
+GGUF_LM_HEAD = "output.weight"  # absent when the LM head is tied to the embedding table
+
+
+def gguf_weight_bytes_per_forward(path: str | Path) -> int:
+    """Bytes of weights one llama.cpp forward pass reads from a GGUF file, as stored there
+    (its own quantization), by the rule of ``weight_bytes_per_forward``: every tensor once,
+    except an untied embedding table, of which a token reads one row, left out as there.
+
+    Why not llama.cpp's ``llama_model_size``: it counts the whole embedding table, which a
+    decoding step does not read; on a small model with a large vocabulary that is a third of it.
+    """
+    import gguf
+
+    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(str(path)).tensors}
+    total = sum(int(tensor.n_bytes) for tensor in tensors.values())
+    embedding = tensors.get(GGUF_TOKEN_EMBEDDING)
+    if embedding is not None and GGUF_LM_HEAD in tensors:
+        total -= int(embedding.n_bytes)
+    return total
 
 
 def measure_copy_bandwidth(

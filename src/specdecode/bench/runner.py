@@ -24,14 +24,20 @@ import torch
 
 from specdecode.backends.device import dtype_name
 from specdecode.bench import output
+from specdecode.bench.llamacpp_bin import DEFAULT_BIN_TIMEOUT_SECONDS, LlamaCppBinaryMethod
+from specdecode.bench.llamacpp_peers import LlamaCppPyMethod, LlamaCppSide, load_llamacpp_side
 from specdecode.bench.methods import (
     DEFAULT_HF_LOOKUP_TOKENS,
+    DEFAULT_LLAMACPP_LOOKUP_TOKENS,
     HF_METHODS,
+    LLAMACPP_BIN_METHODS,
+    LLAMACPP_PY_METHODS,
     BenchMethod,
     HFMethod,
     MethodLabel,
     SpecDecodeMethod,
     available_methods,
+    default_methods,
     parse_method,
     uses_draft_model,
 )
@@ -44,7 +50,7 @@ from specdecode.errors import InvalidRequestError
 SCHEMA = "specdecode.bench/1"
 WARMUP_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 WARMUP_MAX_NEW_TOKENS = 24
-DEFAULT_METHODS = available_methods()  # every specdecode method, then the transformers peers
+DEFAULT_METHODS = default_methods()  # every specdecode method, then the transformers peers
 TABLE_WIDTH = 140
 
 
@@ -72,6 +78,9 @@ class BenchConfig:
     eagle_heads: str | None = None
     tree_size: int | None = None
     hf_lookup_tokens: int = DEFAULT_HF_LOOKUP_TOKENS
+    llamacpp_lookup_tokens: int = DEFAULT_LLAMACPP_LOOKUP_TOKENS  # num_pred_tokens of llamacpp-lookup
+    llamacpp_bin: str | None = None  # folder of llama.cpp's binaries, for llamacpp-bin-*
+    llamacpp_bin_timeout: float = DEFAULT_BIN_TIMEOUT_SECONDS  # per turn
     repeats: int = 1
     warmup: bool = True
     chat: bool | None = None  # None: use the chat template when the tokenizer has one
@@ -99,6 +108,16 @@ class BenchConfig:
             raise InvalidRequestError("--max-prompts-per-category must be >= 1.")
         if self.hf_lookup_tokens < 1:
             raise InvalidRequestError("--hf-lookup-tokens must be >= 1.")
+        if self.llamacpp_lookup_tokens < 1:
+            raise InvalidRequestError("--llamacpp-lookup-tokens must be >= 1.")
+        if self.llamacpp_bin_timeout <= 0:
+            raise InvalidRequestError("--llamacpp-bin-timeout must be > 0 seconds.")
+        binaries = [m for m in self.methods if m in LLAMACPP_BIN_METHODS]
+        if binaries and self.llamacpp_bin is None:
+            raise InvalidRequestError(
+                f"Methods {', '.join(binaries)} run llama.cpp's own binaries: pass --llamacpp-bin DIR, the folder "
+                "`bash /work/shared/tools/build-llamacpp-tools.sh` prints (it builds them in about 10 minutes)."
+            )
         self.sampling()  # validates temperature, top-k, top-p, max_new_tokens
 
     def sampling(self, max_new_tokens: int | None = None) -> SamplingParams:
@@ -197,8 +216,9 @@ class Bench:
                     f"Method {name} needs trained heads: pass --{base}-heads FOLDER (from `specdecode train {base}`)."
                 )
         self.config = config
-        needs_draft = any(uses_draft_model(m) for m in config.methods)
         labels = {name: parse_method(name) for name in config.methods}
+        # The torch decoder loads a draft model only for torch methods; llama.cpp's side has its own.
+        needs_draft = any(uses_draft_model(m) for m in config.methods if not labels[m].on_llamacpp)
         self.decoder = SpecDecoder.from_pretrained(
             config.target, config.draft, method="draft" if needs_draft else "none",
             k=config.k, draft_confidence=config.draft_confidence,
@@ -254,9 +274,12 @@ class Bench:
             hf_target = self._load_hf(self.decoder.target.folder)
             if "hf-assisted" in config.methods:
                 hf_draft = self._load_hf(self.decoder.draft.folder)
+        self.llamacpp = self._load_llamacpp_side({n: label for n, label in labels.items() if label.on_llamacpp})
         for name in config.methods:
             if name in HF_METHODS:
                 self.methods[name] = HFMethod(name, hf_target, self.tokenizer, list(self.decoder.eos_token_ids), hf_draft, config.hf_lookup_tokens)
+            elif labels[name].on_llamacpp:
+                self.methods[name] = self._llamacpp_method(name)
             else:
                 label = labels[name]
                 decoder = decoder_for(label.target_quant, label.draft_quant, uses_draft_model(label.base) and self.decoder.draft is not None)
@@ -271,7 +294,45 @@ class Bench:
                 self._draft_bytes(labels[name], draft),
             )
             for name in config.methods
+            if not labels[name].on_llamacpp
         }
+        if self.llamacpp is not None:  # llama.cpp reads the GGUF files' own (quantized) bytes
+            side = self.llamacpp
+            for name, label in labels.items():
+                if label.on_llamacpp:
+                    self.weight_bytes[name] = (side.target_bytes, side.draft_bytes if uses_draft_model(label.base) else 0)
+        self.weight_bytes = {name: self.weight_bytes[name] for name in config.methods}  # run order
+
+    def _load_llamacpp_side(self, labels: dict[str, MethodLabel]) -> LlamaCppSide | None:
+        """The llama.cpp side (GGUF files, our decoder there) when any label asks for it."""
+        if not labels:
+            return None
+        from specdecode.backends.llamacpp_sequence import DEFAULT_CONTEXT
+        from specdecode.models import demo
+
+        config = self.config
+        target = config.target or demo.DEFAULT_TARGET
+        draft = config.draft or (demo.DEFAULT_DRAFT if demo.is_demo_model_name(target) else None)
+        return load_llamacpp_side(
+            target, draft, labels, dtype=config.dtype, show_progress=not config.quiet,
+            # Our backend's context, capped at what the model was trained for.
+            context=min(DEFAULT_CONTEXT, self.decoder.target.config.max_position_embeddings),
+            k=config.k, draft_confidence=config.draft_confidence, ngram_max=config.ngram_max, ngram_min=config.ngram_min,
+        )
+
+    def _llamacpp_method(self, name: str) -> BenchMethod:
+        side, config = self.llamacpp, self.config
+        assert side is not None
+        eos = list(self.decoder.eos_token_ids)
+        if name in LLAMACPP_PY_METHODS:
+            return LlamaCppPyMethod(name, side.files.target, self.tokenizer, eos, exact=side.exact, context=side.context,
+                                    lookup_tokens=config.llamacpp_lookup_tokens)
+        if name in LLAMACPP_BIN_METHODS:
+            assert config.llamacpp_bin is not None  # BenchConfig checked it
+            return LlamaCppBinaryMethod(name, Path(config.llamacpp_bin), side.files.target, side.files.draft, self.tokenizer, eos,
+                                        threads=side.threads, context=side.context, exact=side.exact, k=config.k,
+                                        timeout=config.llamacpp_bin_timeout)
+        return SpecDecodeMethod(name, side.decoder, config.k)
 
     def _draft_bytes(self, label: MethodLabel, draft: Any) -> int:
         """Weight bytes one draft pass of the method reads, as stored."""
@@ -393,6 +454,7 @@ class Bench:
                 "target": {"name": self.decoder.target.name, "weight_bytes_per_forward": self.target_bytes},
                 "draft": {"name": self.decoder.draft.name, "weight_bytes_per_forward": self.draft_bytes} if self.decoder.draft else None,
                 "weight_bytes_by_method": {name: list(pair) for name, pair in self.weight_bytes.items()},
+                "llamacpp": self.llamacpp.describe() if self.llamacpp is not None else None,
             },
             "bandwidth": {
                 "copy_bytes_per_second": bandwidth,

@@ -347,7 +347,8 @@ def _csv(text: str) -> tuple[str, ...]:
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from specdecode.bench.methods import DEFAULT_HF_LOOKUP_TOKENS, available_methods
+    from specdecode.bench.llamacpp_bin import DEFAULT_BIN_TIMEOUT_SECONDS
+    from specdecode.bench.methods import DEFAULT_HF_LOOKUP_TOKENS, DEFAULT_LLAMACPP_LOOKUP_TOKENS, available_methods
     from specdecode.bench.prompts import CATEGORIES
     from specdecode.bench.runner import DEFAULT_METHODS
 
@@ -366,7 +367,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--methods", type=_csv, default=DEFAULT_METHODS,
         help=f"comma-separated, from: {', '.join(available_methods())}; a specdecode method may add weight "
-        "quantizations: none@int8 (int8 target), draft@int8/int4 (int8 target, int4 draft) "
+        "quantizations: none@int8 (int8 target), draft@int8/int4 (int8 target, int4 draft), or run on the "
+        "llama.cpp backend: none@llama.cpp, draft:3@llama.cpp (GGUF --target/--draft) "
         "(default: %(default)s)".replace("%(default)s", ",".join(DEFAULT_METHODS)),
     )
     bench.add_argument(
@@ -390,6 +392,19 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_layerskip_arguments(bench)
     add_tree_arguments(bench, bench=True)
     bench.add_argument("--hf-lookup-tokens", type=_positive_int, default=DEFAULT_HF_LOOKUP_TOKENS, help="prompt_lookup_num_tokens for hf-lookup")
+    bench.add_argument(
+        "--llamacpp-lookup-tokens", type=_positive_int, default=DEFAULT_LLAMACPP_LOOKUP_TOKENS,
+        help="num_pred_tokens for llamacpp-lookup (default %(default)s: llama-cpp-python's advice for CPUs)",
+    )
+    bench.add_argument(
+        "--llamacpp-bin", metavar="DIR",
+        help="folder holding llama.cpp's llama-speculative-simple and llama-lookup, for llamacpp-bin-draft and "
+        "llamacpp-bin-lookup (build them with /work/shared/tools/build-llamacpp-tools.sh)",
+    )
+    bench.add_argument(
+        "--llamacpp-bin-timeout", type=float, default=DEFAULT_BIN_TIMEOUT_SECONDS,
+        help="seconds one run of a llama.cpp binary may take (default %(default)s)",
+    )
     bench.add_argument("--repeats", type=_positive_int, default=1, help="runs per prompt and method; the median-time run counts")
     bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up prompt")
     bench.add_argument("--chat", choices=("auto", "yes", "no"), default="auto", help="use the chat template (auto: when the tokenizer has one)")
@@ -434,6 +449,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         eagle_heads=args.eagle_heads,
         tree_size=args.tree_size,
         hf_lookup_tokens=args.hf_lookup_tokens,
+        llamacpp_lookup_tokens=args.llamacpp_lookup_tokens,
+        llamacpp_bin=args.llamacpp_bin,
+        llamacpp_bin_timeout=args.llamacpp_bin_timeout,
         repeats=args.repeats,
         warmup=not args.no_warmup,
         chat={"auto": None, "yes": True, "no": False}[args.chat],
