@@ -26,7 +26,7 @@ from specdecode.config import (
     resolve_k,
 )
 from specdecode.costs.batch_k import PassCosts
-from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK
+from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, speculation_can_pay
 from specdecode.costs.timing import VERIFY_COST_REPEATS, time_batched_passes, time_passes
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter, TreeDrafter
@@ -91,7 +91,7 @@ class SpecDecoder:
         if spec.skip_layers:  # shares the target's weights and KV cache: costs no memory
             self.drafters["layerskip"] = LayerSkipDrafter(target.model, spec.skip_layers, spec.draft_confidence)
         self.engine = SpecEngine(self._sequence(target), self.eos_token_ids)
-        self._draft_token_seconds: float | None = None  # the auto method's catch-up price
+        self._draft_costs: tuple[float, float] | None = None  # a draft pass, and a catch-up per token
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
             self.attach_heads(heads, spec.tree_size)
@@ -313,7 +313,7 @@ class SpecDecoder:
         else:
             drafter = self.drafters.get(method)
             tree = method in TREE_METHODS
-            schedule = self._schedule(policy, draft_k) if drafter is not None and not tree else None
+            schedule = self._schedule(policy, draft_k, drafter) if drafter is not None and not tree else None
         # The engine's k: the most a step drafts (a schedule chooses below it; a tree's shape
         # sets how much it drafts, so 1 only says "speculate").
         most_k = 1 if method in TREE_METHODS else self.spec.k_max if schedule is not None else draft_k
@@ -377,33 +377,45 @@ class SpecDecoder:
         # On an asynchronous device step timings are only right with synchronising stopwatches.
         return self.engine.device.type == "cpu" or self.engine.sync_timing
 
+    def _draft_model_costs(self) -> tuple[float, float]:
+        """Seconds of one draft-model pass over one token, and per token of a long catch-up
+        pass (timed once per decoder): whether the draft model can pay at all on this machine,
+        and what reading the tokens it missed costs the auto method."""
+        if self._draft_costs is None:
+            assert self.draft_drafter is not None
+            rows = CATCH_UP_PROBE_ROWS
+            seconds = self.draft_drafter.model.pass_seconds([1, rows], VERIFY_COST_REPEATS, logits_last=1)
+            self._draft_costs = (seconds[1], seconds[rows] / rows)
+        return self._draft_costs
+
     def _auto_drafter(self, draft_k: int) -> AutoDrafter:
         """A fresh per-request auto drafter over this decoder's lookup and draft model."""
         k_max = self.spec.k_max
         draft = self.draft_drafter
-        if draft is not None and self._draft_token_seconds is None:
-            # One timed catch-up-sized pass prices the draft model's catch-up per token.
-            rows = CATCH_UP_PROBE_ROWS
-            seconds = draft.model.pass_seconds([rows], VERIFY_COST_REPEATS, logits_last=1)[rows]
-            self._draft_token_seconds = seconds / rows
+        pass_seconds, token_seconds = self._draft_model_costs() if draft is not None else (0.0, 0.0)
         return AutoDrafter(
             self.ngram_drafter,
             draft,
             self.engine.verify_costs(k_max + 1),
             k_max,
             draft_k=draft_k,
-            draft_token_seconds=self._draft_token_seconds or 0.0,
+            draft_pass_seconds=pass_seconds,
+            draft_token_seconds=token_seconds,
             live_costs=self._live_costs(),
         )
 
-    def _schedule(self, policy: str, k: int) -> KSchedule | None:
-        """A fresh per-request draft-length schedule (None: fixed k)."""
+    def _schedule(self, policy: str, k: int, drafter: Drafter | None = None) -> KSchedule | None:
+        """A fresh per-request draft-length schedule (None: fixed k); for the draft model the
+        cost-aware one starts from its measured pass cost."""
         k_max = self.spec.k_max
         if policy == "threshold":
             return ThresholdK(k=min(k, k_max), k_max=k_max)
         if policy == "cost":
             costs = self.engine.verify_costs(k_max + 1)
-            return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max), live_costs=self._live_costs())
+            # A draft model whose pass costs too much next to the target's extra verify rows
+            # loses to plain decoding even when every token is accepted: never draft with it.
+            can_pay = drafter is not self.draft_drafter or speculation_can_pay(costs, self._draft_model_costs()[0], k_max)
+            return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max) if can_pay else 0, live_costs=self._live_costs())
         return None
 
     def generate(

@@ -17,6 +17,7 @@ from specdecode.costs.k_policy import (
     ThresholdK,
     best_k,
     expected_tokens,
+    speculation_can_pay,
 )
 from specdecode.errors import InvalidRequestError
 
@@ -132,3 +133,22 @@ def test_cli_accepts_k_auto_and_rejects_bad_values(tiny_qwen2_dir: Path, tiny_cl
         cli.main(base + ["--k", "lots"])
     with pytest.raises(SystemExit):
         cli.main(base + ["--k", "auto", "--k-policy", "sometimes"])
+
+
+def test_speculation_can_pay_only_where_a_verify_row_is_cheaper_than_a_token() -> None:
+    compute_bound = [float(rows) for rows in range(1, 10)]  # every verify row costs a whole pass
+    bandwidth_bound = [1.0 + 0.05 * rows for rows in range(9)]  # extra rows nearly free
+    assert not speculation_can_pay(compute_bound, 0.5, 8)  # k tokens cost k * 1.5 passes: never
+    assert speculation_can_pay(compute_bound, 0.0, 8) is False  # ties at full acceptance: no gain
+    assert speculation_can_pay(bandwidth_bound, 0.5, 8)
+
+
+@pytest.mark.parametrize(("verify", "probes"), [([float(r) for r in range(1, 10)], False),
+                                                 ([1.0 + 0.05 * r for r in range(9)], True)])
+def test_cost_aware_k_probes_only_where_speculation_can_pay(verify: list[float], probes: bool) -> None:
+    schedule = CostAwareK(list(verify), k_max=8, first_k=2, live_costs=False)
+    schedule.observe(2, 0, 0.5, 2, 1.0)  # the first step: its draft time holds the draft's prefill
+    schedule.observe(2, 0, 1.0, 2, 1.0)  # a draft pass costs 0.5 of a target pass
+    for _ in range(PROBE_AFTER):
+        schedule.observe(0, 0, 0.0, 0, 1.0)  # a run of plain steps
+    assert schedule.next_k() == (PROBE_K if probes else 0)

@@ -186,3 +186,20 @@ def test_bench_label_auto() -> None:
     with pytest.raises(InvalidRequestError, match="chooses its own"):
         parse_method("auto:auto")
 
+
+
+def test_a_draft_model_that_cannot_pay_even_at_full_acceptance_is_never_tried() -> None:
+    # Every verify row costs a whole pass (a compute-bound target) and a draft pass half one:
+    # k accepted drafts cost more than the k plain steps they save, so only lookup and plain
+    # decoding compete, and the draft model is not probed after plain steps either.
+    compute_bound = [float(rows) for rows in range(1, 10)]
+    auto = AutoDrafter(NgramDrafter(), SimpleNamespace(cached_len=0), compute_bound, k_max=8, draft_k=5,
+                       draft_pass_seconds=0.5)
+    auto._capacity = 1000
+    assert not auto.draft_can_pay
+    for _ in range(20):
+        assert auto.plan(100, 8, lookup_tokens=0, match_size=0) == ("none", 0)
+        auto.observe(0, 0, 0.0, 0, 1.0)
+    cheap = AutoDrafter(NgramDrafter(), SimpleNamespace(cached_len=0), FLAT_VERIFY, k_max=8, draft_k=5,
+                        draft_pass_seconds=0.5)
+    assert cheap.draft_can_pay

@@ -103,6 +103,16 @@ def best_k(acceptance: float, verify_seconds: Sequence[float], draft_pass_second
     return best_plan(acceptance, verify_seconds, draft_pass_seconds, k_max)[0]
 
 
+def speculation_can_pay(verify_seconds: Sequence[float], draft_pass_seconds: float, k_max: int) -> bool:
+    """Whether drafting beats plain decoding at all when every drafted token is accepted.
+
+    Where a verify row costs nearly a whole pass (a compute-bound target, as ggml's CPU kernels
+    on a small machine) and a draft pass is not free, no k pays even at full acceptance, and
+    trying one (a probe) only loses time.
+    """
+    return best_k(1.0, verify_seconds, draft_pass_seconds, k_max) > 0
+
+
 def blend(old: float | None, new: float) -> float:
     """A live cost estimate moved towards a new measurement (the first one taken as is)."""
     return new if old is None else COST_DECAY * old + (1 - COST_DECAY) * new
@@ -206,7 +216,7 @@ class CostAwareK:
 
     verify_seconds: list[float]  # index r - 1: a verify pass over r rows; at least k_max + 1 entries
     k_max: int = DEFAULT_K_MAX
-    first_k: int = 5  # before any draft cost is measured
+    first_k: int = 5  # before any draft cost is measured (0: the drafter was measured not to pay)
     live_costs: bool = True  # update verify costs from steps; False where timings are asynchronous
     draft_pass_seconds: float | None = None
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
@@ -216,7 +226,7 @@ class CostAwareK:
     def next_k(self) -> int:
         if self.draft_pass_seconds is None:  # no draft pass measured yet
             k = min(self.first_k, self.k_max)
-        elif self.plain_streak >= PROBE_AFTER:
+        elif self.plain_streak >= PROBE_AFTER and speculation_can_pay(self.verify_seconds, self.draft_pass_seconds, self.k_max):
             k = min(PROBE_K, self.k_max)
         else:
             k = best_k(self.acceptance.rate, self.verify_seconds, self.draft_pass_seconds, self.k_max)

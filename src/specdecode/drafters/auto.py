@@ -39,7 +39,13 @@ from collections import Counter
 import torch
 
 from specdecode.backends.base import SequenceModel
-from specdecode.costs.k_policy import AcceptanceEstimate, GoodputEstimate, best_plan, update_verify_cost
+from specdecode.costs.k_policy import (
+    AcceptanceEstimate,
+    GoodputEstimate,
+    best_plan,
+    speculation_can_pay,
+    update_verify_cost,
+)
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
@@ -63,6 +69,7 @@ class AutoDrafter:
         verify_seconds: list[float],  # index r - 1: a target pass over r rows; >= k_max + 1 entries
         k_max: int,
         draft_k: int = 5,
+        draft_pass_seconds: float = 0.0,  # one draft-model pass over one token
         draft_token_seconds: float = 0.0,  # the draft model's cost per token of a long catch-up pass
         live_costs: bool = True,  # update verify costs from steps; False where timings are asynchronous
     ) -> None:
@@ -72,6 +79,8 @@ class AutoDrafter:
         self.k_max = k_max
         self.draft_k = min(draft_k, k_max)
         self.draft_token_seconds = draft_token_seconds
+        # A draft model that loses to plain decoding even at full acceptance is never tried.
+        self.draft_can_pay = draft is not None and speculation_can_pay(self.verify_seconds, draft_pass_seconds, self.draft_k)
         self.live_costs = live_costs
         self.draft_goodput = self._prior()
         self.ngram_goodput: dict[int, GoodputEstimate] = {}
@@ -140,7 +149,7 @@ class AutoDrafter:
             k, _ = best_plan(acceptance.rate, self.verify_seconds, 0.0, lookup_tokens, k_min=1)
             if goodput.rate > best[2]:
                 best = ("ngram", k, goodput.rate)
-        if self.draft is not None:
+        if self.draft is not None and self.draft_can_pay:
             k = min(self.draft_k, num_tokens)
             if self._draft_used and self._since_draft >= PROBE_AFTER and lookup_tokens == 0:
                 return "draft", k
