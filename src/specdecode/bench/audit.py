@@ -357,20 +357,33 @@ def distribution_check(
 
     q = drafter_distribution(decoder, method, prompt_ids, processor, exact, rows)
     q_statistic = power = None
-    note = ""
-    if q is None:
-        note = f"no power estimate: {method} has no single chain drafter"
-    elif df > 0:
+    if q is not None and df > 0:
         alternative = cell_vectors(kept, merge_into, q)
         q_statistic = pearson_statistic(draws * alternative, draws * null)
         power = simulated_power(alternative, null, draws, critical, POWER_RUNS, config.seed)
-        if power < GOOD_POWER:
-            note = ("weak: the drafter's own tokens would pass this test too; "
-                    + ("the method never drafted here" if proposed == 0 else "try more --draws or another prompt"))
     return DistributionResult(
         method, draws, statistic, df, critical, source, verdict, len(null), impossible, ties,
-        q_statistic, power, note, accepted, proposed,
+        q_statistic, power, _power_note(method, q is not None, power, accepted, proposed, df), accepted, proposed,
     )
+
+
+def _power_note(method: str, has_q: bool, power: float | None, accepted: int, proposed: int, df: int) -> str:
+    """What the power figure cannot see, in words ("" when nothing needs saying)."""
+    if df == 0:
+        return "inconclusive: no two outcomes have an expected count >= 5; raise --draws (or --top-k)"
+    if method == "none":
+        return "plain sampling: nothing is drafted, so this checks the sampler and the exact enumeration only"
+    if proposed == 0:
+        return "nothing was drafted in these tokens: the test measured plain sampling; try another prompt"
+    if accepted == 0:
+        # Every draft rejected: typically drafts the target gives probability 0, whose residual is
+        # p itself, so a sampler that recovers from p instead of the residual looks the same.
+        return "no drafted token was accepted: only rejections ran, and a wrong residual may look right here; try another prompt"
+    if not has_q:
+        return f"no power estimate: {method} has no single chain drafter (the drafter's Q is undefined)"
+    if power is not None and power < GOOD_POWER:
+        return "weak: the drafter's own tokens would often pass this test too; try more --draws or another prompt"
+    return ""
 
 
 def distribution_prompt(decoder: Any, text: str) -> list[int]:

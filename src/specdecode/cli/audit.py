@@ -117,6 +117,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
                 f"--layerskip-config from `specdecode tune-layerskip --target {target}`."
             )
         skip_layers = builtin.skip_layers
+    if "draft" in methods and not has_draft:
+        raise InvalidRequestError("--method draft needs a draft model: pass --draft (same tokenizer as --target).")
     if any(m in TREE_METHODS for m in methods) and not args.heads:
         raise InvalidRequestError("--method medusa/eagle needs --heads FOLDER (from `specdecode train`).")
 
@@ -186,13 +188,19 @@ def render(report) -> str:
     rows = []
     for r in report.distribution:
         source = r.critical_source.replace("built-in incomplete gamma", "built-in")
-        rows.append([r.method, r.verdict, _num(r.statistic, ".1f"), str(r.df), f"{_num(r.critical, '.1f')} ({source})",
+        critical = "-" if r.critical is None else f"{r.critical:.1f} ({source})"
+        rows.append([r.method, r.verdict, _num(r.statistic, ".1f"), str(r.df), critical,
                      f"{r.accepted}/{r.proposed}", str(r.impossible), _num(r.q_statistic, ".1f"), _num(r.power, ".2f")])
     out.append(_table(["method", "verdict", "chi2", "df", "critical", "accepted", "impossible", "chi2 of q", "power"], rows))
     notes = [f"  {r.method}: {r.power_note}" for r in report.distribution if r.power_note]
     if notes:
         out += ["", "Power notes:", *notes]
-    out += ["", f"{'PASS' if report.passed else 'FAIL'}: "
-                + ("every check passed" if report.passed else "a lossless claim is broken (see the FAIL rows)")
-                + f" ({report.seconds:.0f} s)"]
+    inconclusive = [r.method for r in report.distribution if r.verdict == "inconclusive"]
+    if not report.passed:
+        verdict = "FAIL: a lossless claim is broken (see the FAIL rows)"
+    elif inconclusive:
+        verdict = f"PASS, but the distribution check was inconclusive for {', '.join(inconclusive)} (see the notes)"
+    else:
+        verdict = "PASS: every check passed"
+    out += ["", f"{verdict} ({report.seconds:.0f} s)"]
     return "\n".join(out)
