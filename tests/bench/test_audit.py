@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import CHI2_CRITICAL_P001, NEAR_TIE, decoder, install_wrong_residual
+
 from specdecode import SamplingParams, cli
 from specdecode.bench import audit
 from specdecode.bench.chi_square import builtin_critical_value, chi2_sf
@@ -167,7 +167,7 @@ def test_a_difference_within_the_near_tie_threshold_is_excused(
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], pattern: str, tiny_qwen2_dir: Path) -> None:
-    code, out, err = run_audit_cli(capsys, tiny_qwen2_dir, None, *argv)
+    code, _, err = run_audit_cli(capsys, tiny_qwen2_dir, None, *argv)
     assert code == cli.EXIT_USER_ERROR
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("specdecode: error:"), err
@@ -175,5 +175,5 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], pattern: str,
 
 
 def test_draft_without_a_draft_model_is_refused(capsys, tiny_qwen2_dir: Path) -> None:
-    code, out, err = run_audit_cli(capsys, tiny_qwen2_dir, None, "--method", "draft", "--draws", "5")
+    code, _, err = run_audit_cli(capsys, tiny_qwen2_dir, None, "--method", "draft", "--draws", "5")
     assert code == cli.EXIT_USER_ERROR and "--draft" in err and "Traceback" not in err

@@ -27,21 +27,19 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdecode.bench.chi_square import (
-    cell_vectors,
-    critical_value,
-    pearson_statistic,
-    pooled_cells,
-    simulated_power,
-)
+from specdecode.bench.chi_square import cell_vectors, critical_value, pearson_statistic, pooled_cells, simulated_power
 from specdecode.config import DEFAULT_K, METHODS, TREE_METHODS, SamplingParams
 from specdecode.drafters.base import is_tree_drafter
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from specdecode.api import SpecDecoder
+    from specdecode.backends.base import SequenceModel
 
 DEFAULT_DRAWS = 1500
 DEFAULT_SAMPLED_TOKENS = 3  # 3 tokens: a k=2 step exercises acceptance, recovery and the bonus token
@@ -65,9 +63,6 @@ DISTRIBUTION_PROMPT_COPIES = 2
 NEAR_TIE_FP32 = 5e-3
 NEAR_TIE_ULPS = 4
 MANTISSA_BITS = {"fp32": 23, "bf16": 7, "fp16": 10}
-
-GreedyCallback = Callable[[int], None]
-
 
 def ulp(value: float, precision: str) -> float:
     """Spacing of ``precision``'s numbers near ``value`` (the unit in the last place)."""
@@ -189,7 +184,7 @@ class AuditReport:
         return out
 
 
-def check_methods(decoder: Any, methods: Iterable[str]) -> None:
+def check_methods(decoder: SpecDecoder, methods: Iterable[str]) -> None:
     """Refuse, before any work, a method this decoder was not loaded for."""
     for method in methods:
         if method == "draft" and decoder.draft is None:
@@ -200,7 +195,7 @@ def check_methods(decoder: Any, methods: Iterable[str]) -> None:
             raise InvalidRequestError("--method layerskip needs the layers to skip: pass --skip-layers or --layerskip-config.")
 
 
-def _row_logits(seq: Any, ids: Sequence[int]) -> torch.Tensor:  # -> (V,) float32
+def _row_logits(seq: SequenceModel, ids: Sequence[int]) -> torch.Tensor:  # -> (V,) float32
     """The target's next-token logits after ``ids``, teacher-forced in one pass."""
     seq.begin(len(ids) + 1)
     tokens = torch.tensor([list(ids)], dtype=torch.long, device=seq.device)
@@ -209,7 +204,7 @@ def _row_logits(seq: Any, ids: Sequence[int]) -> torch.Tensor:  # -> (V,) float3
 
 @torch.inference_mode()
 def greedy_check(
-    decoder: Any, prompt_id: str, prompt_ids: list[int], method: str, plain: list[int], config: AuditConfig
+    decoder: SpecDecoder, prompt_id: str, prompt_ids: list[int], method: str, plain: list[int], config: AuditConfig
 ) -> GreedyResult:
     params = SamplingParams(max_new_tokens=config.max_new_tokens)
     got = decoder.generate(prompt_ids, params, method=method, k=config.k).token_ids
@@ -233,7 +228,7 @@ def greedy_check(
 
 @torch.inference_mode()
 def exact_distribution(
-    seq: Any, prompt_ids: list[int], processor: LogitsProcessor, length: int
+    seq: SequenceModel, prompt_ids: list[int], processor: LogitsProcessor, length: int
 ) -> tuple[dict[tuple[int, ...], float], dict[tuple[int, ...], torch.Tensor]]:
     """The target's exact distribution over its next ``length`` sampled tokens, and the logits
     row (V,) after each prefix, by enumeration. The prompt is prefilled once; each prefix is one
@@ -260,7 +255,7 @@ def exact_distribution(
 
 @torch.inference_mode()
 def drafter_distribution(
-    decoder: Any,
+    decoder: SpecDecoder,
     method: str,
     prompt_ids: list[int],
     processor: LogitsProcessor,
@@ -277,7 +272,7 @@ def drafter_distribution(
     seq = decoder.engine.target
     generator = make_generator(0, seq.device)
     q_rows: dict[tuple[int, ...], torch.Tensor] = {}
-    for prefix in target_rows:
+    for prefix, target_row in target_rows.items():
         context = prompt_ids + list(prefix)
         capacity = len(context) + 2
         # Set up exactly as the engine does before a step (layer skip drafts in the target's cache).
@@ -290,9 +285,9 @@ def drafter_distribution(
         seq.commit(len(context) - 1)
         proposal = drafter.propose(torch.tensor([context], device=seq.device), 1, processor, generator)
         if proposal.num_tokens == 0:
-            q_rows[prefix] = processor.probs(target_rows[prefix])
+            q_rows[prefix] = processor.probs(target_row)
         elif proposal.probs is None:
-            q_rows[prefix] = torch.zeros_like(target_rows[prefix]).index_fill_(0, proposal.tokens[0, :1], 1.0)
+            q_rows[prefix] = torch.zeros_like(target_row).index_fill_(0, proposal.tokens[0, :1], 1.0)
         else:
             q_rows[prefix] = proposal.probs[0, 0].float()
     q: dict[tuple[int, ...], float] = {}
@@ -305,7 +300,7 @@ def drafter_distribution(
 
 
 def _outside_support_margin(
-    seq: Any, prompt_ids: list[int], outcome: tuple[int, ...], processor: LogitsProcessor,
+    seq: SequenceModel, prompt_ids: list[int], outcome: tuple[int, ...], processor: LogitsProcessor,
     rows: dict[tuple[int, ...], torch.Tensor],  # prefix -> the target's logits row (V,), where computed
 ) -> tuple[float, float]:
     """(how far below the top-k cut-off the first unsupported token of ``outcome`` sits, the
@@ -321,8 +316,9 @@ def _outside_support_margin(
     return 0.0, 0.0  # every token supported (cannot happen for an outcome outside ``exact``)
 
 
+@torch.inference_mode()
 def distribution_check(
-    decoder: Any, prompt_ids: list[int], method: str, config: AuditConfig, progress: Callable[[Iterable], Iterable]
+    decoder: SpecDecoder, prompt_ids: list[int], method: str, config: AuditConfig, progress: Callable[[Iterable], Iterable]
 ) -> DistributionResult:
     processor = LogitsProcessor(temperature=1.0, top_k=config.top_k, top_p=1.0)
     seq = decoder.engine.target
@@ -386,13 +382,13 @@ def _power_note(method: str, has_q: bool, power: float | None, accepted: int, pr
     return ""
 
 
-def distribution_prompt(decoder: Any, text: str) -> list[int]:
+def distribution_prompt(decoder: SpecDecoder, text: str) -> list[int]:
     """The distribution check's prompt: ``text`` without the chat template, DISTRIBUTION_PROMPT_COPIES times."""
     return decoder.encode(text, chat=False) * DISTRIBUTION_PROMPT_COPIES
 
 
 def run_audit(
-    decoder: Any,
+    decoder: SpecDecoder,
     prompts: Sequence[tuple[str, list[int]]],  # (prompt id, token ids) for the greedy check
     distribution_ids: list[int],
     config: AuditConfig,
@@ -415,8 +411,9 @@ def run_audit(
             report.greedy.append(greedy_check(decoder, prompt_id, ids, method, plain, config))
     report.distribution_prompt = decoder.tokenizer.decode(distribution_ids)
     for method in config.methods:
+        label = f"sample {method}"
         report.distribution.append(
-            distribution_check(decoder, distribution_ids, method, config, lambda items: progress(items, f"sample {method}"))
+            distribution_check(decoder, distribution_ids, method, config, lambda items, label=label: progress(items, label))
         )
     report.seconds = time.perf_counter() - started
     return report

@@ -13,7 +13,6 @@ does not depend on what else is installed. The report names which one it used.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -159,7 +158,3 @@ def simulated_power(
     stats = (((counts - expected) ** 2)[:, mask] / expected[mask]).sum(axis=1)
     return float((stats > critical).mean())
 
-
-def statistic_of(observed: Sequence[float], expected: Sequence[float]) -> float:
-    """``pearson_statistic`` over plain sequences."""
-    return pearson_statistic(np.asarray(observed, dtype=np.float64), np.asarray(expected, dtype=np.float64))

@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
+
+if TYPE_CHECKING:
+    from specdecode.bench.audit import AuditReport
 
 EXIT_AUDIT_FAILED = 1
 DEFAULT_NUM_PROMPTS = 3
@@ -149,7 +153,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if report.passed else EXIT_AUDIT_FAILED
 
 
-def _progress_bars(quiet: bool):
+def _progress_bars(quiet: bool) -> Callable[[Iterable, str], Iterable]:
     def progress(items: Iterable, label: str) -> Iterable:
         if quiet:
             return items
@@ -171,7 +175,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def render(report) -> str:
+def render(report: AuditReport) -> str:
     """The report as plain-text tables for the terminal."""
     out = [f"audit: target {report.target}" + (f", draft {report.draft}" if report.draft else "")
            + f" ({report.backend}, {report.precision}); near-tie threshold {report.near_tie}", "",
@@ -183,8 +187,8 @@ def render(report) -> str:
                      _num(r.top2_gap, ".2e"), _num(r.token_gap, ".2e"), _num(r.threshold, ".1e")])
     out.append(_table(["prompt", "method", "verdict", "equal", "first difference", "top2 gap", "token gap", "threshold"], rows))
     config = report.config
-    out += ["", f"Distribution: first {config['sampled_tokens']} tokens, temperature 1, top-k {config['top_k']}, "
-                f"{config['draws']} draws, chi-square at p = {report.alpha:g}"]
+    out += ["", (f"Distribution: first {config['sampled_tokens']} tokens, temperature 1, top-k {config['top_k']}, "
+                 f"{config['draws']} draws, chi-square at p = {report.alpha:g}")]
     rows = []
     for r in report.distribution:
         source = r.critical_source.replace("built-in incomplete gamma", "built-in")
