@@ -44,7 +44,7 @@ def add_audit_parser(sub: argparse._SubParsersAction) -> None:
         help="method(s) to audit, repeatable or comma-separated (default: draft,ngram with a draft model, else ngram)",
     )
     parser.add_argument("--prompts", default="default",
-                        help="default (the bench set, first prompt of each category), or a text file, one prompt per line")
+                        help="default (the shipped Spec-Bench rows, taken one category after another), or a text file, one prompt per line")
     parser.add_argument("--num-prompts", type=positive_int, default=DEFAULT_NUM_PROMPTS, help="prompts in the greedy check")
     parser.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS, help="greedy tokens per prompt")
     parser.add_argument("--draws", type=int, default=a.DEFAULT_DRAWS, help="seeded generations in the distribution check")
