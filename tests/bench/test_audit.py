@@ -164,6 +164,7 @@ def test_a_difference_within_the_near_tie_threshold_is_excused(
         (["--draws", "0"], "--draws must be >= 1"),
         (["--top-k", "1"], "--top-k must be >= 2"),
         (["--method", "medusa"], "--heads"),
+        (["--out", "/nonexistent-folder/audit.json"], "does not exist"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], pattern: str, tiny_qwen2_dir: Path) -> None:

@@ -125,6 +125,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--method draft needs a draft model: pass --draft (same tokenizer as --target).")
     if any(m in TREE_METHODS for m in methods) and not args.heads:
         raise InvalidRequestError("--method medusa/eagle needs --heads FOLDER (from `specdecode train`).")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise InvalidRequestError(f"--out {args.out}: its folder does not exist; create it first.")
 
     # One decoder serves every method: "draft" loads the draft model, "none" loads the target only.
     uses_draft = any(m in ("draft", "auto") for m in methods) and has_draft
