@@ -11,6 +11,7 @@ from pathlib import Path
 
 from specdecode.backends.base import BACKENDS
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
+from specdecode.cli.audit import add_audit_parser, cmd_audit
 from specdecode.cli.serve import add_serve_parser, cmd_serve
 from specdecode.cli.train import add_train_parser, add_tree_arguments, cmd_train
 from specdecode.cli.train import positive_int as _positive_int
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distill_parser(sub)
     add_train_parser(sub)
     add_serve_parser(sub)
+    add_audit_parser(sub)
     return parser
 
 
@@ -540,6 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "audit":
+            return cmd_audit(args)
     except SpecDecodeError as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR

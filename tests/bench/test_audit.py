@@ -1,0 +1,180 @@
+"""``specdecode audit``: it passes correct methods, fails broken verifiers (and says why), and
+refuses bad input with one line."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import CHI2_CRITICAL_P001, NEAR_TIE, decoder, install_wrong_residual
+
+from specdecode import SamplingParams, cli
+from specdecode.bench import audit
+from specdecode.bench.chi_square import builtin_critical_value, chi2_sf
+from specdecode.engine.verify import VerifyResult
+
+GREEDY_ROW_FIELDS = {"prompt_id", "method", "verdict", "tokens", "compared", "position", "plain_token",
+                     "method_token", "top2_gap", "token_gap", "threshold"}
+DISTRIBUTION_ROW_FIELDS = {"method", "draws", "statistic", "df", "critical", "critical_source", "verdict", "cells",
+                           "impossible", "boundary_ties", "q_statistic", "power", "power_note", "accepted", "proposed"}
+REPORT_FIELDS = {"target", "draft", "backend", "precision", "near_tie", "alpha", "config", "greedy", "distribution",
+                 "distribution_prompt", "seconds", "passed"}
+PROMPT = "def quicksort(arr):"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models gain nothing from threads, and on a shared 2-core machine a second thread
+    # makes each of the thousands of small passes wait for the other (~20x slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def prompt_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.txt"
+    path.write_text(f"{PROMPT}\nThe quick brown fox\n")
+    return path
+
+
+def run_audit_cli(capsys, target: Path, draft: Path | None, *extra: str) -> tuple[int, str, str]:
+    argv = ["audit", "--target", str(target), "--dtype", "fp32", "--device", "cpu", "--quiet", *extra]
+    code = cli.main(argv + (["--draft", str(draft)] if draft else []))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_builtin_critical_values_match_the_tests_table() -> None:
+    for df, value in CHI2_CRITICAL_P001.items():
+        assert builtin_critical_value(df, 0.001) == pytest.approx(value, abs=0.01)
+    assert chi2_sf(3.841459, 1) == pytest.approx(0.05, abs=1e-6)
+
+
+def test_near_tie_threshold_follows_the_precision() -> None:
+    assert audit.near_tie_threshold(20.0, "fp32") == NEAR_TIE  # the tests' own fp32 threshold
+    assert audit.near_tie_threshold(20.0, "bf16") == 4 * 0.125  # 4 bf16 ulps in [16, 32)
+    assert audit.near_tie_threshold(40.0, "bf16") == 4 * 0.25
+    assert audit.near_tie_threshold(40.0, "bf16", override=0.01) == 0.01
+
+
+def test_audit_passes_draft_and_ngram_with_documented_json(
+    capsys, tmp_path: Path, prompt_file: Path, tiny_qwen2_dir: Path, tiny_far_draft_dir: Path
+) -> None:
+    out_file = tmp_path / "audit.json"
+    code, out, err = run_audit_cli(
+        capsys, tiny_qwen2_dir, tiny_far_draft_dir, "--method", "draft,ngram", "--prompts", str(prompt_file),
+        "--max-new-tokens", "16", "--draws", "400", "--json", "--out", str(out_file),
+    )
+    assert code == 0, out + err
+    report = json.loads(out)
+    assert report == json.loads(out_file.read_text())
+    assert set(report) == REPORT_FIELDS and report["passed"] is True
+    assert report["precision"] == "fp32" and report["backend"] == "torch"
+    assert [(r["prompt_id"], r["method"]) for r in report["greedy"]] == [
+        ("prompts:1", "draft"), ("prompts:1", "ngram"), ("prompts:2", "draft"), ("prompts:2", "ngram")]
+    for row in report["greedy"]:
+        assert set(row) == GREEDY_ROW_FIELDS
+        assert row["verdict"] == "equal" and row["compared"] == row["tokens"] == 16
+    rows = {r["method"]: r for r in report["distribution"]}
+    assert set(rows) == {"draft", "ngram"}
+    for row in rows.values():
+        assert set(row) == DISTRIBUTION_ROW_FIELDS
+        assert row["verdict"] == "pass" and row["statistic"] < row["critical"] and row["impossible"] == 0
+        assert row["critical"] == pytest.approx(builtin_critical_value(row["df"], 0.001), rel=1e-6)
+    # The far draft's own tokens are easy to tell from the target's: the test has power there.
+    assert rows["draft"]["proposed"] > rows["draft"]["accepted"] > 0
+    assert rows["draft"]["q_statistic"] > rows["draft"]["critical"] and rows["draft"]["power"] >= audit.GOOD_POWER
+    # A random tiny model never continues a copy, so lookup's drafts are all rejected: the report
+    # must say that this run could not see a wrong residual rather than claim power.
+    if rows["ngram"]["accepted"] == 0:
+        assert "wrong residual" in rows["ngram"]["power_note"]
+
+
+def test_audit_fails_a_sampler_that_recovers_from_p(
+    capsys, monkeypatch: pytest.MonkeyPatch, prompt_file: Path, tiny_qwen2_dir: Path, tiny_far_draft_dir: Path
+) -> None:
+    install_wrong_residual(monkeypatch)
+    code, out, err = run_audit_cli(
+        capsys, tiny_qwen2_dir, tiny_far_draft_dir, "--method", "draft", "--prompts", str(prompt_file),
+        "--num-prompts", "1", "--max-new-tokens", "8", "--draws", "400", "--k", "2",
+    )
+    assert code == audit_failed(), out + err
+    assert any(line.split()[:2] == ["draft", "FAIL"] for line in out.splitlines()), out  # the distribution row
+    assert out.rstrip().splitlines()[-1].startswith("FAIL")
+
+
+def audit_failed() -> int:
+    from specdecode.cli.audit import EXIT_AUDIT_FAILED
+
+    return EXIT_AUDIT_FAILED
+
+
+def accept_every_draft(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
+    """A broken greedy verifier: keeps every drafted token, then the target's bonus token."""
+    batch, k = draft_tokens.shape
+    bonus = target_logits[:, k].argmax(dim=-1)  # (B,)
+    return VerifyResult(torch.full((batch,), k, dtype=torch.long), torch.cat([draft_tokens, bonus[:, None]], dim=1))
+
+
+def test_audit_fails_a_greedy_verifier_that_accepts_everything(
+    capsys, monkeypatch: pytest.MonkeyPatch, prompt_file: Path, tiny_qwen2_dir: Path, tiny_draft_dir: Path
+) -> None:
+    import specdecode.engine.single
+
+    monkeypatch.setattr(specdecode.engine.single, "greedy_verify", accept_every_draft)
+    code, out, err = run_audit_cli(
+        capsys, tiny_qwen2_dir, tiny_draft_dir, "--method", "draft", "--prompts", str(prompt_file),
+        "--max-new-tokens", "16", "--draws", "50", "--json",
+    )
+    assert code == audit_failed(), out + err
+    report = json.loads(out)
+    assert report["passed"] is False
+    failed = [r for r in report["greedy"] if r["verdict"] == "FAIL"]
+    assert failed, report["greedy"]
+    for row in failed:
+        # An unrelated draft's token is far from the target's choice: a bug, not a near-tie.
+        assert row["plain_token"] != row["method_token"]
+        assert row["token_gap"] >= row["threshold"] == NEAR_TIE
+        assert row["top2_gap"] <= row["token_gap"] + 1e-6  # the gap between the two is at least the top-2 gap
+
+
+def test_a_difference_within_the_near_tie_threshold_is_excused(
+    monkeypatch: pytest.MonkeyPatch, tiny_qwen2_dir: Path, tiny_draft_dir: Path
+) -> None:
+    import specdecode.engine.single
+
+    dec = decoder(tiny_qwen2_dir, tiny_draft_dir)
+    ids = dec.encode(PROMPT)
+    plain = dec.generate(ids, SamplingParams(max_new_tokens=12), method="none").token_ids
+    monkeypatch.setattr(specdecode.engine.single, "greedy_verify", accept_every_draft)
+    config = audit.AuditConfig(methods=("draft",), max_new_tokens=12)
+    strict = audit.greedy_check(dec, "p", ids, "draft", plain, config)
+    assert strict.verdict == "FAIL"
+    lenient = audit.greedy_check(dec, "p", ids, "draft", plain, audit.AuditConfig(methods=("draft",), max_new_tokens=12,
+                                                                                  near_tie=strict.token_gap * 2))
+    assert lenient.verdict == "near-tie" and lenient.position == strict.position
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["--method", "draft,beam"], "unknown method 'beam'"),
+        (["--draws", "0"], "--draws must be >= 1"),
+        (["--top-k", "1"], "--top-k must be >= 2"),
+        (["--method", "medusa"], "--heads"),
+        (["--out", "/nonexistent-folder/audit.json"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], pattern: str, tiny_qwen2_dir: Path) -> None:
+    code, _, err = run_audit_cli(capsys, tiny_qwen2_dir, None, *argv)
+    assert code == cli.EXIT_USER_ERROR
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specdecode: error:"), err
+    assert pattern.lower() in lines[0].lower()
+
+
+def test_draft_without_a_draft_model_is_refused(capsys, tiny_qwen2_dir: Path) -> None:
+    code, _, err = run_audit_cli(capsys, tiny_qwen2_dir, None, "--method", "draft", "--draws", "5")
+    assert code == cli.EXIT_USER_ERROR and "--draft" in err and "Traceback" not in err
