@@ -216,6 +216,11 @@ class SpecDecoder:
         if show_progress:
             print(f"specdecode: backend {choice.name} ({choice.reason})", file=sys.stderr, flush=True)
         if choice.name == LLAMACPP:
+            if k is None and k_policy is None:
+                # ggml's CPU passes are compute-bound on small machines: a verify row can cost
+                # over half a pass, so a fixed k can lose to plain decoding; the cost-aware k
+                # drafts only as much as the measured costs and acceptance pay for.
+                spec = replace(spec, k_policy="cost")
             exact = torch_dtype == torch.float32
             target_model = load_llamacpp_model(target, exact=exact, show_progress=show_progress)
             draft_model = load_llamacpp_model(draft, exact=exact, show_progress=show_progress) if uses_draft else None

@@ -30,6 +30,10 @@ from specdecode.models.loader import LoadedModel, gguf_source, load_tokenizer
 # model's trained context (32k for Qwen2.5) would cost memory no request here uses.
 DEFAULT_CONTEXT = 8192
 SEQUENCE = 0  # the one llama.cpp sequence id a single-request engine decodes in
+# Passes here take tens of milliseconds, and whether drafting can pay at all turns on the
+# ratio of a few of them (costs.k_policy.speculation_can_pay): time each shape a few more
+# times than the torch default, so one disturbed sample does not decide it.
+COST_REPEATS = 4
 
 
 class PassLogits:
@@ -92,7 +96,8 @@ class LlamaCppSequence:
         self.model.forward(SEQUENCE, [0] * COST_PROBE_CONTEXT, 0, "none")
         mode = "last" if logits_last == 1 else "all"
         measured = {
-            rows: best_seconds(lambda: self.model.forward(SEQUENCE, [0] * rows, COST_PROBE_CONTEXT, mode), self.device, repeats)
+            rows: best_seconds(lambda: self.model.forward(SEQUENCE, [0] * rows, COST_PROBE_CONTEXT, mode), self.device,
+                               max(repeats, COST_REPEATS))
             for rows in row_counts
         }
         self.model.clear(SEQUENCE)

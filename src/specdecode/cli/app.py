@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     gen.add_argument(
-        "--k", type=_k_value, default=DEFAULT_K,
-        help="tokens drafted per step, or 'auto': chosen each step from live acceptance and measured costs",
+        "--k", type=_k_value, default=None,
+        help=f"tokens drafted per step, or 'auto': chosen each step from live acceptance and measured costs "
+        f"(default {DEFAULT_K}; auto on the llama.cpp backend)",
     )
     _add_k_policy_arguments(gen)
     gen.add_argument(

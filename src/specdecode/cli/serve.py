@@ -29,7 +29,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--target", help="the model whose output is reproduced (default: demo 1.5B)")
     parser.add_argument("--draft", help="the draft model (default: demo 0.5B with the demo target)")
     parser.add_argument("--method", choices=METHODS, default="draft", help="default method; a request may pass 'method'")
-    parser.add_argument("--k", type=int, default=DEFAULT_K, help="tokens drafted per step")
+    parser.add_argument("--k", type=int, default=None,
+                        help=f"tokens drafted per step (default {DEFAULT_K}; chosen per step from measured costs on llama.cpp)")
     parser.add_argument("--heads", help="medusa/eagle heads folder (from `specdecode train`)")
     parser.add_argument("--tree-size", type=int, default=None, help="medusa/eagle: drafted tree nodes per step")
     parser.add_argument("--model-name", help="the name clients pass as 'model' (default: the target's name)")
