@@ -1,0 +1,79 @@
+"""Argument types and argument groups shared by the commands."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specdecode.cli.train import positive_int as _positive_int
+from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+from specdecode.errors import InvalidRequestError
+from specdecode.kv.static import KV_DTYPES
+
+EXIT_USER_ERROR = 2  # bad input: one line on stderr
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
+
+
+def read_prompt_lines(path: str, flag: str) -> list[str]:
+    try:
+        lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    except OSError as err:
+        raise InvalidRequestError(f"Cannot read {flag} {path}: {err}") from err
+    if not lines:
+        raise InvalidRequestError(f"{flag} {path} has no prompts.")
+    return lines
+
+
+def use_chat(tokenizer: object, choice: str) -> bool:
+    """--chat auto|yes|no: auto uses the chat template when the tokenizer has one."""
+    return bool(getattr(tokenizer, "chat_template", None)) if choice == "auto" else choice == "yes"
+
+
+def add_quant_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdecode.quant.apply import QUANT_CHOICES
+
+    parser.add_argument(
+        "--target-quant", choices=QUANT_CHOICES, default="none",
+        help="weight-only quantization of the target (int4 keeps a Q4_K GGUF's own blocks); changes the target's output",
+    )
+    parser.add_argument("--draft-quant", choices=QUANT_CHOICES, default="none", help="weight-only quantization of the draft")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV-cache storage: auto (model dtype) or int8")
+
+
+def k_value(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
+def add_k_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--k-policy", choices=("cost", "threshold"), default="cost",
+        help="with --k auto: cost (maximise expected tokens per measured second; may choose plain steps) "
+        "or threshold (k+1 above 80%% acceptance, minimum below 40%%, starting at 5)",
+    )
+    parser.add_argument("--k-max", type=_positive_int, default=DEFAULT_K_MAX, help="with --k auto: the most tokens drafted per step")
+
+
+def add_ngram_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ngram-max", type=_positive_int, default=DEFAULT_NGRAM_MAX, help="ngram: longest n-gram matched")
+    parser.add_argument("--ngram-min", type=_positive_int, default=DEFAULT_NGRAM_MIN, help="ngram: shortest n-gram matched")
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    from specdecode.training.layer_search import parse_skip_layers
+
+    try:
+        return parse_skip_layers(text)
+    except InvalidRequestError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_layerskip_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--skip-layers", type=layer_list, default=None,
+        help="layerskip: target layers the draft skips, e.g. '4-9,12' (default: --layerskip-config, or the demo target's tuned choice)",
+    )
+    parser.add_argument("--layerskip-config", help="layerskip: a JSON file written by `specdecode tune-layerskip`")
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
