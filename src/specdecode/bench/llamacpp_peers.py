@@ -126,6 +126,7 @@ class LlamaCppPyMethod:
         import llama_cpp
 
         from specdecode.backends.llamacpp import physical_core_count
+        from specdecode.backends.llamacpp_threads import attach_shared_threadpool
 
         self.name = name
         self.tokenizer = tokenizer
@@ -138,6 +139,9 @@ class LlamaCppPyMethod:
             model_path=str(gguf_path), n_gpu_layers=0, n_ctx=context, n_threads=threads, n_threads_batch=threads,
             type_k=kv_type, type_v=kv_type, flash_attn=not exact, draft_model=self.draft, verbose=False,
         )
+        # Our llama.cpp contexts in this process share one ggml thread pool; the peer joins it, so
+        # neither side's idle threads poll against the other's passes (backends/llamacpp_threads.py).
+        attach_shared_threadpool(llama_cpp, self.llama._ctx.ctx, threads)
         # generate() calls self.eval: an instance attribute shadows the method for this object only.
         self.passes = _TimedEval(self.llama.eval)
         self.llama.eval = self.passes
