@@ -303,7 +303,8 @@ class BatchEngine:
         error: Exception,
     ) -> list[RequestOutput]:
         """Rerun the step's draft and verify for each row alone; fail the rows that raise alone.
-        Re-raises the step's error when none does (a failure of the batch, not of a request)."""
+        Re-raises the step's error when none does, or every row does (a failure of the batch or
+        of the models, not of a request)."""
         blamed = []
         for seq in running:
             _restore_generators(generators)
@@ -312,7 +313,7 @@ class BatchEngine:
                 self._verify([seq], proposals)
             except Exception as err:  # noqa: BLE001 - any error a request causes is that request's
                 blamed.append((seq, err))
-        if not blamed:
+        if not blamed or len(blamed) == len(running):
             raise error
         return [self._fail(seq, err) for seq, err in blamed]
 
