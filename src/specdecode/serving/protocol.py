@@ -106,13 +106,14 @@ def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: An
     return value
 
 
-def _text(value: str, param: str) -> str:
+def _text(value: str, param: str, where: str | None = None) -> str:
     """``value`` if UTF-8 can encode it. JSON's ``\\ud800`` escape yields a lone surrogate, which
-    no tokenizer and no response encoder accepts: refuse it here as the client's error."""
+    no tokenizer and no response encoder accepts: refuse it here as the client's error.
+    ``where``: the place to name in the message when finer than ``param``."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise APIError(400, f"'{param}' holds invalid Unicode (a lone surrogate at character {err.start}); "
+        raise APIError(400, f"'{where or param}' holds invalid Unicode (a lone surrogate at character {err.start}); "
                             "send well-formed UTF-8 text.", param) from err
     return value
 
@@ -122,7 +123,7 @@ def _message_content(content: Any, index: int) -> str:
     joins them)."""
     param = f"messages[{index}].content"
     if isinstance(content, str):
-        return _text(content, param)
+        return _text(content, "messages", param)
     if not isinstance(content, list) or not content:
         raise APIError(400, f"{param} must be a string or a non-empty list of {{'type': 'text', 'text': ...}} parts.",
                        "messages")
@@ -132,7 +133,7 @@ def _message_content(content: Any, index: int) -> str:
         if kind != "text" or not isinstance(part.get("text"), str):
             raise APIError(400, f"{param}[{j}] must be a {{'type': 'text', 'text': ...}} part; this server reads text "
                                 f"only (got type {_short(kind)}).", "messages")
-        texts.append(_text(part["text"], param))
+        texts.append(_text(part["text"], "messages", f"{param}[{j}].text"))
     return "\n".join(texts)
 
 
