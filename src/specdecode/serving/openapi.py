@@ -25,7 +25,6 @@ _MESSAGE = {
     },
 }
 _COMMON: dict[str, Any] = {
-    "model": {"type": "string", "description": "one of the names in GET /v1/models"},
     "max_tokens": {"type": "integer", "minimum": 1},
     "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE,
                     "description": "below 1e-5: greedy"},
@@ -36,14 +35,19 @@ _COMMON: dict[str, Any] = {
     "stream": {"type": "boolean"},
     "n": {"const": 1},
     "user": {"type": "string"},
-    "method": {"type": "string", "description": "extension: a decoding method the server loaded, e.g. none"},
+    "method": {"type": "string", "description": "extension: a decoding method the server loaded"},
     "k": {"type": "integer", "minimum": 1, "description": "extension: tokens drafted per step, at most the server's k_max"},
 }
 
 
-def request_body(chat: bool) -> dict[str, Any]:
-    """The OpenAPI ``requestBody`` object of /v1/chat/completions (``chat``) or /v1/completions."""
+def request_body(chat: bool, served_names: tuple[str, ...], methods: tuple[str, ...], k_max: int,
+                 vocab_size: int) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` object of /v1/chat/completions (``chat``) or /v1/completions,
+    for a server with these model names, methods, k_max and vocabulary."""
     properties = dict(_COMMON)
+    properties["model"] = {"enum": list(served_names), "description": "one of the names in GET /v1/models"}
+    properties["method"] = dict(properties["method"], enum=list(methods))
+    properties["k"] = dict(properties["k"], maximum=k_max)
     if chat:
         properties["messages"] = {"type": "array", "minItems": 1, "items": _MESSAGE}
         properties["max_completion_tokens"] = {"type": "integer", "minimum": 1}
@@ -52,7 +56,7 @@ def request_body(chat: bool) -> dict[str, Any]:
         properties["prompt"] = {"anyOf": [
             {"type": "string", "minLength": 1},
             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
-            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}},
         ]}
         required = ["model", "prompt"]
     schema = {"type": "object", "required": required, "properties": properties}

@@ -53,6 +53,8 @@ class ParsedRequest:
     stream: bool
     method: str | None
     k: int | None
+    # False: max_tokens is the default, which the server may lower to what the context leaves.
+    max_tokens_given: bool = True
 
 
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -95,10 +97,23 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _integer(value: Any) -> int | None:
+    """``value`` as an int if JSON Schema calls it an integer (``3`` or ``3.0``, not ``true``)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
 def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
     value = body.get(name, default)
     if value is None:
         return default
+    if kinds == (int,) and _integer(value) is not None:
+        return _integer(value)
     # bool is an int subclass: refuse it where a number is wanted.
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = " or ".join(k.__name__ for k in kinds)
@@ -162,8 +177,10 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return _text(prompt, "prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
+    if isinstance(prompt, list) and prompt:
+        token_ids = [_integer(t) for t in prompt]
+        if all(t is not None for t in token_ids):
+            return token_ids  # type: ignore[return-value]  # no None left
     raise APIError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request).", "prompt")
 
 
@@ -211,6 +228,7 @@ def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods:
     max_tokens_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     default_max = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
     max_tokens = _typed(body, max_tokens_name, (int,), default_max)
+    max_tokens_given = body.get(max_tokens_name) is not None
     if max_tokens < 1:
         raise APIError(400, f"'{max_tokens_name}' must be at least 1, got {max_tokens}.", max_tokens_name)
     temperature = _number(body, "temperature", 1.0, lambda t: 0.0 <= t <= MAX_TEMPERATURE, f"[0, {MAX_TEMPERATURE}]")
@@ -230,4 +248,4 @@ def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods:
                                 seed=_seed(body), stop=_stops(body))
     except SpecDecodeError as err:
         raise APIError(400, str(err)) from err
-    return ParsedRequest(prompt, chat, params, stream, method, k)
+    return ParsedRequest(prompt, chat, params, stream, method, k, max_tokens_given)

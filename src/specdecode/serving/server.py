@@ -28,6 +28,7 @@ request's decoding metrics under ``specdecode``.
 # No ``from __future__ import annotations`` here: FastAPI reads the endpoint signatures
 # (``request: Request``, imported inside ``create_app``) at definition time.
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -218,6 +219,14 @@ class ServerState:
     def methods(self) -> tuple[str, ...]:
         return tuple(m for m in METHODS if m == "none" or m == "auto" or m in self.decoder.drafters)
 
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt and output) a request may hold, as ``SpecDecoder.check_request`` counts."""
+        context = self.decoder.target.config.max_position_embeddings
+        if self.decoder.draft is not None:
+            context = min(context, self.decoder.draft.config.max_position_embeddings)
+        return context
+
     def prepare(self, raw: bytes, chat: bool) -> ParsedRequest:
         """Parse, validate and tokenize a request body (CPU work: run it off the event loop).
         The returned request's prompt is token ids."""
@@ -231,6 +240,10 @@ class ServerState:
                 vocab = self.decoder.target.config.vocab_size
                 if any(not 0 <= t < vocab for t in prompt_ids):
                     raise APIError(400, f"Prompt token ids must lie in [0, {vocab}).", "prompt")
+                room = self.context_length - len(prompt_ids)
+                if not req.max_tokens_given and 0 < room < req.params.max_new_tokens:
+                    # OpenAI's chat default is "up to the context": a default must not be a 400.
+                    req.params = dataclasses.replace(req.params, max_new_tokens=room)
                 self.decoder.check_request(prompt_ids, req.params)
                 if self.batched(req):
                     assert self.worker is not None
@@ -384,11 +397,11 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
             raise failure
         return _final_body(request_id, created, state.model_name, chat, text, generation.stats)
 
-    @app.post("/v1/completions", openapi_extra=_request_body_schema(chat=False))
+    @app.post("/v1/completions", openapi_extra=_request_body_schema(state, chat=False))
     async def completions(request: Request) -> Any:
         return await respond(request, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=_request_body_schema(chat=True))
+    @app.post("/v1/chat/completions", openapi_extra=_request_body_schema(state, chat=True))
     async def chat_completions(request: Request) -> Any:
         return await respond(request, chat=True)
 
@@ -414,10 +427,11 @@ async def _text_unless_disconnected(generation: Generation, request: Any) -> str
     return collect.result() if collect.done() and not collect.cancelled() else None
 
 
-def _request_body_schema(chat: bool) -> dict[str, Any]:
+def _request_body_schema(state: ServerState, chat: bool) -> dict[str, Any]:
     from specdecode.serving.openapi import request_body
 
-    return {"requestBody": request_body(chat)}
+    return {"requestBody": request_body(chat, state.served_names, state.methods, state.decoder.spec.k_max,
+                                        state.decoder.target.config.vocab_size)}
 
 
 def _finish(stats: GenerationStats | None) -> str | None:
@@ -446,7 +460,16 @@ def _chunk(request_id: str, created: int, model: str, chat: bool, delta: str | N
         choice["text"] = delta or ""
     body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice]}
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return _sse(body)
+
+
+# Characters JSON leaves raw that Python's str.splitlines (and so httpx's iter_lines) reads as
+# line breaks: escaped, so that an event is one line for every client.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 async def _events(generation: Generation, request_id: str, created: int, model: str, chat: bool) -> AsyncIterator[str]:
@@ -464,7 +487,7 @@ async def _events(generation: Generation, request_id: str, created: int, model: 
         final = make(None, _finish(generation.stats))
         body = json.loads(final[len("data: "):])
         body["usage"], body["specdecode"] = _usage(generation.stats), _spec_metrics(generation.stats)
-        yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        yield _sse(body)
     yield "data: [DONE]\n\n"
 
 
