@@ -12,10 +12,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-import specdecode.engine.batch as batch  # noqa: E402
-from specdecode import SpecDecoder  # noqa: E402
-from specdecode.serving.server import ServerOptions, serve  # noqa: E402
-from specdecode.serving.worker import BatchWorker  # noqa: E402
+from specdecode import SpecDecoder
+from specdecode.engine import batch
+from specdecode.serving.server import ServerOptions, serve
+from specdecode.serving.worker import BatchWorker
 
 
 def main() -> None:

@@ -9,7 +9,6 @@ import sys
 
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
 
-
 API_KEY_ENV = "SPECDECODE_API_KEY"
 
 
@@ -29,12 +28,12 @@ def non_negative_float(text: str) -> float:
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from specdecode.cli.train import non_negative_int, positive_int
-    from specdecode.serving.guard import DEFAULT_MAX_BODY_BYTES
-    from specdecode.serving.server import DEFAULT_DRAIN_TIMEOUT
     from specdecode.config import DEFAULT_K, METHODS
     from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
     from specdecode.kv.static import KV_DTYPES
     from specdecode.quant.apply import QUANT_CHOICES
+    from specdecode.serving.guard import DEFAULT_MAX_BODY_BYTES
+    from specdecode.serving.server import DEFAULT_DRAIN_TIMEOUT
 
     parser = sub.add_parser(
         "serve",

@@ -322,16 +322,15 @@ class BatchEngine:
         that fail alone (a prefill writes only its own sequences' caches, by position)."""
         try:
             self._prefill(seqs)
-            return []
-        except Exception:  # noqa: BLE001
-            pass
-        failed = []
-        for seq in seqs:
-            try:
-                self._prefill([seq])
-            except Exception as err:  # noqa: BLE001
-                failed.append(self._fail(seq, err))
-        return failed
+        except Exception:  # noqa: BLE001 - retried one sequence at a time to find the one to blame
+            failed = []
+            for seq in seqs:
+                try:
+                    self._prefill([seq])
+                except Exception as err:  # noqa: BLE001
+                    failed.append(self._fail(seq, err))
+            return failed
+        return []
 
     def _fail(self, seq: ScheduledSequence, error: BaseException) -> RequestOutput:
         request: _Request = seq.state

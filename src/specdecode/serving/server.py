@@ -475,7 +475,7 @@ def _sse(body: dict[str, Any]) -> str:
 async def _events(generation: Generation, request_id: str, created: int, model: str, chat: bool) -> AsyncIterator[str]:
     """Server-sent events, ending in ``data: [DONE]`` whether the generation finished or failed
     (then the event before it is an OpenAI error body)."""
-    make: Callable[..., str] = lambda delta, finish, first=False: _chunk(request_id, created, model, chat, delta, finish, first)  # noqa: E731
+    make: Callable[..., str] = lambda delta, finish, first=False: _chunk(request_id, created, model, chat, delta, finish, first)
     if chat:
         yield make(None, None, first=True)
     async for delta in generation.deltas():
