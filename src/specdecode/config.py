@@ -127,6 +127,10 @@ class ModelConfig:
         )
 
 
+# Temperatures below this are greedy, as in vLLM (_SAMPLING_EPS).
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` is greedy (top-k/top-p are then ignored)."""
@@ -142,6 +146,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}.")
+        if self.temperature < MIN_TEMPERATURE:
+            # Dividing logits by a temperature this small overflows float32 to inf (NaN
+            # probabilities); the distribution is the argmax anyway, so decode greedily.
+            self.temperature = 0.0
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
         if not (0.0 < self.top_p <= 1.0):

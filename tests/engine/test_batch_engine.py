@@ -20,6 +20,7 @@ from helpers import (
 )
 
 import specdecode.engine.batch
+import specdecode.engine.sampling
 from specdecode import SamplingParams
 from specdecode.costs.batch_k import BatchK, BatchRow, PassCosts
 from specdecode.engine.batch import BatchEngine
@@ -112,6 +113,51 @@ def test_blocks_return_after_abort_and_after_a_failed_step(dec, monkeypatch) -> 
     assert {o.request_id for o in failed} == set(ids[1:]) and all(o.stats.stop_reason == "error" for o in failed)
     assert not eng.has_unfinished
     assert_pools_empty(eng)
+
+
+BROKEN_TEMPERATURE = 0.77  # the injected failure below hits requests sampling at this temperature
+
+
+def test_a_request_whose_sampling_raises_fails_alone(dec, monkeypatch) -> None:
+    """A request whose sampling raises (injected) fails alone with that error, in its first
+    step; the greedy requests sharing its steps get their single-request tokens, and a seeded
+    sampled request gets the tokens it gets in the same batch without the failing one (its
+    generator is rewound before each rerun of the step)."""
+    real_probs = specdecode.engine.sampling.LogitsProcessor.probs
+
+    def probs(self, logits):
+        if self.temperature == BROKEN_TEMPERATURE:
+            raise RuntimeError("injected sampling failure")
+        return real_probs(self, logits)
+
+    monkeypatch.setattr(specdecode.engine.sampling.LogitsProcessor, "probs", probs)
+    cases = mixed_cases()[:3]  # draft, ngram and none
+    seeded = SamplingParams(temperature=0.9, top_k=5, max_new_tokens=16, seed=3)
+
+    def run(with_broken: bool) -> tuple[list[list[int]], list[int], dict]:
+        eng = engine(dec, max_batch=8)
+        broken = SamplingParams(temperature=BROKEN_TEMPERATURE, max_new_tokens=20)
+        bad = eng.add_request(dec.encode(PROMPTS[2]), broken, "draft", 3) if with_broken else None
+        ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=n), m, k) for p, m, k, n in cases]
+        sampled = eng.add_request(dec.encode(PROMPTS[1]), seeded, "draft", 3)
+        tokens: dict[str, list[int]] = {}
+        errors: dict[str, BaseException] = {}
+        while eng.has_unfinished:
+            for out in eng.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_tokens)
+                if out.error is not None:
+                    errors[out.request_id] = out.error
+        assert_pools_empty(eng)
+        if with_broken:
+            assert set(errors) == {bad} and "injected" in str(errors[bad]) and not tokens[bad]
+        else:
+            assert not errors
+        return [tokens[i] for i in ids], tokens[sampled], errors
+
+    greedy, sampled, _ = run(with_broken=True)
+    assert greedy == single_outputs(dec, cases)
+    _, sampled_alone, _ = run(with_broken=False)
+    assert sampled == sampled_alone and len(sampled) > 0
 
 
 def batch_chi_square(dec, policy: str, confidence: float = 0.0) -> tuple[float, int]:

@@ -1,7 +1,6 @@
 """The OpenAI-compatible server: the official openai client, streaming, metrics, bad input, cancellation."""
 
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -9,54 +8,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
+from server_helpers import MESSAGES, MODEL, PROMPT
+from server_helpers import client as _client
+from server_helpers import metric as _metric
 
-from specdecode import SamplingParams, SpecDecoder
-from specdecode.serving.server import APIError, create_app, parse_request
-from specdecode.serving.worker import BatchWorker
-
-MODEL = "tiny"
-PROMPT = "def quicksort(arr):"
-MESSAGES = [{"role": "user", "content": "Write a quicksort"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def served(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path):
-    dec = SpecDecoder.from_pretrained(str(tiny_qwen2_dir), str(tiny_close_draft_dir), draft_confidence=0.0,
-                                      dtype="fp32", device="cpu", show_progress=False)
-    port = _free_port()
-    # As `specdecode serve` runs it: none/ngram/draft batched by a worker, the rest one at a time.
-    worker = BatchWorker(dec.batch_engine(max_batch=4, kv_cache_tokens=1024, cost_aware=False))
-    app = create_app(dec, MODEL, worker=worker)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", dec
-    server.should_exit = True
-    thread.join(timeout=10)
-    worker.close()
-
-
-def _client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-
-
-def _metric(base: str, name: str) -> float:
-    text = httpx.get(base + "/metrics").text
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{name} not in /metrics")
+from specdecode import SamplingParams
+from specdecode.serving.server import APIError, parse_request
 
 
 def test_completions_with_the_openai_client(served) -> None:

@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 from specdecode.backends.base import BACKENDS
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
+
+API_KEY_ENV = "SPECDECODE_API_KEY"
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,6 +33,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
     from specdecode.kv.static import KV_DTYPES
     from specdecode.quant.apply import QUANT_CHOICES
+    from specdecode.serving.guard import DEFAULT_MAX_BODY_BYTES
+    from specdecode.serving.server import DEFAULT_DRAIN_TIMEOUT
 
     parser = sub.add_parser(
         "serve",
@@ -50,6 +70,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-policy", choices=BATCH_POLICIES, default="async",
                         help="async: each request keeps all it accepts; sync: a step keeps the batch's fewest")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    limits = parser.add_argument_group("security and limits (docs/server.md#security-and-limits)")
+    limits.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; unset: no key)")
+    limits.add_argument("--allowed-hosts", default="",
+                        help="comma-separated Host names to answer to besides loopback ones and --host "
+                             "(DNS-rebinding protection); '*' answers to any Host")
+    limits.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest request body; larger ones get 413 (default: 2 MiB)")
+    limits.add_argument("--request-timeout", type=positive_float, default=None,
+                        help="seconds a request may run (queueing included) before it is stopped (default: no limit)")
+    limits.add_argument("--drain-timeout", type=non_negative_float, default=DEFAULT_DRAIN_TIMEOUT,
+                        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are ended")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -62,7 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
 
-        from specdecode.serving.server import serve
+        from specdecode.serving.guard import GuardOptions, default_allowed_hosts
+        from specdecode.serving.server import ServerOptions, serve
     except ImportError as err:
         raise InvalidRequestError(f'`specdecode serve` needs the server extras: pip install "specdecode[serve]" ({err}).') from err
     if not 0 < args.port < 65536:
@@ -87,5 +120,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine = decoder.batch_engine(max_batch=args.max_batch, kv_cache_tokens=args.kv_cache_tokens,
                                           policy=args.batch_policy)
             worker = BatchWorker(engine)
-    serve(decoder, name, args.host, args.port, log_level=args.log_level, worker=worker)
+    hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+    guard = GuardOptions(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
+                         allowed_hosts=default_allowed_hosts(args.host, hosts))
+    options = ServerOptions(guard=guard, request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
+    serve(decoder, name, args.host, args.port, log_level=args.log_level, worker=worker, options=options)
     return 0

@@ -234,13 +234,18 @@ class BatchEngine:
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Admit, draft, verify and commit once for the whole batch; what each request got."""
+        """Admit, draft, verify and commit once for the whole batch; what each request got.
+
+        A request whose own rows make a step raise (its sampling, its prompt) fails alone: the
+        step is rerun without it, and the others get exactly what they would have got (see
+        ``_isolate_failures``). An error no single request causes is raised to the caller."""
+        failed: list[RequestOutput] = []
         admitted = self.scheduler.admit()
         if admitted:
-            self._prefill(admitted)
+            failed += self._prefill_isolated(admitted)
         running = list(self.scheduler.running)
         if not running:
-            return []
+            return failed
         requests: list[_Request] = [seq.state for seq in running]
         drafting = [seq for seq in running if self._may_draft(seq.state)]
         plans = [self._plan_row(seq) for seq in drafting]
@@ -258,19 +263,80 @@ class BatchEngine:
                 self.drafter.forget(seq.seq_id)
         running = list(self.scheduler.running)
         if not running:
-            return []
+            return failed
+        generators = _generator_states(running)
         draft_watch, verify_watch = Stopwatch(self.device, self.sync_timing), Stopwatch(self.device, self.sync_timing)
-        with draft_watch:
-            proposals, draft_passes, draft_rows = self._draft(running, wanted)
-        with verify_watch:
-            emitted = self._verify(running, proposals)
+        try:
+            with draft_watch:
+                proposals, draft_passes, draft_rows = self._draft(running, wanted)
+            with verify_watch:
+                emitted = self._verify(running, proposals)
+        except Exception as err:  # noqa: BLE001 - raised again below unless one request is to blame
+            failed += self._isolate_failures(running, wanted, generators, err)
+            running = list(self.scheduler.running)
+            if not running:
+                return failed
+            _restore_generators(generators)
+            with draft_watch:
+                proposals, draft_passes, draft_rows = self._draft(running, wanted)
+            with verify_watch:
+                emitted = self._verify(running, proposals)
         self.chooser.observe(
             batch=len(proposals), width=1 + max(p.num_tokens for p in proposals), drafted=sum(p.num_tokens for p in proposals),
             verify_seconds=verify_watch.elapsed, draft_rows=draft_rows,
             # A step that read a backlog first says little about one draft pass: not learnt from.
             draft_passes=0 if read_ahead else draft_passes, draft_seconds=draft_watch.elapsed,
         )
-        return self._commit(running, proposals, emitted, draft_watch.elapsed, verify_watch.elapsed, draft_passes)
+        return failed + self._commit(running, proposals, emitted, draft_watch.elapsed, verify_watch.elapsed, draft_passes)
+
+    # -- failures of one request ---------------------------------------------------------------
+    # Drafting and verifying change nothing a rerun would not redo: the target and draft caches
+    # are written by position (a rerun overwrites the same slots), the draft model's lengths
+    # move only in ``on_verified`` after the commit, and the sampling generators are restored
+    # from a snapshot. So a failed step can be rerun row by row to find the request to blame,
+    # then once more without it.
+    def _isolate_failures(
+        self,
+        running: list[ScheduledSequence],
+        wanted: dict[int, int],
+        generators: list[tuple[torch.Generator, torch.Tensor]],
+        error: Exception,
+    ) -> list[RequestOutput]:
+        """Rerun the step's draft and verify for each row alone; fail the rows that raise alone.
+        Re-raises the step's error when none does, or every row does (a failure of the batch or
+        of the models, not of a request)."""
+        blamed = []
+        for seq in running:
+            _restore_generators(generators)
+            try:
+                proposals, _, _ = self._draft([seq], wanted)
+                self._verify([seq], proposals)
+            except Exception as err:  # noqa: BLE001 - any error a request causes is that request's
+                blamed.append((seq, err))
+        if not blamed or len(blamed) == len(running):
+            raise error
+        return [self._fail(seq, err) for seq, err in blamed]
+
+    def _prefill_isolated(self, seqs: list[ScheduledSequence]) -> list[RequestOutput]:
+        """Prefill newly admitted sequences together; if that fails, one at a time, failing those
+        that fail alone (a prefill writes only its own sequences' caches, by position)."""
+        try:
+            self._prefill(seqs)
+        except Exception:  # noqa: BLE001 - retried one sequence at a time to find the one to blame
+            failed = []
+            for seq in seqs:
+                try:
+                    self._prefill([seq])
+                except Exception as err:  # noqa: BLE001
+                    failed.append(self._fail(seq, err))
+            return failed
+        return []
+
+    def _fail(self, seq: ScheduledSequence, error: BaseException) -> RequestOutput:
+        request: _Request = seq.state
+        request.stats.stop_reason = "error"
+        self._finish(seq)
+        return RequestOutput(request.request_id, [], True, request.stats, error=error)
 
     @staticmethod
     def _may_draft(request: _Request) -> bool:
@@ -424,3 +490,14 @@ class BatchEngine:
             for output in self.step():
                 generated.setdefault(output.request_id, []).extend(output.new_tokens)
         return generated
+
+
+def _generator_states(running: list[ScheduledSequence]) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """Each sampling row's generator and its state (a few KiB on the host), to rerun a step from."""
+    requests: list[_Request] = [seq.state for seq in running]
+    return [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
+
+
+def _restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    for generator, state in states:
+        generator.set_state(state)

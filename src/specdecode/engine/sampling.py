@@ -44,6 +44,8 @@ class LogitsProcessor:
             # the most likely token always survives.
             mass_before = sorted_probs.cumsum(-1) - sorted_probs
             drop_sorted = mass_before >= self.top_p
+            # A top_p below float32's smallest value rounds to 0 and would drop every token.
+            drop_sorted[..., 0] = False
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             scaled = scaled.masked_fill(drop, float("-inf"))
         return scaled.softmax(-1)

@@ -9,13 +9,16 @@ continuous-batching engine (``engine/batch.py``) stepping in one worker thread
 (``serving/worker.py``): they join and leave the batch between steps, share each target pass,
 and hold paged KV blocks only while they run. The other methods (``auto``, ``layerskip``,
 ``medusa``, ``eagle``) keep the single-sequence engine and run one at a time, first come
-first served, beside the batch. A streaming client that disconnects cancels its request
-between two decoding steps, which frees its blocks.
+first served, beside the batch. A client that disconnects (streaming or not) cancels its
+request, which frees its blocks before the next step.
 
-Bad input (malformed JSON, unknown model, wrong types, max_tokens or temperature out of
-range, a prompt over the context) gets a 4xx with an OpenAI-style body
-``{"error": {"message", "type", "param", "code"}}``; an unexpected failure inside one request
-gets a 500 with the same shape, and the server keeps serving.
+Before a request reaches the application, ``serving/guard.py`` checks its Host, API key,
+Content-Type and body size. Its body is then parsed and tokenized in a thread, so a large prompt
+never stalls the event loop (``/health``, other streams). Bad input gets a 4xx with an
+OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` (``serving/protocol.py``);
+an unexpected failure inside one request gets a 500 with the same shape, and the server keeps
+serving. A request past ``request_timeout`` seconds is stopped with a 504 (or a final error
+event). On SIGTERM or SIGINT the server drains (``serving/shutdown.py``).
 
 Extension fields a request may carry besides OpenAI's: ``top_k`` (int), ``method`` (one of
 the loaded decoder's methods) and ``k`` (tokens drafted per step). Each response carries the
@@ -25,6 +28,7 @@ request's decoding metrics under ``specdecode``.
 # No ``from __future__ import annotations`` here: FastAPI reads the endpoint signatures
 # (``request: Request``, imported inside ``create_app``) at definition time.
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -34,173 +38,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.api import SpecDecoder
-from specdecode.config import METHODS, SamplingParams
+from specdecode.config import METHODS
 from specdecode.engine.batch import BATCH_METHODS
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.stream import GenerationStream
 from specdecode.errors import SpecDecodeError
+from specdecode.serving.guard import GuardOptions, RequestGuard
+from specdecode.serving.metrics import ServerMetrics
+from specdecode.serving.protocol import APIError, ParsedRequest, parse_request
 from specdecode.serving.worker import BatchWorker
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-DEFAULT_CHAT_MAX_TOKENS = 512
-MAX_TEMPERATURE = 2.0
-MAX_STOP_STRINGS = 4
-CHAT_ROLES = ("system", "user", "assistant")
+__all__ = ["APIError", "ServerOptions", "create_app", "parse_request", "serve"]
+
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length"}
+DEFAULT_DRAIN_TIMEOUT = 10.0
+LOCK_POLL_SECONDS = 0.1  # how often a request queued for the single-sequence engine checks it was cancelled
 
 
-class APIError(Exception):
-    """An error to return as an OpenAI-style JSON body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-@dataclass(slots=True)
-class ParsedRequest:
-    prompt: str | list[int] | list[dict[str, str]]
-    chat: bool
-    params: SamplingParams
-    stream: bool
-    method: str | None
-    k: int | None
-
-
-def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    # bool is an int subclass: refuse it where a number is wanted.
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        names = " or ".join(k.__name__ for k in kinds)
-        raise APIError(400, f"'{name}' must be {names}, got {type(value).__name__}.", name)
-    return value
-
-
-def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods: tuple[str, ...]) -> ParsedRequest:
-    """Validate an OpenAI (chat) completion request body; raise APIError on bad input."""
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object.")
-    model = _typed(body, "model", (str,), None)
-    if model is None:
-        raise APIError(400, "'model' is required.", "model")
-    if model not in served_names:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves {', '.join(served_names)}.",
-                       "model", "model_not_found")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "'messages' must be a non-empty list of {role, content} objects.", "messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES or not isinstance(message.get("content"), str):
-                raise APIError(400, f"messages[{i}] needs a role in {', '.join(CHAT_ROLES)} and string content.", "messages")
-        prompt: Any = [{"role": m["role"], "content": m["content"]} for m in messages]
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        token_ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        if not (isinstance(prompt, str) and prompt) and not token_ids:
-            raise APIError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request).", "prompt")
-    if _typed(body, "n", (int,), 1) != 1:
-        raise APIError(400, "Only n = 1 is supported.", "n")
-    max_tokens_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    default_max = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
-    max_tokens = _typed(body, max_tokens_name, (int,), default_max)
-    if max_tokens < 1:
-        raise APIError(400, f"'{max_tokens_name}' must be at least 1, got {max_tokens}.", max_tokens_name)
-    temperature = float(_typed(body, "temperature", (int, float), 1.0))
-    if not 0.0 <= temperature <= MAX_TEMPERATURE:
-        raise APIError(400, f"'temperature' must be in [0, {MAX_TEMPERATURE}], got {temperature}.", "temperature")
-    top_p = float(_typed(body, "top_p", (int, float), 1.0))
-    if not 0.0 < top_p <= 1.0:
-        raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}.", "top_p")
-    top_k = _typed(body, "top_k", (int,), 0)
-    seed = _typed(body, "seed", (int,), None)
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
-        stops = tuple(stop)
-    else:
-        raise APIError(400, f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings.", "stop")
-    stream = _typed(body, "stream", (bool,), False)
-    method = _typed(body, "method", (str,), None)
-    if method is not None and method not in methods:
-        raise APIError(400, f"'method' must be one of {', '.join(methods)}, got {method!r}.", "method")
-    k = _typed(body, "k", (int,), None)
-    try:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_tokens,
-                                seed=seed, stop=stops)
-    except SpecDecodeError as err:
-        raise APIError(400, str(err)) from err
-    return ParsedRequest(prompt, chat, params, stream, method, k)
-
-
-@dataclass(slots=True)
-class ServerMetrics:
-    """Counters for /metrics; updated under ``lock`` from worker threads."""
-
-    requests: dict[str, int] = field(default_factory=lambda: {"ok": 0, "error": 0, "cancelled": 0, "rejected": 0})
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    verify_steps: int = 0
-    emitted_by_steps: int = 0
-    draft_tokens_proposed: int = 0
-    draft_tokens_accepted: int = 0
-    running: int = 0  # single-sequence requests decoding (the batch's are counted by the worker)
-    waiting: int = 0
-    kv_tokens: int = 0  # tokens in the running single-sequence request's target KV cache
-    worker: BatchWorker | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def record(self, stats: GenerationStats, status: str) -> None:
-        with self.lock:
-            self.requests[status] += 1
-            self.prompt_tokens += stats.prompt_tokens
-            self.generated_tokens += stats.new_tokens
-            self.verify_steps += stats.verify_steps
-            self.emitted_by_steps += stats.emitted_by_steps
-            self.draft_tokens_proposed += stats.draft_tokens_proposed
-            self.draft_tokens_accepted += stats.draft_tokens_accepted
-
-    def prometheus(self) -> str:
-        with self.lock:
-            tau = self.emitted_by_steps / self.verify_steps if self.verify_steps else 0.0
-            engine = self.worker.engine if self.worker is not None else None
-            batch, queued = (engine.num_running, engine.num_waiting) if engine is not None else (0, 0)
-            pool = engine.target_cache if engine is not None else None
-            acceptance = self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
-            lines = ["# HELP specdecode_requests_total Finished requests by outcome.",
-                     "# TYPE specdecode_requests_total counter"]
-            lines += [f'specdecode_requests_total{{status="{k}"}} {v}' for k, v in sorted(self.requests.items())]
-            rows = [
-                ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
-                ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
-                ("verify_steps_total", "counter", "Target verify passes.", self.verify_steps),
-                ("draft_tokens_proposed_total", "counter", "Draft tokens proposed.", self.draft_tokens_proposed),
-                ("draft_tokens_accepted_total", "counter", "Draft tokens accepted.", self.draft_tokens_accepted),
-                ("tau", "gauge", "Mean tokens per verify pass, bonus token counted, since start.", tau),
-                ("acceptance_rate", "gauge", "Accepted over proposed draft tokens, since start.", acceptance),
-                ("requests_running", "gauge", "Requests decoding now.", self.running + batch),
-                ("requests_waiting", "gauge", "Requests queued for the batch or the single-sequence engine.", self.waiting + queued),
-                ("batch_size", "gauge", "Sequences in the batch engine's current step.", batch),
-                ("kv_blocks_used", "gauge", "Target KV blocks held by batched requests.", pool.used_blocks if pool else 0),
-                ("kv_blocks_total", "gauge", "Target KV blocks in the batch engine's pool.", pool.usable_blocks if pool else 0),
-                ("preemptions_total", "counter", "Batched requests preempted for KV blocks (recomputed later).",
-                 engine.scheduler.preemptions if engine is not None else 0),
-                ("kv_cache_tokens", "gauge", "Tokens in the single-sequence engine's target KV cache.", self.kv_tokens),
-            ]
-            for name, kind, help_text, value in rows:
-                lines += [f"# HELP specdecode_{name} {help_text}", f"# TYPE specdecode_{name} {kind}", f"specdecode_{name} {value}"]
-        return "\n".join(lines) + "\n"
+@dataclass(slots=True, frozen=True)
+class ServerOptions:
+    guard: GuardOptions = field(default_factory=GuardOptions)
+    request_timeout: float | None = None  # seconds from admission; None: no limit
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT  # seconds in-flight requests get to finish on shutdown
 
 
 class Generation:
@@ -214,11 +73,29 @@ class Generation:
         self.cancelled = threading.Event()
         self.stats: GenerationStats | None = None
         self.error: BaseException | None = None
+        self.ended_by: APIError | None = None  # why the server ended it early (a timeout, a shutdown)
+        self.timer: asyncio.TimerHandle | None = None
+        self.batch_id = state.worker.new_request_id() if state.worker is not None and state.batched(request) else None
+        self._finished = False
+        self._lock = threading.Lock()  # orders stop() against the thread's end
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> "Generation":
         self.thread.start()
         return self
+
+    def stop(self, reason: APIError | None = None) -> None:
+        """End the generation early, from the event loop: the client left (no ``reason``) or the
+        server ended it (``reason`` is what the client is told). The reader wakes at once; the
+        request leaves the engine before its next step. A no-op once decoding has finished."""
+        with self._lock:
+            if self._finished or self.cancelled.is_set():
+                return
+            self.ended_by = reason
+            self.cancelled.set()
+        if self.batch_id is not None and self.state.worker is not None:
+            self.state.worker.abort(self.batch_id)  # also when it is still queued and emits nothing
+        self.queue.put_nowait(self._DONE)
 
     def _put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -232,24 +109,36 @@ class Generation:
                 return
             with metrics.lock:
                 metrics.waiting += 1
-            with self.state.engine_lock:
+            try:
+                while not self.state.engine_lock.acquire(timeout=LOCK_POLL_SECONDS):
+                    if self.cancelled.is_set():
+                        status = "cancelled"
+                        return
+            finally:
                 with metrics.lock:
                     metrics.waiting -= 1
+            try:
+                with metrics.lock:
                     metrics.running += 1
-                try:
-                    status = self._decode()
-                finally:
-                    with metrics.lock:
-                        metrics.running -= 1
-                        metrics.kv_tokens = 0
+                status = self._decode()
+            finally:
+                self.state.engine_lock.release()
+                with metrics.lock:
+                    metrics.running -= 1
+                    metrics.kv_tokens = 0
         except BaseException as err:  # reported to the client; the server goes on
             self.error = err
         finally:
+            with self._lock:
+                self._finished = True
+                if self.ended_by is not None:
+                    status = "timeout" if self.ended_by.code == "request_timeout" else "shutdown"
+                elif self.cancelled.is_set() and self.error is None:
+                    status = "cancelled"
             if self.stats is not None:
                 metrics.record(self.stats, status)
             else:
-                with metrics.lock:
-                    metrics.requests["rejected" if isinstance(self.error, SpecDecodeError) else "error"] += 1
+                metrics.count("rejected" if isinstance(self.error, SpecDecodeError) else status)
             self._put(self._DONE)
 
     def _decode(self) -> str:
@@ -260,7 +149,8 @@ class Generation:
         stream: GenerationStream
         if batched:
             assert state.worker is not None and isinstance(req.prompt, list)
-            chunks, stats = state.worker.submit(req.prompt, req.params, state.method_of(req), state.k_of(req))
+            chunks, stats = state.worker.submit(req.prompt, req.params, state.method_of(req), state.k_of(req),
+                                                request_id=self.batch_id)
             stream = state.decoder.token_stream(chunks, stats, req.params)
         else:
             stream = state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k)
@@ -276,7 +166,7 @@ class Generation:
                 self._put(delta)
         finally:
             deltas.close()  # ends the engine's loop (and its timing) if we left early
-        return "ok"
+        return "cancelled" if self.cancelled.is_set() else "ok"
 
     async def deltas(self) -> AsyncIterator[str]:
         while True:
@@ -285,6 +175,17 @@ class Generation:
                 return
             yield item
 
+    def failure(self) -> APIError | None:
+        """What to tell the client when the generation did not finish normally, else None."""
+        if self.ended_by is not None:
+            return self.ended_by
+        err = self.error
+        if err is None:
+            return None
+        if isinstance(err, SpecDecodeError):
+            return APIError(400, str(err))
+        return APIError(500, f"The server failed on this request: {type(err).__name__}: {err}", kind="server_error")
+
 
 @dataclass(slots=True)
 class ServerState:
@@ -292,9 +193,12 @@ class ServerState:
     model_name: str
     aliases: tuple[str, ...]
     worker: BatchWorker | None = None
+    options: ServerOptions = field(default_factory=ServerOptions)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     engine_lock: threading.Lock = field(default_factory=threading.Lock)
     started: int = field(default_factory=lambda: int(time.time()))
+    inflight: set[Generation] = field(default_factory=set)  # touched on the event loop only
+    draining: bool = False
 
     def method_of(self, request: ParsedRequest) -> str:
         return request.method or self.decoder.spec.method
@@ -316,14 +220,87 @@ class ServerState:
     def methods(self) -> tuple[str, ...]:
         return tuple(m for m in METHODS if m == "none" or m == "auto" or m in self.decoder.drafters)
 
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt and output) a request may hold, as ``SpecDecoder.check_request`` counts."""
+        context = self.decoder.target.config.max_position_embeddings
+        if self.decoder.draft is not None:
+            context = min(context, self.decoder.draft.config.max_position_embeddings)
+        return context
 
-def _raise_for(generation: Generation) -> None:
-    err = generation.error
-    if err is None:
-        return
-    if isinstance(err, SpecDecodeError):
-        raise APIError(400, str(err))
-    raise APIError(500, f"The server failed on this request: {type(err).__name__}: {err}", kind="server_error")
+    def prepare(self, raw: bytes, chat: bool) -> ParsedRequest:
+        """Parse, validate and tokenize a request body (CPU work: run it off the event loop).
+        The returned request's prompt is token ids."""
+        try:
+            req = parse_request(_load_json(raw), chat, self.served_names, self.methods, k_max=self.decoder.spec.k_max)
+            try:
+                # Tokenize and check the length here, so that a streaming request too gets a 4xx
+                # rather than an error event after a 200.
+                prompt = req.prompt
+                prompt_ids = prompt if prompt and isinstance(prompt[0], int) else self.decoder.encode(prompt, chat)
+                vocab = self.decoder.target.config.vocab_size
+                if any(not 0 <= t < vocab for t in prompt_ids):
+                    raise APIError(400, f"Prompt token ids must lie in [0, {vocab}).", "prompt")
+                room = self.context_length - len(prompt_ids)
+                if not req.max_tokens_given and 0 < room < req.params.max_new_tokens:
+                    # OpenAI's chat default is "up to the context": a default must not be a 400.
+                    req.params = dataclasses.replace(req.params, max_new_tokens=room)
+                self.decoder.check_request(prompt_ids, req.params)
+                if self.batched(req):
+                    assert self.worker is not None
+                    self.worker.engine.check_request(len(prompt_ids), req.params, self.method_of(req), self.k_of(req))
+            except SpecDecodeError as err:
+                raise APIError(400, str(err), "messages" if chat else "prompt") from err
+        except APIError:
+            self.metrics.count("rejected")
+            raise
+        req.prompt, req.chat = prompt_ids, False
+        return req
+
+    def track(self, generation: Generation) -> None:
+        self.inflight.add(generation)
+        timeout = self.options.request_timeout
+        if timeout is not None:
+            reason = APIError(504, f"The request ran past this server's limit of {timeout:g} s (--request-timeout) and "
+                                   "was stopped; ask for fewer tokens.", code="request_timeout", kind="server_error")
+            generation.timer = generation.loop.call_later(timeout, generation.stop, reason)
+
+    def untrack(self, generation: Generation) -> None:
+        generation.stop()  # a no-op when it finished; cancels it when its client left
+        if generation.timer is not None:
+            generation.timer.cancel()
+        self.inflight.discard(generation)
+
+    async def drain(self, timeout: float, poll: float = 0.05) -> None:
+        """Take no new requests (the guard answers 503), give those in flight ``timeout``
+        seconds, then end the rest: a stream gets a final error event and ``[DONE]``."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(poll)
+        reason = APIError(503, "The server is shutting down; the request was stopped before it finished. Retry it "
+                               "on another instance.", code="server_shutting_down", kind="server_error")
+        for generation in list(self.inflight):
+            generation.stop(reason)
+        # Their responses end at once (the readers are woken); let the last events go out.
+        flush_deadline = loop.time() + 2.0
+        while self.inflight and loop.time() < flush_deadline:
+            await asyncio.sleep(poll)
+
+
+def _load_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError as err:
+        raise APIError(400, "The request body is nested too deeply to parse; send a flat OpenAI request.") from err
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
+        raise APIError(400, f"The request body is not valid JSON: {err}.") from err
+
+
+def _refuse_constant(name: str) -> Any:
+    # Python's json reads NaN and Infinity, which JSON itself does not have.
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _usage(stats: GenerationStats | None) -> dict[str, int]:
@@ -340,28 +317,41 @@ def _spec_metrics(stats: GenerationStats | None) -> dict[str, Any]:
 
 
 def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] = (),
-               worker: BatchWorker | None = None) -> Any:
-    """The FastAPI application serving ``decoder`` as ``model_name``; with ``worker`` (a
-    ``BatchWorker`` over ``decoder.batch_engine()``) the batchable methods share target passes."""
+               worker: BatchWorker | None = None, options: ServerOptions | None = None) -> Any:
+    """The ASGI application serving ``decoder`` as ``model_name``: FastAPI behind the request
+    guard. With ``worker`` (a ``BatchWorker`` over ``decoder.batch_engine()``) the batchable
+    methods share target passes. ``app.state.specdecode`` is the ``ServerState``."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
 
-    state = ServerState(decoder, model_name, aliases, worker)
+    options = options or ServerOptions()
+    state = ServerState(decoder, model_name, aliases, worker, options)
     state.metrics.worker = worker
     app = FastAPI(title="specdecode", version="1")
     app.state.specdecode = state
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+    def error_response(err: APIError) -> Response:
+        return Response(err.json(), status_code=err.status, media_type="application/json")
 
-    @app.exception_handler(404)
-    async def not_found(request: Request, _: Exception) -> JSONResponse:
-        return JSONResponse(APIError(404, f"No route {request.url.path}.", code="not_found").body(), status_code=404)
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> Response:
+        return error_response(err)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> Response:
+        message = f"No route {request.url.path}." if err.status_code == 404 else str(err.detail)
+        code = "not_found" if err.status_code == 404 else None
+        return error_response(APIError(err.status_code, message, code=code))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, err: Exception) -> Response:
+        return error_response(APIError(500, f"The server failed on this request: {type(err).__name__}.",
+                                       kind="server_error"))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "draining" if state.draining else "ok"}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -373,65 +363,76 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(state.metrics.prometheus(), media_type="text/plain; version=0.0.4")
 
-    async def body_of(request: Request) -> Any:
-        try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            with state.metrics.lock:
-                state.metrics.requests["rejected"] += 1
-            raise APIError(400, f"The request body is not valid JSON: {err}.") from err
+    class GenerationResponse(StreamingResponse):
+        """Server-sent events that release their generation however the response ends (a
+        client that leaves before the first event included)."""
 
-    def parsed(body: Any, chat: bool) -> ParsedRequest:
-        try:
-            return parse_request(body, chat, state.served_names, state.methods)
-        except APIError:
-            with state.metrics.lock:
-                state.metrics.requests["rejected"] += 1
-            raise
+        def __init__(self, generation: Generation, events: AsyncIterator[str]) -> None:
+            super().__init__(events, media_type="text/event-stream")
+            self.generation = generation
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                state.untrack(self.generation)
 
     async def respond(request: Request, chat: bool) -> Any:
-        req = parsed(await body_of(request), chat)
-        try:
-            # Tokenize and check the length here, so that a streaming request too gets a 4xx
-            # rather than an error event after a 200.
-            prompt_ids = req.prompt if req.prompt and isinstance(req.prompt[0], int) else decoder.encode(req.prompt, req.chat)
-            vocab = decoder.target.config.vocab_size
-            if any(not 0 <= t < vocab for t in prompt_ids):
-                raise APIError(400, f"Prompt token ids must lie in [0, {vocab}).", "prompt")
-            decoder.check_request(prompt_ids, req.params)
-            if state.batched(req):
-                assert worker is not None
-                worker.engine.check_request(len(prompt_ids), req.params, state.method_of(req), state.k_of(req))
-        except (SpecDecodeError, APIError) as err:
-            with state.metrics.lock:
-                state.metrics.requests["rejected"] += 1
-            if isinstance(err, APIError):
-                raise
-            raise APIError(400, str(err), "messages" if chat else "prompt") from err
-        req.prompt, req.chat = prompt_ids, False
-        generation = Generation(state, req, asyncio.get_running_loop()).start()
+        raw = await request.body()  # the guard has read it, within the size limit
+        req = await asyncio.to_thread(state.prepare, raw, chat)
+        generation = Generation(state, req, asyncio.get_running_loop())
+        state.track(generation)
+        generation.start()
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        if not req.stream:
-            try:
-                text = "".join([delta async for delta in generation.deltas()])
-            except asyncio.CancelledError:
-                generation.cancelled.set()
-                raise
-            _raise_for(generation)
-            return _final_body(request_id, created, state.model_name, chat, text, generation.stats)
-        return StreamingResponse(_events(generation, request_id, created, state.model_name, chat),
-                                 media_type="text/event-stream")
+        if req.stream:
+            return GenerationResponse(generation, _events(generation, request_id, created, state.model_name, chat))
+        try:
+            text = await _text_unless_disconnected(generation, request)
+        finally:
+            state.untrack(generation)  # cancels it when the client left (or this task was cancelled)
+        if text is None:
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        failure = generation.failure()
+        if failure is not None:
+            raise failure
+        return _final_body(request_id, created, state.model_name, chat, text, generation.stats)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_request_body_schema(state, chat=False))
     async def completions(request: Request) -> Any:
         return await respond(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_request_body_schema(state, chat=True))
     async def chat_completions(request: Request) -> Any:
         return await respond(request, chat=True)
 
-    return app
+    return RequestGuard(app, options.guard, lambda: state.draining)
+
+
+async def _text_unless_disconnected(generation: Generation, request: Any) -> str | None:
+    """The generation's whole text, or None when the client disconnects first."""
+
+    async def text() -> str:
+        return "".join([delta async for delta in generation.deltas()])
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    collect, watch = asyncio.ensure_future(text()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (collect, watch):
+            task.cancel()
+    return collect.result() if collect.done() and not collect.cancelled() else None
+
+
+def _request_body_schema(state: ServerState, chat: bool) -> dict[str, Any]:
+    from specdecode.serving.openapi import request_body
+
+    return {"requestBody": request_body(chat, state.served_names, state.methods, state.decoder.spec.k_max,
+                                        state.decoder.target.config.vocab_size)}
 
 
 def _finish(stats: GenerationStats | None) -> str | None:
@@ -460,38 +461,46 @@ def _chunk(request_id: str, created: int, model: str, chat: bool, delta: str | N
         choice["text"] = delta or ""
     body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice]}
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return _sse(body)
+
+
+# Characters JSON leaves raw that Python's str.splitlines (and so httpx's iter_lines) reads as
+# line breaks: escaped, so that an event is one line for every client.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 async def _events(generation: Generation, request_id: str, created: int, model: str, chat: bool) -> AsyncIterator[str]:
-    """Server-sent events; a client that goes away cancels the generation."""
-    make: Callable[..., str] = lambda delta, finish, first=False: _chunk(request_id, created, model, chat, delta, finish, first)  # noqa: E731
-    try:
-        if chat:
-            yield make(None, None, first=True)
-        async for delta in generation.deltas():
-            yield make(delta, None)
-        if generation.error is not None:
-            try:
-                _raise_for(generation)
-            except APIError as err:
-                yield f"data: {json.dumps(err.body())}\n\n"
-                return
+    """Server-sent events, ending in ``data: [DONE]`` whether the generation finished or failed
+    (then the event before it is an OpenAI error body)."""
+    make: Callable[..., str] = lambda delta, finish, first=False: _chunk(request_id, created, model, chat, delta, finish, first)
+    if chat:
+        yield make(None, None, first=True)
+    async for delta in generation.deltas():
+        yield make(delta, None)
+    failure = generation.failure()
+    if failure is not None:
+        yield f"data: {failure.json()}\n\n"
+    else:
         final = make(None, _finish(generation.stats))
         body = json.loads(final[len("data: "):])
         body["usage"], body["specdecode"] = _usage(generation.stats), _spec_metrics(generation.stats)
-        yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        generation.cancelled.set()  # no-op when finished; stops decoding when the client left
+        yield _sse(body)
+    yield "data: [DONE]\n\n"
 
 
 def serve(decoder: SpecDecoder, model_name: str, host: str, port: int, aliases: tuple[str, ...] = (),
-          log_level: str = "info", worker: BatchWorker | None = None) -> None:
-    import uvicorn
+          log_level: str = "info", worker: BatchWorker | None = None, options: ServerOptions | None = None) -> None:
+    """Run the server until SIGTERM or SIGINT, then drain (``serving/shutdown.py``)."""
+    from specdecode.serving.shutdown import run_draining
 
+    options = options or ServerOptions()
+    app = create_app(decoder, model_name, aliases, worker, options)
     try:
-        uvicorn.run(create_app(decoder, model_name, aliases, worker), host=host, port=port, log_level=log_level)
+        run_draining(app, app.state.specdecode, host, port, log_level, options.drain_timeout)
     finally:
         if worker is not None:
             worker.close()

@@ -4,9 +4,11 @@
 ``GenerationStats`` the engine fills). The worker thread alone touches the engine: between two
 steps it takes new requests and cancellations from its inbox, then runs one step for the whole
 batch and hands each request its new tokens. Closing a request's iterator early (a stop string,
-a client that went away) cancels the request, which frees its KV blocks before the next step.
-If a step fails, every request in flight gets the error and the pools are emptied; the worker
-keeps serving new requests.
+a client that went away) cancels the request, which frees its KV blocks before the next step;
+so does ``abort`` from any thread (a client that left before any token, a timeout), which also
+ends the request's iterator. A step that fails because of one request fails that request only
+(the engine reruns the step without it); a failure no single request causes fails every request
+in flight and empties the pools. Either way the worker keeps serving new requests.
 """
 
 from __future__ import annotations
@@ -55,14 +57,19 @@ class BatchWorker:
         self._thread = threading.Thread(target=self._loop, name="specdecode-batch", daemon=True)
         self._thread.start()
 
-    def submit(
-        self, prompt_ids: list[int], params: SamplingParams, method: str, k: int | None = None
-    ) -> tuple[Iterator[list[int]], GenerationStats]:
-        """Queue a request (validated now: InvalidRequestError is raised here, not later)."""
-        self.engine.check_request(len(prompt_ids), params, method, k)
+    def new_request_id(self) -> str:
         with self._id_lock:
-            request_id = f"batch-{self._next_id}"
             self._next_id += 1
+            return f"batch-{self._next_id - 1}"
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, method: str, k: int | None = None,
+        request_id: str | None = None,
+    ) -> tuple[Iterator[list[int]], GenerationStats]:
+        """Queue a request (validated now: InvalidRequestError is raised here, not later).
+        ``request_id`` (from ``new_request_id``) lets the caller ``abort`` it later."""
+        self.engine.check_request(len(prompt_ids), params, method, k)
+        request_id = request_id or self.new_request_id()
         stats = GenerationStats(method=method, prompt_tokens=len(prompt_ids))
         outbox: queue.Queue[RequestOutput | BaseException] = queue.Queue()
         self._inbox.put(_Add(request_id, list(prompt_ids), params, method, k, stats, outbox))
@@ -88,6 +95,11 @@ class BatchWorker:
             if not finished:
                 self._inbox.put(_Abort(request_id))
 
+    def abort(self, request_id: str) -> None:
+        """Cancel a request from any thread: it leaves the batch before the next step, and its
+        iterator ends (stats.stop_reason "cancelled"). A no-op for a finished request."""
+        self._inbox.put(_Abort(request_id))
+
     def close(self) -> None:
         """Stop the worker after its current step (requests in flight are cancelled)."""
         self._stopped.set()
@@ -110,8 +122,10 @@ class BatchWorker:
                 except Exception as err:  # refused (e.g. no room): tell that caller only
                     self._outboxes.pop(command.request_id).put(err)
             elif isinstance(command, _Abort):
-                if self.engine.abort(command.request_id) is not None:
-                    self._outboxes.pop(command.request_id, None)
+                output = self.engine.abort(command.request_id)
+                outbox = self._outboxes.pop(command.request_id, None)
+                if output is not None and outbox is not None:
+                    outbox.put(output)  # wakes a reader still waiting (an abort from another thread)
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:

@@ -1,0 +1,165 @@
+"""An ASGI middleware that turns away requests before the application reads them.
+
+In order: a Host header the server does not answer to (DNS rebinding: a web page on another
+site that resolves its own name to 127.0.0.1 must not reach a loopback server) gets a 400; a
+``/v1/`` request without the API key, when one is set, a 401; while the server drains for
+shutdown, a new ``/v1/`` POST gets a 503; a POST body that is not ``application/json`` a 415;
+and a body over ``max_body_bytes`` a 413, refused from its Content-Length before a byte of it
+is read, or as soon as a chunked body passes the limit. Every refusal carries the OpenAI error
+body. The body of an accepted POST is read here and replayed to the application, which then
+never holds more than the limit.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode.serving.protocol import APIError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's default payload limit
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 with or without brackets) is loopback."""
+    host = host.strip("[]").rstrip(".").lower()
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header without its port: ``[::1]:8000`` -> ``::1``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def default_allowed_hosts(bound_host: str, extra: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """The Host names to answer to: bound to loopback, loopback names and the bound host (plus
+    ``extra``); bound elsewhere, ``extra`` only, or no check at all (None) when it is empty.
+    ``*`` in ``extra`` turns the check off."""
+    if "*" in extra:
+        return None
+    if is_loopback(bound_host):
+        return (host_name(bound_host), *extra)
+    return extra or None
+
+
+@dataclass(slots=True, frozen=True)
+class GuardOptions:
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # None: any Host. Otherwise the names (no ports) answered to, loopback ones always included.
+    allowed_hosts: tuple[str, ...] | None = ("127.0.0.1",)
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, options: GuardOptions, draining: Callable[[], bool]) -> None:
+        self.app, self.options, self.draining = app, options, draining
+        self.state = getattr(app, "state", None)  # the wrapped application's (app.state.specdecode)
+        self._key = options.api_key.encode() if options.api_key else None
+        self._hosts = None if options.allowed_hosts is None else {host_name(h) for h in options.allowed_hosts}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        error = self._refusal(scope, headers)
+        if error is None and scope["method"] == "POST":
+            body, error = await self._read_body(headers, receive)
+            if body is None and error is None:
+                return  # the client left while sending
+            if error is None:
+                receive = _replay(body, receive)
+        if error is not None:
+            await _send_error(send, error)
+            return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
+        if self._hosts is not None:
+            host = host_name(headers.get("host", ""))
+            if not (host in self._hosts or is_loopback(host)):
+                return APIError(400, f"This server does not answer to the Host {host!r}; start it with "
+                                     "--allowed-hosts to add that name.", code="invalid_host")
+        api = scope["path"] == "/v1" or scope["path"].startswith("/v1/")
+        if self._key is not None and api:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            # compare_digest: the time taken says nothing about how much of the key matched.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+                return APIError(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
+                                     "the key the server was started with.", code="invalid_api_key")
+        if scope["method"] != "POST":
+            return None
+        if api and self.draining():
+            return APIError(503, "The server is shutting down and takes no new requests; retry on another instance.",
+                            code="server_shutting_down", kind="server_error")
+        media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            return APIError(415, f"The request body must be JSON sent with 'Content-Type: application/json', got "
+                                 f"{media_type or 'no Content-Type'!r}.", code="unsupported_media_type")
+        return None
+
+    async def _read_body(self, headers: dict[str, str], receive: Receive) -> tuple[bytes | None, APIError | None]:
+        limit = self.options.max_body_bytes
+        too_large = APIError(413, f"The request body is larger than this server's limit of {limit} bytes "
+                                  "(--max-body-bytes); send a shorter prompt.", code="request_too_large")
+        declared = headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                return None, APIError(400, "The Content-Length header is not a number.")
+            if int(declared) > limit:
+                return None, too_large
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None, None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None, too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields ``body`` once, then passes through (to hear of a disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _send_error(send: Send, error: APIError) -> None:
+    body = error.json().encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               # The body may be unread: close rather than parse what is left of it as a request.
+               (b"connection", b"close")]
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

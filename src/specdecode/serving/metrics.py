@@ -1,0 +1,90 @@
+"""The server's counters and gauges, rendered for ``GET /metrics`` in Prometheus text format."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+from specdecode.engine.metrics import GenerationStats
+from specdecode.serving.worker import BatchWorker
+
+OUTCOMES = ("ok", "error", "cancelled", "rejected", "timeout", "shutdown")
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set size (Linux: /proc/self/statm), or None where unreadable."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass(slots=True)
+class ServerMetrics:
+    """Counters for /metrics; updated under ``lock`` from worker threads."""
+
+    # ok; error (the server failed); cancelled (the client left); rejected (bad input, 4xx);
+    # timeout (past --request-timeout); shutdown (ended by a drain past --drain-timeout).
+    requests: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    verify_steps: int = 0
+    emitted_by_steps: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    running: int = 0  # single-sequence requests decoding (the batch's are counted by the worker)
+    waiting: int = 0
+    kv_tokens: int = 0  # tokens in the running single-sequence request's target KV cache
+    worker: BatchWorker | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, status: str) -> None:
+        """Count a request that ended without decoding (rejected, or failed before its first step)."""
+        with self.lock:
+            self.requests[status] += 1
+
+    def record(self, stats: GenerationStats, status: str) -> None:
+        with self.lock:
+            self.requests[status] += 1
+            self.prompt_tokens += stats.prompt_tokens
+            self.generated_tokens += stats.new_tokens
+            self.verify_steps += stats.verify_steps
+            self.emitted_by_steps += stats.emitted_by_steps
+            self.draft_tokens_proposed += stats.draft_tokens_proposed
+            self.draft_tokens_accepted += stats.draft_tokens_accepted
+
+    def prometheus(self) -> str:
+        with self.lock:
+            tau = self.emitted_by_steps / self.verify_steps if self.verify_steps else 0.0
+            engine = self.worker.engine if self.worker is not None else None
+            batch, queued = (engine.num_running, engine.num_waiting) if engine is not None else (0, 0)
+            pool = engine.target_cache if engine is not None else None
+            acceptance = self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
+            lines = ["# HELP specdecode_requests_total Finished requests by outcome.",
+                     "# TYPE specdecode_requests_total counter"]
+            lines += [f'specdecode_requests_total{{status="{k}"}} {v}' for k, v in sorted(self.requests.items())]
+            rows = [
+                ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
+                ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
+                ("verify_steps_total", "counter", "Target verify passes.", self.verify_steps),
+                ("draft_tokens_proposed_total", "counter", "Draft tokens proposed.", self.draft_tokens_proposed),
+                ("draft_tokens_accepted_total", "counter", "Draft tokens accepted.", self.draft_tokens_accepted),
+                ("tau", "gauge", "Mean tokens per verify pass, bonus token counted, since start.", tau),
+                ("acceptance_rate", "gauge", "Accepted over proposed draft tokens, since start.", acceptance),
+                ("requests_running", "gauge", "Requests decoding now.", self.running + batch),
+                ("requests_waiting", "gauge", "Requests queued for the batch or the single-sequence engine.", self.waiting + queued),
+                ("batch_size", "gauge", "Sequences in the batch engine's current step.", batch),
+                ("kv_blocks_used", "gauge", "Target KV blocks held by batched requests.", pool.used_blocks if pool else 0),
+                ("kv_blocks_total", "gauge", "Target KV blocks in the batch engine's pool.", pool.usable_blocks if pool else 0),
+                ("preemptions_total", "counter", "Batched requests preempted for KV blocks (recomputed later).",
+                 engine.scheduler.preemptions if engine is not None else 0),
+                ("kv_cache_tokens", "gauge", "Tokens in the single-sequence engine's target KV cache.", self.kv_tokens),
+            ]
+            rss = resident_bytes()
+            if rss is not None:
+                rows.append(("process_resident_memory_bytes", "gauge", "The server process's resident memory.", rss))
+            for name, kind, help_text, value in rows:
+                lines += [f"# HELP specdecode_{name} {help_text}", f"# TYPE specdecode_{name} {kind}", f"specdecode_{name} {value}"]
+        return "\n".join(lines) + "\n"

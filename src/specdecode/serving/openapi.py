@@ -1,0 +1,63 @@
+"""JSON Schemas of the request bodies, for the OpenAPI document at ``/openapi.json``.
+
+The endpoints read their bodies themselves (``serving/protocol.py`` validates them, with
+OpenAI's error bodies), so FastAPI cannot derive these; they document what ``parse_request``
+accepts, and the schema fuzz test (tests/serving/test_abuse.py) generates requests from them.
+Fields the server refuses unless they carry their default (``protocol.UNSUPPORTED``) are left
+out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specdecode.serving.protocol import MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _TEXT_PART}]},
+        "name": {"type": "string"},
+    },
+}
+_COMMON: dict[str, Any] = {
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE,
+                    "description": "below 1e-5: greedy"},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0, "description": "extension; 0: off"},
+    "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
+    "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS}]},
+    "stream": {"type": "boolean"},
+    "n": {"const": 1},
+    "user": {"type": "string"},
+    "method": {"type": "string", "description": "extension: a decoding method the server loaded"},
+    "k": {"type": "integer", "minimum": 1, "description": "extension: tokens drafted per step, at most the server's k_max"},
+}
+
+
+def request_body(chat: bool, served_names: tuple[str, ...], methods: tuple[str, ...], k_max: int,
+                 vocab_size: int) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` object of /v1/chat/completions (``chat``) or /v1/completions,
+    for a server with these model names, methods, k_max and vocabulary."""
+    properties = dict(_COMMON)
+    properties["model"] = {"enum": list(served_names), "description": "one of the names in GET /v1/models"}
+    properties["method"] = dict(properties["method"], enum=list(methods))
+    properties["k"] = dict(properties["k"], maximum=k_max)
+    if chat:
+        properties["messages"] = {"type": "array", "minItems": 1, "items": _MESSAGE}
+        properties["max_completion_tokens"] = {"type": "integer", "minimum": 1}
+        required = ["model", "messages"]
+    else:
+        properties["prompt"] = {"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}},
+        ]}
+        required = ["model", "prompt"]
+    schema = {"type": "object", "required": required, "properties": properties}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}

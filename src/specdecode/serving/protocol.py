@@ -1,0 +1,251 @@
+"""The OpenAI request bodies the server accepts: validation into a ``ParsedRequest``, and the
+error a client gets back (``APIError``, an OpenAI-style JSON body).
+
+Everything here runs before a request reaches an engine, so that a streaming request too gets
+a 4xx instead of an error event after its 200. Fields the server does not implement
+(``UNSUPPORTED``) are refused by name when they ask for something, and accepted when they
+carry their default value, so that clients which always send ``n: 1`` or
+``presence_penalty: 0`` keep working.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode.config import SamplingParams
+from specdecode.errors import SpecDecodeError
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_MAX_TOKENS = 512
+MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS = 4
+MAX_SEED = 2**63 - 1  # torch seeds are 64-bit; vLLM limits seeds to int64 too
+# Chat roles a request may use; `developer` is OpenAI's newer name for `system`.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class APIError(Exception):
+    """An error to return as an OpenAI-style JSON body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def json(self) -> str:
+        # ASCII escapes: a message may quote client text, which may hold a lone surrogate that
+        # UTF-8 cannot encode.
+        return json.dumps(self.body(), ensure_ascii=True)
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    prompt: str | list[int] | list[dict[str, str]]
+    chat: bool
+    params: SamplingParams
+    stream: bool
+    method: str | None
+    k: int | None
+    # False: max_tokens is the default, which the server may lower to what the context leaves.
+    max_tokens_given: bool = True
+
+
+def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
+    # `0 == False` in Python: compare types too, so `echo: 0` is not mistaken for `echo: false`.
+    return any(type(value) is type(d) and value == d for d in defaults)
+
+
+# Fields this server does not implement, with the values that ask for nothing (accepted and
+# ignored). Any other value is refused by name rather than silently ignored.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "n": (None, 1),
+}
+
+
+def _check_unsupported(body: dict[str, Any]) -> None:
+    for name, defaults in UNSUPPORTED.items():
+        if name in body and not _is_default(body[name], defaults):
+            raise APIError(400, f"'{name}' is not supported by this server (got {_short(body[name])}); "
+                                "remove it or pass its default.", name, "unsupported_parameter")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise APIError(400, "Only response_format {'type': 'text'} is supported by this server; remove it.",
+                       "response_format", "unsupported_parameter")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)  # repr escapes lone surrogates, so the message stays encodable
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as an int if JSON Schema calls it an integer (``3`` or ``3.0``, not ``true``)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if kinds == (int,) and _integer(value) is not None:
+        return _integer(value)
+    # bool is an int subclass: refuse it where a number is wanted.
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise APIError(400, f"'{name}' must be {names}, got {type(value).__name__}.", name)
+    return value
+
+
+def _text(value: str, param: str, where: str | None = None) -> str:
+    """``value`` if UTF-8 can encode it. JSON's ``\\ud800`` escape yields a lone surrogate, which
+    no tokenizer and no response encoder accepts: refuse it here as the client's error.
+    ``where``: the place to name in the message when finer than ``param``."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(400, f"'{where or param}' holds invalid Unicode (a lone surrogate at character {err.start}); "
+                            "send well-formed UTF-8 text.", param) from err
+    return value
+
+
+def _message_content(content: Any, index: int) -> str:
+    """A chat message's content: a string, or a list of text parts (joined by newlines, as vLLM
+    joins them)."""
+    param = f"messages[{index}].content"
+    if isinstance(content, str):
+        return _text(content, "messages", param)
+    if not isinstance(content, list) or not content:
+        raise APIError(400, f"{param} must be a string or a non-empty list of {{'type': 'text', 'text': ...}} parts.",
+                       "messages")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{param}[{j}] must be a {{'type': 'text', 'text': ...}} part; this server reads text "
+                                f"only (got type {_short(kind)}).", "messages")
+        texts.append(_text(part["text"], "messages", f"{param}[{j}].text"))
+    return "\n".join(texts)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list of {role, content} objects.", "messages")
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise APIError(400, f"messages[{i}] must be a {{role, content}} object.", "messages")
+        role = message.get("role")
+        if role in ("tool", "function") or message.get("tool_calls"):
+            raise APIError(400, f"messages[{i}]: tool calling (role 'tool', 'function' or tool_calls) is not "
+                                "supported by this server.", "messages", "unsupported_parameter")
+        if role not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}] needs a role in {', '.join(CHAT_ROLES)}, got {_short(role)}.",
+                           "messages")
+        parsed.append({"role": CHAT_ROLES[role], "content": _message_content(message.get("content"), i)})
+    return parsed
+
+
+def _prompt(body: dict[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return _text(prompt, "prompt")
+    if isinstance(prompt, list) and prompt:
+        token_ids = [_integer(t) for t in prompt]
+        if all(t is not None for t in token_ids):
+            return token_ids  # type: ignore[return-value]  # no None left
+    raise APIError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request).", "prompt")
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = _typed(body, "seed", (int,), None)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise APIError(400, f"'seed' must be in [0, 2**63 - 1], got {_short(seed)}.", "seed")
+    return seed
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (_text(stop, "stop"),)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
+        return tuple(_text(s, "stop") for s in stop)
+    raise APIError(400, f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings.", "stop")
+
+
+def _number(body: dict[str, Any], name: str, default: float, valid: Callable[[float], bool], allowed: str) -> float:
+    value = float(_typed(body, name, (int, float), default))
+    if not math.isfinite(value) or not valid(value):
+        raise APIError(400, f"'{name}' must be in {allowed}, got {value}.", name)
+    return value
+
+
+def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods: tuple[str, ...],
+                  k_max: int | None = None) -> ParsedRequest:
+    """Validate an OpenAI (chat) completion request body; raise APIError on bad input.
+    ``k_max``: the largest ``k`` a request may ask for (None: no bound here)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    model = _typed(body, "model", (str,), None)
+    if model is None:
+        raise APIError(400, "'model' is required.", "model")
+    # Only the names this server was started with: a request's model is never loaded or
+    # resolved as a path or a hub id.
+    if model not in served_names:
+        raise APIError(404, f"The model {_short(model)} does not exist; this server serves {', '.join(served_names)}.",
+                       "model", "model_not_found")
+    _check_unsupported(body)
+    prompt: str | list[int] | list[dict[str, str]] = _messages(body) if chat else _prompt(body)
+    max_tokens_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    default_max = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
+    max_tokens = _typed(body, max_tokens_name, (int,), default_max)
+    max_tokens_given = body.get(max_tokens_name) is not None
+    if max_tokens < 1:
+        raise APIError(400, f"'{max_tokens_name}' must be at least 1, got {max_tokens}.", max_tokens_name)
+    temperature = _number(body, "temperature", 1.0, lambda t: 0.0 <= t <= MAX_TEMPERATURE, f"[0, {MAX_TEMPERATURE}]")
+    # Any top_p in (0, 1] is safe: the most likely token always survives the nucleus filter.
+    top_p = _number(body, "top_p", 1.0, lambda p: 0.0 < p <= 1.0, "(0, 1]")
+    top_k = _typed(body, "top_k", (int,), 0)
+    stream = _typed(body, "stream", (bool,), False)
+    method = _typed(body, "method", (str,), None)
+    if method is not None and method not in methods:
+        raise APIError(400, f"'method' must be one of {', '.join(methods)}, got {_short(method)}.", "method")
+    k = _typed(body, "k", (int,), None)
+    if k is not None and (k < 1 or k_max is not None and k > k_max):
+        raise APIError(400, f"'k' (tokens drafted per step) must be in 1..{k_max if k_max is not None else 'inf'}, "
+                            f"got {_short(k)}.", "k")
+    try:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_tokens,
+                                seed=_seed(body), stop=_stops(body))
+    except SpecDecodeError as err:
+        raise APIError(400, str(err)) from err
+    return ParsedRequest(prompt, chat, params, stream, method, k, max_tokens_given)
