@@ -159,3 +159,26 @@ def test_cost_aware_k_probes_only_where_speculation_can_pay(verify: list[float],
     for _ in range(PROBE_AFTER):
         schedule.observe(0, 0, 0.0, 0, 1.0)  # a run of plain steps
     assert schedule.next_k() == (PROBE_K if probes else 0)
+
+
+def test_cost_aware_k_waits_twice_as_long_after_each_probe_that_fails() -> None:
+    # Extra verify rows nearly free (speculation can pay), but every drafted token is rejected.
+    schedule = CostAwareK([1.0 + 0.05 * rows for rows in range(9)], k_max=8, first_k=2, live_costs=False)
+    schedule.observe(2, 0, 1.0, 2, 1.0)
+    schedule.observe(2, 0, 1.0, 2, 1.0)  # a draft pass costs 0.5; at this acceptance plain pays best
+    waits = []
+    for _ in range(3):
+        plain = 0
+        while (k := schedule.next_k()) == 0:
+            schedule.observe(0, 0, 0.0, 0, 1.0)
+            plain += 1
+        assert k == PROBE_K
+        schedule.observe(k, 0, 0.5 * k, k, 1.1)  # the probe: rejected
+        waits.append(plain)
+    assert waits == [PROBE_AFTER, 2 * PROBE_AFTER, 4 * PROBE_AFTER]
+    # A probe whose drafts are accepted brings speculation back and the usual wait.
+    while schedule.next_k() == 0:
+        schedule.observe(0, 0, 0.0, 0, 1.0)
+    for _ in range(6):
+        schedule.observe(PROBE_K, PROBE_K, 0.5 * PROBE_K, PROBE_K, 1.1)
+    assert schedule.probe_after == PROBE_AFTER and schedule.next_k() > 0

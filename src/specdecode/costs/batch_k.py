@@ -22,9 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdecode.costs.k_policy import PROBE_AFTER, PROBE_K, blend, expected_tokens, interpolate
+from specdecode.costs.k_policy import MAX_PROBE_AFTER, PROBE_AFTER, PROBE_K, blend, expected_tokens, interpolate
 
-MAX_PROBE_AFTER = 96  # the longest wait between probes
 OPTIMISTIC_ACCEPTANCE = 0.9  # probe only if drafts accepted this often would pay
 READ_AHEAD_HORIZON = 16  # steps over which a draft read-ahead's cost is spread
 SPECULATION_MARGIN = 0.1  # the predicted gain over a plain step that speculation must show

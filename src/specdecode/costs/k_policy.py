@@ -13,7 +13,10 @@ running estimate of a and the measured costs on this machine and picks, every st
 - draft cost per pass: measured live from the draft time of each step.
 
 After ``PROBE_AFTER`` plain steps in a row the schedule drafts a little again, so a prompt
-whose later part becomes predictable gets speculation back.
+whose later part becomes predictable gets speculation back; each probe that does not bring it
+back doubles the wait (up to ``MAX_PROBE_AFTER``), as the batch's schedule does, so a request
+where speculation never pays costs few probes. Where it cannot pay even at full acceptance
+(``speculation_can_pay``) there are no probes at all.
 
 The threshold schedule is the seed's rule: raise k by one while the acceptance estimate is
 above ``RAISE_ABOVE``, drop to ``k_min`` when it falls below ``DROP_BELOW``.
@@ -40,6 +43,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-trials behind the prior
 GOODPUT_DECAY = 0.97
 COST_DECAY = 0.8  # weight of the old cost estimate in a live update
 PROBE_AFTER = 12  # plain steps in a row before drafting again
+MAX_PROBE_AFTER = 96  # the longest wait between probes
 PROBE_K = 2
 RAISE_ABOVE = 0.8
 DROP_BELOW = 0.4
@@ -222,20 +226,26 @@ class CostAwareK:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     plain_streak: int = 0
     steps: int = 0
+    probe_after: int = PROBE_AFTER
+    probing: bool = False  # the last next_k() was a probe
 
     def next_k(self) -> int:
+        self.probing = False
         if self.draft_pass_seconds is None:  # no draft pass measured yet
-            k = min(self.first_k, self.k_max)
-        elif self.plain_streak >= PROBE_AFTER and speculation_can_pay(self.verify_seconds, self.draft_pass_seconds, self.k_max):
-            k = min(PROBE_K, self.k_max)
-        else:
-            k = best_k(self.acceptance.rate, self.verify_seconds, self.draft_pass_seconds, self.k_max)
-        return k
+            return min(self.first_k, self.k_max)
+        if self.plain_streak >= self.probe_after and speculation_can_pay(self.verify_seconds, self.draft_pass_seconds, self.k_max):
+            self.probing = True
+            return min(PROBE_K, self.k_max)
+        return best_k(self.acceptance.rate, self.verify_seconds, self.draft_pass_seconds, self.k_max)
 
     def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
         self.plain_streak = self.plain_streak + 1 if proposed == 0 else 0
         self.acceptance.observe(proposed, accepted)
         self.steps += 1
+        if self.probing and proposed > 0:  # a probe that drafted: did it bring speculation back?
+            assert self.draft_pass_seconds is not None
+            pays = best_k(self.acceptance.rate, self.verify_seconds, self.draft_pass_seconds, self.k_max) > 0
+            self.probe_after = PROBE_AFTER if pays else min(2 * self.probe_after, MAX_PROBE_AFTER)
         if proposed > 0 and self.steps > 1:
             # The first step's draft time includes the drafter's own prefill of the prompt, so it
             # says nothing about a draft pass. A drafter that proposes without model passes
