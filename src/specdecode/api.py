@@ -13,7 +13,7 @@ import torch
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.device import resolve_device, resolve_dtype
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence, load_llamacpp_model
-from specdecode.backends.select import LLAMACPP, choose_backend
+from specdecode.backends.select import LLAMACPP, TORCH, choose_backend
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import (
     DRAFT_MODEL_METHODS,
@@ -78,10 +78,9 @@ class SpecDecoder:
         # One drafter per method this decoder can run; a call picks one by name.
         self.ngram_drafter = NgramDrafter(spec.ngram_max, spec.ngram_min)
         self.backend = target.backend
-        if self.backend == LLAMACPP and (spec.skip_layers or heads is not None or kv_dtype != "auto"):
-            raise InvalidRequestError(
-                "Layer skip, Medusa/EAGLE heads and the int8 KV cache need the torch backend (--backend torch)."
-            )
+        # Heads are refused by attach_heads, below, on the same grounds.
+        if self.backend == LLAMACPP and (spec.skip_layers or kv_dtype != "auto"):
+            raise InvalidRequestError("Layer skip and the int8 KV cache need the torch backend (--backend torch).")
         self.draft_drafter = None if draft is None else DraftModelDrafter(
             self._sequence(draft), target.config.vocab_size, spec.draft_confidence
         )
@@ -104,7 +103,7 @@ class SpecDecoder:
 
     def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
         """Make method ``heads.config.kind`` (medusa or eagle) available with these heads."""
-        if self.backend != "torch":
+        if self.backend != TORCH:
             raise InvalidRequestError("Medusa and EAGLE heads need the torch backend (--backend torch).")
         heads.config.check_target(self.target.config)
         trained_for = heads.config.target_name
@@ -344,7 +343,7 @@ class SpecDecoder:
         costs and falls to plain decoding where speculation stops paying; without it every
         speculative request drafts its own k each step.
         """
-        if self.backend != "torch":
+        if self.backend != TORCH:
             raise InvalidRequestError(
                 "The continuous-batching engine (generate_batch, the server) runs on the torch backend; "
                 "load the decoder with backend='torch' (--backend torch)."
@@ -410,8 +409,8 @@ class SpecDecoder:
         )
 
     def _schedule(self, policy: str, k: int, drafter: Drafter | None = None) -> KSchedule | None:
-        """A fresh per-request draft-length schedule (None: fixed k); for the draft model the
-        cost-aware one starts from its measured pass cost."""
+        """A fresh per-request draft-length schedule (None: fixed k); the cost-aware one never
+        drafts with a draft model whose measured pass cost rules out any gain."""
         k_max = self.spec.k_max
         if policy == "threshold":
             return ThresholdK(k=min(k, k_max), k_max=k_max)
