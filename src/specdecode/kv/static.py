@@ -259,3 +259,23 @@ def causal_view(
     if sliding_window is not None:
         mask &= key_pos[None, None, :] > query_pos - sliding_window
     return KVView(kv_len=kv_len, mask=mask[:, None])  # (B, 1, T, kv_len)
+
+
+def fixed_view(
+    positions: torch.Tensor,  # (B, T) long, on the model's device
+    capacity: int,
+    sliding_window: int | None = None,
+) -> KVView:
+    """Attention over every slot of a cache of ``capacity`` slots, masked by position.
+
+    ``causal_view`` reads only up to the furthest position, a width known on the host that
+    changes every step; a compiled pass needs one shape for the whole sequence, so it reads
+    the whole cache and the mask, built from ``positions`` on the device, hides the slots past
+    each query (stale or never written). What a query sees is the same as with ``causal_view``.
+    """
+    key_pos = torch.arange(capacity, device=positions.device)
+    query_pos = positions[:, :, None]  # (B, T, 1)
+    mask = key_pos[None, None, :] <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > query_pos - sliding_window
+    return KVView(kv_len=capacity, mask=mask[:, None])  # (B, 1, T, capacity)
