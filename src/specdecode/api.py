@@ -116,19 +116,21 @@ class SpecDecoder:
             return CompiledSequence(loaded.model, self.compile_mode, rows, self.compile_log, role)
         return TorchSequence(loaded.model, self.kv_dtype)
 
-    def warm_up(self, show_progress: bool = False) -> CompileLog:
-        """With compile=, compile now the passes this decoder's method and k will run (else
-        each shape compiles when first used, and its time shows in ``stats.compile_seconds``).
+    def warm_up(self, show_progress: bool = False, all_shapes: bool = False) -> CompileLog:
+        """With compile=, compile now the passes this decoder's method and k will run, or with
+        ``all_shapes`` every pass any chain method can run compiled (k up to max(k, k_max));
+        other shapes compile when first used, their time in ``stats.compile_seconds``.
         Returns the decoder's compile log: passes, seconds, on-disk cache hits."""
         if self.compile_mode is None:
             return self.compile_log
         spec = self.spec
-        adaptive = spec.k_policy != "fixed" or spec.method == "auto"
-        verify_rows = 1 if spec.method == "none" else (spec.k_max if adaptive else spec.k) + 1
         target = self.engine.target
         assert isinstance(target, CompiledSequence)
+        adaptive = spec.k_policy != "fixed" or spec.method == "auto"
+        verify_rows = 1 if spec.method == "none" else (spec.k_max if adaptive else spec.k) + 1
+        verify_rows = target.max_rows if all_shapes else verify_rows
         target.warm_up([(rows, None) for rows in range(1, verify_rows + 1)], show_progress)
-        if self.draft_drafter is not None and spec.method in DRAFT_MODEL_METHODS:
+        if self.draft_drafter is not None and (all_shapes or spec.method in DRAFT_MODEL_METHODS):
             draft = self.draft_drafter.model
             assert isinstance(draft, CompiledSequence)
             draft.warm_up([(1, None), (2, 1)], show_progress)
