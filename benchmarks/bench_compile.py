@@ -7,9 +7,9 @@ Both decoders share the loaded weights; the compiled one compiles its passes fir
 first run's compile time with an empty inductor cache, ``--fresh-cache``; then, with
 ``--cached-rerun``, a second process compiles the same passes from the on-disk cache). Then:
 
-- pass costs: the draft's one-row pass and the target's passes over 1..k + 1 rows, eager and
-  compiled interleaved round by round (each the best of 3 calls), at 64 cached positions; the
-  draft/target cost ratio per round; medians over ``--rounds``;
+- pass costs: the draft's one-row pass and the target's passes over ``--rows`` rows, eager and
+  compiled back to back in each round, at 64 cached positions; the draft/target cost ratio and
+  the compiled/eager ratio per round; medians over ``--rounds``;
 - end to end (unless ``--only-passes``): plain decoding and the draft method, eager and
   compiled, interleaved per prompt on the bench's prompts (first turns, chat template, greedy),
   with greedy equality checked within each path.
@@ -32,13 +32,12 @@ from pathlib import Path
 import torch
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.backends.compiled import CompiledSequence
 from specdecode.bench.prompts import load_prompts, select_prompts
 from specdecode.config import SpecConfig
 from specdecode.models import demo
 from specdecode.models.loader import load_model
 
-CALLS_PER_SAMPLE = 3  # a sample is the best of this many calls: one preemption does not make it
+PROBE_CONTEXT = 64  # cached positions before a timed pass, as costs.timing's probe
 
 
 def load_average() -> list[float]:
@@ -46,16 +45,25 @@ def load_average() -> list[float]:
 
 
 def pass_costs(eager: SpecDecoder, compiled: SpecDecoder, rows: list[int], rounds: int) -> dict[str, object]:
-    """Median seconds per pass and median ratios, eager and compiled interleaved per round."""
-    models = {"target": (eager.engine.target, compiled.engine.target),
-              "draft": (eager.draft_drafter.model, compiled.draft_drafter.model)}
+    """Median milliseconds per pass and median ratios over ``rounds``: each round times every
+    pass once eagerly and once compiled, back to back (in alternating order), so that a load
+    spike hits both sides of a ratio alike."""
+    sequences = {"target": (eager.engine.target, compiled.engine.target),
+                 "draft": (eager.draft_drafter.model, compiled.draft_drafter.model)}
+    tokens = torch.zeros((1, max(rows)), dtype=torch.long)
+    for pair in sequences.values():
+        for seq in pair:
+            seq.begin(PROBE_CONTEXT + max(rows) + 1)
+            seq.extend(tokens[:, :1], PROBE_CONTEXT)  # compiles nothing new: warm_up did; a first call per shape
     samples: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        for role, (eager_seq, compiled_seq) in models.items():
-            for count in ([1] if role == "draft" else rows):
-                for path, seq in (("eager", eager_seq), ("compiled", compiled_seq)):
-                    seconds = seq.pass_seconds([count], CALLS_PER_SAMPLE)[count]  # best of 3 after a warm-up call
-                    samples.setdefault(f"{role}/{count}/{path}", []).append(seconds)
+    for index in range(rounds):
+        for role, pair in sequences.items():
+            for count in [1] if role == "draft" else rows:
+                sides = list(zip(("eager", "compiled"), pair, strict=True))
+                for path, seq in sides if index % 2 == 0 else reversed(sides):
+                    started = time.perf_counter()
+                    seq.extend(tokens[:, :count], PROBE_CONTEXT)
+                    samples.setdefault(f"{role}/{count}/{path}", []).append(time.perf_counter() - started)
     out: dict[str, object] = {"ms": {key: round(1000 * statistics.median(v), 2) for key, v in samples.items()}}
     ratios = {}
     for path in ("eager", "compiled"):
@@ -121,7 +129,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--mode", default="default", help="torch.compile mode of the compiled decoder")
     parser.add_argument("--k", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of pass timings")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds of pass timings")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--rows", default="1,2,4,6", help="target pass row counts to time")
     parser.add_argument("--prompts-per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -131,6 +140,8 @@ def main() -> None:
     parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.fresh_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
     results: dict[str, object] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -156,8 +167,6 @@ def main() -> None:
         rerun = subprocess.run(command, capture_output=True, text=True, check=True, env=os.environ.copy())
         results["compile_cached_rerun"] = json.loads(rerun.stdout.strip().splitlines()[-1])
     eager = SpecDecoder(target, draft, spec)
-    target_seq = compiled.engine.target
-    assert isinstance(target_seq, CompiledSequence)
     rows = [int(r) for r in args.rows.split(",")]
     results["passes"] = pass_costs(eager, compiled, rows, args.rounds)
     print(json.dumps(results["passes"], indent=1), file=sys.stderr, flush=True)
