@@ -59,12 +59,14 @@ def test_compiled_passes_give_eager_logits(tiny_qwen2_dir: Path, tiny_close_draf
 @pytest.mark.parametrize("method", ["none", "draft", "ngram"])
 def test_compiled_greedy_equals_eager_and_plain(method: str, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
     eager, compiled = pair(tiny_qwen2_dir, tiny_close_draft_dir)
+    # Prompt lookup finds repeats only in longer outputs of the tiny model.
+    prompts, params = (PROMPTS, SamplingParams(max_new_tokens=40)) if method == "ngram" else (PROMPTS[:4], PARAMS)
     accepted = 0
-    for prompt in PROMPTS[:4]:
-        want = eager.generate(prompt, PARAMS, method=method).token_ids
-        got = compiled.generate(prompt, PARAMS, method=method)
+    for prompt in prompts:
+        want = eager.generate(prompt, params, method=method).token_ids
+        got = compiled.generate(prompt, params, method=method)
         assert got.token_ids == want, prompt
-        assert got.token_ids == compiled.generate(prompt, PARAMS, method="none").token_ids, prompt
+        assert got.token_ids == compiled.generate(prompt, params, method="none").token_ids, prompt
         accepted += got.stats.draft_tokens_accepted
     assert method == "none" or accepted > 0  # speculation happened, or the test proves nothing
 
@@ -78,7 +80,8 @@ def test_more_rows_than_compiled_run_eagerly(tiny_qwen2_dir: Path, tiny_close_dr
     for prompt in PROMPTS[:2]:
         got = compiled.generate(prompt, PARAMS, method="draft", k=K_MAX + 3)
         assert got.token_ids == eager.generate(prompt, PARAMS, method="none").token_ids
-        assert got.stats.compile_seconds == 0
+    # Rows up to K_MAX + 1 compile when first needed (and are timed); more never do.
+    assert not [p for p in compiled.compile_log.passes if p.startswith("target") and int(p.split()[1]) > K_MAX + 1]
 
 
 def test_no_recompilation_once_warm(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
@@ -100,6 +103,7 @@ def test_no_recompilation_once_warm(tiny_qwen2_dir: Path, tiny_close_draft_dir: 
     assert compiled.compile_log.passes == passes
 
 
+@pytest.mark.slow  # 1,500 seeded generations; .ci/run runs it on its own line
 def test_compiled_sampling_matches_target_distribution(tiny_qwen2_dir: Path, tiny_far_draft_dir: Path) -> None:
     _, compiled = pair(tiny_qwen2_dir, tiny_far_draft_dir)
     stat, df = chi_square(compiled, compiled.encode("def quicksort(arr):"), "draft")
@@ -120,8 +124,9 @@ def test_a_second_decoder_compiles_from_the_disk_cache(
 
 
 def test_capacity_rounds_up_so_requests_share_graphs() -> None:
-    assert compiled_capacity(1) == compiled_capacity(MIN_CAPACITY) == MIN_CAPACITY
-    assert compiled_capacity(MIN_CAPACITY + 1) == 2 * MIN_CAPACITY
+    # One slot more than asked: a symbolic attention width stays below the cache's size.
+    assert compiled_capacity(1) == compiled_capacity(MIN_CAPACITY - 1) == MIN_CAPACITY
+    assert compiled_capacity(MIN_CAPACITY) == 2 * MIN_CAPACITY
 
 
 def test_refusals(tiny_qwen2_dir: Path) -> None:

@@ -13,9 +13,14 @@ up to ``max_rows`` (k + 1). Each is traced whole (``fullgraph=True``, ``dynamic=
 
 - the KV cache has a fixed capacity per request, rounded up (``compiled_capacity``) so most
   requests share one set of graphs;
-- positions are a device tensor: keys and values are written by position, and attention reads
-  every slot under a mask built from the positions (``kv.static.fixed_view``), so the shape
-  does not change as the sequence grows and rollback stays a commit;
+- positions are a device tensor: keys and values are written by position (an index write)
+  and the attention mask is built from them (``kv.static.fixed_view``), so rollback stays a
+  commit;
+- the attention width: a CUDA graph has one shape for the whole sequence, so there attention
+  reads every slot of the cache, which a GPU does cheaply. On the CPU reading a 2048-slot cache
+  under a mask cost the 0.5B draft nearly three times its pass (benchmarks/RESULTS.md), so
+  there the width is the one symbolic dimension of the graph (``torch._dynamo.mark_dynamic``):
+  one graph per row count serves every length, and attention reads what an eager pass reads;
 - nothing in the region reads a tensor's value on the host.
 
 Any other pass (a prefill, a long catch-up, more rows than ``max_rows``, token trees, skipped
@@ -52,9 +57,10 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "ma
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
 # Every compiled cache holds at least this many slots, so that requests of different lengths
 # share one set of graphs (a longer request compiles its own set, at the next power of two).
-# Attention reads every slot: for the demo target 2048 slots are 58 MB of bf16 keys and values
-# per pass beside 3.1 GB of weights.
+# Under CUDA graphs attention reads every slot: for the demo target 2048 slots are 58 MB of
+# bf16 keys and values per pass beside 3.1 GB of weights.
 MIN_CAPACITY = 2048
+MIN_WIDTH = 2  # a symbolic width of 0 or 1 would be specialised (and recompiled); the mask hides the extra slot
 CACHE_ENV_VAR = "TORCHINDUCTOR_CACHE_DIR"
 # A shape: (cache capacity, rows fed, logits of the last n rows or None for every row).
 PassShape = tuple[int, int, int | None]
@@ -114,8 +120,10 @@ def configure_compile_cache() -> Path:
 
 
 def compiled_capacity(capacity: int) -> int:
-    """The capacity a compiled cache gets for a request of ``capacity`` positions."""
-    return max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
+    """The capacity a compiled cache gets for a request of ``capacity`` positions: one slot
+    more than asked, since a symbolic width must stay below the cache's size (a slice to the
+    full size is a special case the graph would guard on)."""
+    return max(MIN_CAPACITY, 1 << capacity.bit_length())
 
 
 def decode_pass(
@@ -124,9 +132,10 @@ def decode_pass(
     positions: torch.Tensor,  # (1, T) long
     cache: KVCache,
     logits_last: int | None,
+    width: torch.Tensor | None,  # (W,) whose length is the attention width; None: the whole cache
 ) -> tuple[torch.Tensor, torch.Tensor]:  # logits (1, T_logits, V) float32, hidden (1, T, C)
-    """The compiled region: one cached pass whose shapes depend on T and the cache only."""
-    view = fixed_view(positions, cache.capacity, model.config.sliding_window)
+    """The compiled region: one cached pass whose shapes depend on T, the cache and W only."""
+    view = fixed_view(positions, cache.capacity if width is None else width.shape[0], model.config.sliding_window)
     out = model(tokens, positions, cache, view, logits_last=logits_last)
     return out.logits, out.hidden
 
@@ -155,6 +164,8 @@ class CompiledSequence(TorchSequence):
         self.log = log
         self.role = role
         self.cuda_graphs = mode in CUDA_GRAPH_MODES
+        # Only the length of this host tensor is read (sliced per pass): the symbolic width.
+        self._width = torch.empty(0, dtype=torch.uint8)
         self._compiled: dict[PassShape, Callable] = {}
         self._warm: set[PassShape] = set()
         configure_compile_cache()
@@ -162,6 +173,9 @@ class CompiledSequence(TorchSequence):
     def begin(self, capacity: int) -> None:
         previous = self.cache
         super().begin(compiled_capacity(capacity))
+        assert self.cache is not None
+        if self._width.shape[0] < self.cache.capacity:
+            self._width = torch.empty(self.cache.capacity, dtype=torch.uint8)
         if self.cuda_graphs and self.cache is not previous:
             # A CUDA graph bakes in the addresses it writes: the cache must stay where it is.
             for tensors in self.cache._storages():
@@ -199,13 +213,17 @@ class CompiledSequence(TorchSequence):
         # between requests, and a guard on it would recompile.
         tokens = tokens.clone(memory_format=torch.contiguous_format)
         positions = torch.arange(start, start + rows, device=tokens.device)[None]
+        width = None
         if self.cuda_graphs:
             # Each call starts a new replay; outputs are copied out below before the next one.
             torch.compiler.cudagraph_mark_step_begin()
-        if shape in self._warm:
-            logits, hidden = function(self.model, tokens, positions, cache, logits_last)
         else:
-            logits, hidden = self._first_call(function, shape, tokens, positions, cache, logits_last)
+            width = self._width[: max(start + rows, MIN_WIDTH)]
+            torch._dynamo.mark_dynamic(width, 0, min=MIN_WIDTH, max=cache.capacity - 1)
+        if shape in self._warm:
+            logits, hidden = function(self.model, tokens, positions, cache, logits_last, width)
+        else:
+            logits, hidden = self._first_call(function, shape, tokens, positions, cache, logits_last, width)
         if self.cuda_graphs:
             logits, hidden = logits.clone(), hidden.clone()
         return ModelOutput(logits=logits, hidden=hidden)
@@ -218,17 +236,18 @@ class CompiledSequence(TorchSequence):
         positions: torch.Tensor,  # (1, T) long
         cache: KVCache,
         logits_last: int | None,
+        width: torch.Tensor | None,  # (W,) see decode_pass
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The call that compiles ``shape``, timed into the log."""
         hits, misses = _cache_counts()
         started = time.perf_counter()
-        out = function(self.model, tokens, positions, cache, logits_last)
+        out = function(self.model, tokens, positions, cache, logits_last, width)
         if self.cuda_graphs:
             # reduce-overhead runs a shape eagerly once, then records its graph on the next
             # call: record it now, as part of compiling.
             for _ in range(2):
                 torch.compiler.cudagraph_mark_step_begin()
-                out = function(self.model, tokens, positions, cache, logits_last)
+                out = function(self.model, tokens, positions, cache, logits_last, width)
             out = tuple(t.clone() for t in out)
         self.log.seconds += time.perf_counter() - started
         new_hits, new_misses = _cache_counts()

@@ -263,19 +263,21 @@ def causal_view(
 
 def fixed_view(
     positions: torch.Tensor,  # (B, T) long, on the model's device
-    capacity: int,
+    width: int,
     sliding_window: int | None = None,
 ) -> KVView:
-    """Attention over every slot of a cache of ``capacity`` slots, masked by position.
+    """Attention over the first ``width`` slots, masked by position on the device.
 
-    ``causal_view`` reads only up to the furthest position, a width known on the host that
-    changes every step; a compiled pass needs one shape for the whole sequence, so it reads
-    the whole cache and the mask, built from ``positions`` on the device, hides the slots past
-    each query (stale or never written). What a query sees is the same as with ``causal_view``.
+    ``causal_view`` builds its mask from host positions and skips it for a single query; a
+    compiled pass may not branch on its inputs, so the mask always comes from ``positions``
+    and hides every slot past each query (stale or never written). ``width`` may exceed the
+    furthest position (a CUDA graph reads the whole cache: one shape for the whole sequence)
+    or be symbolic (a CPU graph compiled once for every width). What a query sees is what it
+    sees with ``causal_view``.
     """
-    key_pos = torch.arange(capacity, device=positions.device)
+    key_pos = torch.arange(width, device=positions.device)
     query_pos = positions[:, :, None]  # (B, T, 1)
     mask = key_pos[None, None, :] <= query_pos
     if sliding_window is not None:
         mask &= key_pos[None, None, :] > query_pos - sliding_window
-    return KVView(kv_len=capacity, mask=mask[:, None])  # (B, 1, T, capacity)
+    return KVView(kv_len=width, mask=mask[:, None])  # (B, 1, T, width)
