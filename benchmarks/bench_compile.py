@@ -164,8 +164,11 @@ def main() -> None:
     if args.cached_rerun:
         command = [sys.executable, __file__, "--compile-only", "--mode", args.mode, "--k", str(args.k),
                    "--target", args.target, "--draft", args.draft, "--dtype", args.dtype]
+        if args.threads:
+            command += ["--threads", str(args.threads)]  # the thread count is part of inductor's cache key
         rerun = subprocess.run(command, capture_output=True, text=True, check=True, env=os.environ.copy())
         results["compile_cached_rerun"] = json.loads(rerun.stdout.strip().splitlines()[-1])
+        print(json.dumps(results["compile_cached_rerun"]), file=sys.stderr, flush=True)
     eager = SpecDecoder(target, draft, spec)
     rows = [int(r) for r in args.rows.split(",")]
     results["passes"] = pass_costs(eager, compiled, rows, args.rounds)
