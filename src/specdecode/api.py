@@ -12,6 +12,7 @@ import torch
 
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.batch_select import batch_model
+from specdecode.backends.compiled import CompiledSequence, CompileLog, check_compilable, resolve_compile_mode
 from specdecode.backends.device import resolve_device, resolve_dtype
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence, load_llamacpp_model
 from specdecode.backends.select import LLAMACPP, TORCH, choose_backend
@@ -49,6 +50,7 @@ from specdecode.models.heads import DraftHeads, EagleHead, MedusaHeads, load_hea
 from specdecode.models.loader import LoadedModel, gguf_source, load_model
 from specdecode.quant.apply import check_quant
 
+CATCH_UP_COMPILED_ROWS = 2  # a draft pass feeds 1 token, or 2 to catch up after a fully accepted step
 CATCH_UP_PROBE_ROWS = 64  # tokens in the timed draft pass that prices a catch-up per token
 BATCH_PROBE_MAX_ROWS = 64  # the largest pass timed for the batch engine's costs; larger ones extrapolate
 
@@ -63,6 +65,7 @@ class SpecDecoder:
         spec: SpecConfig,
         kv_dtype: str = "auto",
         heads: DraftHeads | None = None,
+        compile: bool | str = False,
     ) -> None:
         if spec.method == "draft" and draft is None:
             raise InvalidRequestError("--method draft needs a draft model (--draft).")
@@ -79,28 +82,60 @@ class SpecDecoder:
         # One drafter per method this decoder can run; a call picks one by name.
         self.ngram_drafter = NgramDrafter(spec.ngram_max, spec.ngram_min)
         self.backend = target.backend
+        # compile=: the repeated passes compiled per shape (backends/compiled.py); None: eager.
+        if compile:
+            for loaded in (target, draft):
+                if loaded is not None:
+                    check_compilable(loaded.backend, loaded.quant, kv_dtype)
+        self.compile_mode = resolve_compile_mode(compile, target.model.device) if compile else None
+        self.compile_log = CompileLog()
         # Heads are refused by attach_heads, below, on the same grounds.
         if self.backend == LLAMACPP and (spec.skip_layers or kv_dtype != "auto"):
             raise InvalidRequestError("Layer skip and the int8 KV cache need the torch backend (--backend torch).")
         self.draft_drafter = None if draft is None else DraftModelDrafter(
-            self._sequence(draft), target.config.vocab_size, spec.draft_confidence
+            self._sequence(draft, "draft"), target.config.vocab_size, spec.draft_confidence
         )
         self.drafters: dict[str, Drafter] = {"ngram": self.ngram_drafter}
         if self.draft_drafter is not None:
             self.drafters["draft"] = self.draft_drafter
         if spec.skip_layers:  # shares the target's weights and KV cache: costs no memory
             self.drafters["layerskip"] = LayerSkipDrafter(target.model, spec.skip_layers, spec.draft_confidence)
-        self.engine = SpecEngine(self._sequence(target), self.eos_token_ids)
+        self.engine = SpecEngine(self._sequence(target, "target"), self.eos_token_ids, compile_log=self.compile_log)
         self._draft_costs: tuple[float, float] | None = None  # a draft pass, and a catch-up per token
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
             self.attach_heads(heads, spec.tree_size)
 
-    def _sequence(self, loaded: LoadedModel) -> SequenceModel:
+    def _sequence(self, loaded: LoadedModel, role: str) -> SequenceModel:
         """One sequence of a loaded model on its backend, for the single-request engine."""
         if loaded.backend == LLAMACPP:
             return LlamaCppSequence(loaded.model)
+        if self.compile_mode is not None:
+            # The draft model's passes feed one token, or two when catching up; the target's
+            # verify k + 1 (a per-call k above these runs its passes eagerly).
+            rows = CATCH_UP_COMPILED_ROWS if role == "draft" else max(self.spec.k, self.spec.k_max) + 1
+            return CompiledSequence(loaded.model, self.compile_mode, rows, self.compile_log, role)
         return TorchSequence(loaded.model, self.kv_dtype)
+
+    def warm_up(self, show_progress: bool = False, all_shapes: bool = False) -> CompileLog:
+        """With compile=, compile now the passes this decoder's method and k will run, or with
+        ``all_shapes`` every pass any chain method can run compiled (k up to max(k, k_max));
+        other shapes compile when first used, their time in ``stats.compile_seconds``.
+        Returns the decoder's compile log: passes, seconds, on-disk cache hits."""
+        if self.compile_mode is None:
+            return self.compile_log
+        spec = self.spec
+        target = self.engine.target
+        assert isinstance(target, CompiledSequence)
+        adaptive = spec.k_policy != "fixed" or spec.method == "auto"
+        verify_rows = 1 if spec.method == "none" else (spec.k_max if adaptive else spec.k) + 1
+        verify_rows = target.max_rows if all_shapes else verify_rows
+        target.warm_up([(rows, None) for rows in range(1, verify_rows + 1)], show_progress)
+        if self.draft_drafter is not None and (all_shapes or spec.method in DRAFT_MODEL_METHODS):
+            draft = self.draft_drafter.model
+            assert isinstance(draft, CompiledSequence)
+            draft.warm_up([(1, None), (2, 1)], show_progress)
+        return self.compile_log
 
     def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
         """Make method ``heads.config.kind`` (medusa or eagle) available with these heads."""
@@ -160,6 +195,7 @@ class SpecDecoder:
         acceptance: str = "lossless",
         backend: str = "auto",
         show_progress: bool = True,
+        compile: bool | str = False,
     ) -> SpecDecoder:
         """Load models by name: a demo model name, a .gguf file, a local HF folder or a hub id.
 
@@ -176,6 +212,9 @@ class SpecDecoder:
         on llama.cpp on a CPU where llama-cpp-python is installed and the method allows it,
         "torch" or "llama.cpp" force one; on llama.cpp ``dtype="fp32"`` keeps its KV cache in
         f32 (exact to ~1e-5 against fp32 torch), any other dtype takes llama.cpp's f16 cache.
+        ``compile=True`` compiles the torch backend's repeated passes per shape (CUDA graphs on a
+        GPU; a mode name of ``torch.compile`` picks another mode); call ``warm_up()`` to compile
+        them before the first request ([docs/compile.md](docs/compile.md)).
         """
         from specdecode.models import demo
 
@@ -211,7 +250,7 @@ class SpecDecoder:
             backend, target_is_gguf=gguf_source(target, show_progress) is not None,
             draft_is_gguf=(gguf_source(draft, show_progress) is not None) if uses_draft else None,
             device=torch_device, method=method, weight_quant=(target_quant, draft_quant) != ("none", "none"),
-            kv_int8=kv_dtype == "int8",
+            kv_int8=kv_dtype == "int8", compiled=bool(compile),
         )
         if show_progress:
             print(f"specdecode: backend {choice.name} ({choice.reason})", file=sys.stderr, flush=True)
@@ -233,7 +272,7 @@ class SpecDecoder:
         if uses_draft:
             draft_model = load_model(draft, torch_dtype, torch_device, show_progress=show_progress, quant=draft_quant)
         loaded_heads = None if heads is None else load_heads(heads, torch_dtype, torch_device)
-        return cls(target_model, draft_model, spec, kv_dtype=kv_dtype, heads=loaded_heads)
+        return cls(target_model, draft_model, spec, kv_dtype=kv_dtype, heads=loaded_heads, compile=compile)
 
     def encode(self, prompt: str | Messages, chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)

@@ -87,6 +87,7 @@ class BenchConfig:
     dtype: str = "auto"
     device: str = "auto"
     kv_dtype: str = "auto"  # KV-cache storage of specdecode's methods: auto or int8
+    compile: bool | str = False  # specdecode's torch passes compiled (backends/compiled.py), before the run
     bandwidth_probe_bytes: int = DEFAULT_PROBE_BYTES  # 0 skips the probe (and the ceilings)
     out: Path = Path("results")
     plots: bool = True
@@ -225,13 +226,14 @@ class Bench:
             ngram_max=config.ngram_max, ngram_min=config.ngram_min,
             skip_layers=config.skip_layers, layerskip_config=config.layerskip_config,
             dtype=config.dtype, device=config.device, kv_dtype=config.kv_dtype, backend="torch",
-            show_progress=not config.quiet,
+            show_progress=not config.quiet, compile=config.compile,
         )
         if any(label.base == "layerskip" for label in labels.values()) and not self.decoder.spec.skip_layers:
             # No layers given: the target's built-in tuned choice (the demo target has one).
             target = self.decoder.target
             skip = resolve_skip_layers(target.name, target.config.num_layers, None, None)
-            self.decoder = SpecDecoder(target, self.decoder.draft, replace(self.decoder.spec, skip_layers=skip), kv_dtype=config.kv_dtype)
+            self.decoder = SpecDecoder(target, self.decoder.draft, replace(self.decoder.spec, skip_layers=skip),
+                                       kv_dtype=config.kv_dtype, compile=config.compile)
         from specdecode.models.heads import load_heads
 
         self.heads = {
@@ -259,7 +261,7 @@ class Bench:
             if key not in decoders:
                 draft = model("draft", key[1]) if with_draft else None
                 spec = self.decoder.spec if with_draft else replace(self.decoder.spec, method="none")
-                decoders[key] = SpecDecoder(model("target", key[0]), draft, spec, kv_dtype=config.kv_dtype)
+                decoders[key] = SpecDecoder(model("target", key[0]), draft, spec, kv_dtype=config.kv_dtype, compile=config.compile)
                 for heads in self.heads.values():  # trained on the unquantized target's features
                     decoders[key].attach_heads(heads, config.tree_size)
             return decoders[key]
@@ -284,6 +286,8 @@ class Bench:
                 label = labels[name]
                 decoder = decoder_for(label.target_quant, label.draft_quant, uses_draft_model(label.base) and self.decoder.draft is not None)
                 self.methods[name] = SpecDecodeMethod(name, decoder, config.k)
+        # Compiled before measuring: every shape a method may run, so none compiles mid-run.
+        self.compile_logs = [d.warm_up(not config.quiet, all_shapes=True) for d in decoders.values()] if config.compile else []
         draft = self.decoder.draft
         self.target_bytes = weight_bytes_per_forward(self.decoder.target.config, self.dtype)
         self.draft_bytes = weight_bytes_per_forward(draft.config, self.dtype) if draft is not None else 0
@@ -463,6 +467,7 @@ class Bench:
                 "plain_ceiling_tokens_per_second": bandwidth / self.target_bytes if bandwidth else None,
             },
             "wall_seconds": time.perf_counter() - started,
+            "compile": [asdict(log) for log in self.compile_logs],
             "warmup_errors": warmup_errors,
             "prompts": [asdict(p) for p in prompts],
             "summary": summary,

@@ -40,6 +40,25 @@ def add_quant_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV-cache storage: auto (model dtype) or int8")
 
 
+def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdecode.backends.compiled import COMPILE_MODES
+
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="compile the torch backend's repeated passes per shape (CUDA graphs on a GPU); compiled before "
+        "the first request, minutes on a small CPU the first time, then from an on-disk cache (docs/compile.md)",
+    )
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, help="with --compile: the torch.compile mode "
+                        "(default: reduce-overhead on CUDA, default on the CPU)")
+
+
+def compile_choice(args: argparse.Namespace) -> bool | str:
+    """``compile=`` for the API from --compile and --compile-mode."""
+    if args.compile_mode and not args.compile:
+        raise InvalidRequestError("--compile-mode needs --compile.")
+    return args.compile_mode or args.compile
+
+
 def k_value(text: str) -> int | str:
     return "auto" if text == "auto" else _positive_int(text)
 

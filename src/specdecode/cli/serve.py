@@ -9,6 +9,7 @@ import sys
 
 from specdecode.backends.base import BACKENDS
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
+from specdecode.cli.args import add_compile_arguments, compile_choice
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
 
@@ -63,6 +64,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--target-quant", choices=QUANT_CHOICES, default="none")
     parser.add_argument("--draft-quant", choices=QUANT_CHOICES, default="none")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
+    add_compile_arguments(parser)
     parser.add_argument("--max-batch", type=non_negative_int, default=DEFAULT_MAX_BATCH,
                         help="most requests decoded together (0: no batching, one request at a time)")
     parser.add_argument("--kv-cache-tokens", type=positive_int, default=DEFAULT_KV_CACHE_TOKENS,
@@ -104,8 +106,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     decoder = SpecDecoder.from_pretrained(
         args.target, args.draft, method=args.method, k=args.k, heads=args.heads, tree_size=args.tree_size,
         dtype=args.dtype, device=args.device, target_quant=args.target_quant, draft_quant=args.draft_quant,
-        kv_dtype=args.kv_dtype, backend=args.backend,
+        kv_dtype=args.kv_dtype, backend=args.backend, compile=compile_choice(args),
     )
+    if args.compile:
+        # Batched requests run the batch engine's passes, which are not compiled; requests served
+        # one at a time (--max-batch 0, or methods the batch does not take) run compiled.
+        if args.max_batch > 0:
+            print("--compile: the continuous-batching engine's passes run eagerly; requests that run one at a time "
+                  "(--max-batch 0, methods auto, layerskip, medusa, eagle) run compiled.", file=sys.stderr)
+        print(f"specdecode: {decoder.warm_up(show_progress=True, all_shapes=True).summary()}", file=sys.stderr)
     name = args.model_name or (args.target or demo.DEFAULT_TARGET)
     worker = None
     if args.max_batch > 0:
