@@ -233,6 +233,18 @@ class SpecConfig:
         if self.tree_size is not None and not 1 <= self.tree_size <= MAX_TREE_SIZE:
             raise InvalidRequestError(f"--tree-size must be in 1..{MAX_TREE_SIZE}, got {self.tree_size}.")
 
+    def call_k(self, k: int | str | None, k_policy: str | None) -> tuple[int, str]:
+        """(draft_k, policy) for one call that may override ``k`` and ``k_policy``: draft_k is the
+        fixed draft length, or the first one a policy tries."""
+        if k is None and k_policy is None:
+            return self.k, self.k_policy
+        fixed_k, policy = resolve_k(k, k_policy)
+        draft_k = fixed_k if fixed_k is not None else self.k
+        if policy is None:
+            policy = "fixed" if k is not None else self.k_policy
+        check_k_policy(policy, self.k_max)
+        return draft_k, policy
+
 
 def check_acceptance(acceptance: str, method: str) -> None:
     if acceptance not in ACCEPTANCE_RULES:

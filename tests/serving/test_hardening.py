@@ -12,6 +12,7 @@ import pytest
 from server_helpers import MESSAGES, MODEL, PROMPT, client, metric, sse_data, wait_for
 
 import specdecode.api
+import specdecode.backends.load
 import specdecode.engine.batch
 import specdecode.engine.sampling
 import specdecode.models.loader
@@ -291,7 +292,7 @@ def test_model_names_are_never_resolved_at_request_time(served, monkeypatch, tin
     import transformers
 
     monkeypatch.setattr(specdecode.models.loader, "load_model", no_loading)
-    monkeypatch.setattr(specdecode.api, "load_model", no_loading)
+    monkeypatch.setattr(specdecode.backends.load, "load_model", no_loading)
     monkeypatch.setattr(specdecode.api.SpecDecoder, "from_pretrained", no_loading)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
