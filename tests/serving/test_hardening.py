@@ -219,9 +219,9 @@ def test_unknown_methods_on_routes_get_an_openai_body(served) -> None:
 def test_events_are_single_lines_for_line_splitting_clients() -> None:
     """Generated text may hold U+2028 or U+0085, which str.splitlines and httpx's iter_lines
     (not SSE itself) read as line breaks; the schema fuzz test found events split by them."""
-    from specdecode.serving.server import _sse
+    from specdecode.serving.responses import sse
 
-    event = _sse({"text": "a\u2028b\x85c\u2029d é"})
+    event = sse({"text": "a\u2028b\x85c\u2029d é"})
     assert len(event.rstrip("\n").splitlines()) == 1 and json.loads(event[len("data: "):])["text"] == "a\u2028b\x85c\u2029d é"
 
 
