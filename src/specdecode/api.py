@@ -45,9 +45,9 @@ class SpecDecoder:
         heads: DraftHeads | None = None,
     ) -> None:
         if spec.method == "draft" and draft is None:
-            raise InvalidRequestError("--method draft needs a draft model (--draft).")
+            raise InvalidRequestError('method="draft" needs a draft model (draft=).')
         if spec.method in TREE_METHODS and (heads is None or heads.config.kind != spec.method):
-            raise InvalidRequestError(f"--method {spec.method} needs {spec.method} heads (--heads FOLDER).")
+            raise InvalidRequestError(f'method="{spec.method}" needs {spec.method} heads (heads=FOLDER).')
         if draft is not None:
             check_same_tokenizer(target.tokenizer, draft.tokenizer, target.name, draft.name)
         self.target = target
@@ -61,7 +61,7 @@ class SpecDecoder:
         self.backend = target.backend
         # Heads are refused by attach_heads, below, on the same grounds.
         if self.backend == LLAMACPP and (spec.skip_layers or kv_dtype != "auto"):
-            raise InvalidRequestError("Layer skip and the int8 KV cache need the torch backend (--backend torch).")
+            raise InvalidRequestError('Layer skip and the int8 KV cache need the torch backend (backend="torch").')
         self.draft_drafter = None if draft is None else DraftModelDrafter(
             self._sequence(draft), target.config.vocab_size, spec.draft_confidence
         )
@@ -85,7 +85,7 @@ class SpecDecoder:
     def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
         """Make method ``heads.config.kind`` (medusa or eagle) available with these heads."""
         if self.backend != TORCH:
-            raise InvalidRequestError("Medusa and EAGLE heads need the torch backend (--backend torch).")
+            raise InvalidRequestError('Medusa and EAGLE heads need the torch backend (backend="torch").')
         heads.config.check_target(self.target.config)
         trained_for = heads.config.target_name
         if trained_for and trained_for != self.target.name:
@@ -110,7 +110,7 @@ class SpecDecoder:
             if tree_size is not None:
                 tree = build_static_tree(heads.config.rank_accuracy, tree_size)
             if not tree:
-                raise InvalidRequestError("These Medusa heads carry no tree; pass --tree-size to build one.")
+                raise InvalidRequestError("These Medusa heads carry no tree; pass tree_size= to build one.")
             return MedusaDrafter(heads, tree)
         assert isinstance(heads, EagleHead)
         return EagleDrafter(heads, self.target.model.embed_tokens, tree_size or EAGLE_TREE_SIZE)
@@ -186,9 +186,8 @@ class SpecDecoder:
             )
         if len(prompt_ids) + params.max_new_tokens > context:
             raise InvalidRequestError(
-                f"The prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
-                f"exceeds the model's context of {context} tokens; lower max_new_tokens to at most "
-                f"{context - len(prompt_ids)}."
+                f"The prompt ({len(prompt_ids)} tokens) plus max_new_tokens={params.max_new_tokens} exceeds the "
+                f"model's context of {context} tokens; lower it to at most {context - len(prompt_ids)}."
             )
 
     def stream(
@@ -214,15 +213,15 @@ class SpecDecoder:
         if method not in METHODS:
             raise InvalidRequestError(f"Unknown method {method!r}; choose one of: {', '.join(METHODS)}.")
         if method == "draft" and self.draft is None:
-            raise InvalidRequestError("This decoder was loaded without a draft model; use method='none'.")
+            raise InvalidRequestError('This decoder was loaded without a draft model; use method="none".')
         if method in TREE_METHODS and method not in self.drafters:
             raise InvalidRequestError(f"This decoder was loaded without {method} heads; load it with heads=FOLDER.")
         acceptance = acceptance or (self.spec.acceptance if method == self.spec.method else "lossless")
         check_acceptance(acceptance, method)
         if method == "layerskip" and "layerskip" not in self.drafters:
             raise InvalidRequestError(
-                "This decoder has no layers to skip: load it with skip_layers or layerskip_config "
-                "(--skip-layers / --layerskip-config; `specdecode tune-layerskip` makes the file)."
+                "This decoder has no layers to skip: load it with skip_layers= or layerskip_config= "
+                "(`specdecode tune-layerskip` makes the file)."
             )
         draft_k, policy = self.spec.call_k(k, k_policy)
         if method != "none" and draft_k < 1:
@@ -277,10 +276,10 @@ class SpecDecoder:
         if self.backend != TORCH:
             raise InvalidRequestError(
                 "The continuous-batching engine (generate_batch, the server) runs on the torch backend; "
-                "load the decoder with backend='torch' (--backend torch)."
+                'load the decoder with backend="torch".'
             )
         if self.kv_dtype != "auto":
-            raise InvalidRequestError("The batch engine's paged KV cache stores the model dtype only; drop --kv-dtype int8.")
+            raise InvalidRequestError('The batch engine\'s paged KV cache stores the model dtype only; drop kv_dtype="int8".')
         verify_costs = draft_costs = None
         if cost_aware:
             verify_costs, draft_costs = batch_pass_costs(

@@ -154,8 +154,8 @@ def test_a_difference_within_the_near_tie_threshold_is_excused(
     ("argv", "pattern"),
     [
         (["--method", "draft,beam"], "unknown method 'beam'"),
-        (["--draws", "0"], "--draws must be >= 1"),
-        (["--top-k", "1"], "--top-k must be >= 2"),
+        (["--draws", "0"], "--draws 0: it must be >= 1"),
+        (["--top-k", "1"], "--top-k 1: it must be >= 2"),
         (["--method", "medusa"], "--heads"),
         (["--out", "/nonexistent-folder/audit.json"], "does not exist"),
     ],

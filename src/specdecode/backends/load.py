@@ -62,11 +62,11 @@ def load_models(
     method = spec.method
     if method in TREE_METHODS and heads is None:
         raise InvalidRequestError(
-            f"--method {method} needs trained heads for the target: run `specdecode train {method} "
-            f"--target TARGET --data stdlib --out HEADS` and pass --heads HEADS."
+            f'method="{method}" needs trained heads for the target: run `specdecode train {method} '
+            f"--target TARGET --data stdlib --out HEADS` and pass heads=HEADS."
         )
-    check_quant(target_quant, "--target-quant")
-    check_quant(draft_quant, "--draft-quant")
+    check_quant(target_quant, "target_quant")
+    check_quant(draft_quant, "draft_quant")
     check_kv_dtype(kv_dtype)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -77,8 +77,8 @@ def load_models(
             draft = demo.DEFAULT_DRAFT
         elif method == "draft":
             raise InvalidRequestError(
-                "--method draft needs a draft model: pass --draft (a smaller model with the same "
-                "tokenizer), or --method none for plain decoding."
+                'method="draft" needs a draft model: pass draft= (a smaller model with the same '
+                'tokenizer), or method="none" for plain decoding.'
             )
     uses_draft = method in DRAFT_MODEL_METHODS and draft is not None
     choice = choose_backend(

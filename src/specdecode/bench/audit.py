@@ -66,21 +66,21 @@ class AuditConfig:
 
     def __post_init__(self) -> None:
         if not self.methods:
-            raise InvalidRequestError("Give at least one method to audit (--method draft,ngram).")
+            raise InvalidRequestError("Give at least one method to audit (methods=, e.g. draft and ngram).")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise InvalidRequestError(f"Unknown method {unknown[0]!r}; choose from: {', '.join(METHODS)}.")
-        for name, value, least in (("--draws", self.draws, 1), ("--max-new-tokens", self.max_new_tokens, 1),
-                                   ("--sampled-tokens", self.sampled_tokens, 1), ("--top-k", self.top_k, 2),
-                                   ("--k", self.k, 1)):
+        for name, value, least in (("draws", self.draws, 1), ("max_new_tokens", self.max_new_tokens, 1),
+                                   ("sampled_tokens", self.sampled_tokens, 1), ("top_k", self.top_k, 2),
+                                   ("k", self.k, 1)):
             if value < least:
-                raise InvalidRequestError(f"{name} must be >= {least}, got {value}.")
+                raise InvalidRequestError(f"{name}={value}: it must be >= {least}.")
         if not 0.0 < self.alpha < 1.0:
-            raise InvalidRequestError(f"--alpha must be in (0, 1), got {self.alpha}.")
+            raise InvalidRequestError(f"alpha={self.alpha} is out of range: use (0, 1).")
         if self.precision not in MANTISSA_BITS:
-            raise InvalidRequestError(f"precision must be one of {', '.join(MANTISSA_BITS)}, got {self.precision!r}.")
+            raise InvalidRequestError(f"precision={self.precision!r} is not one of: {', '.join(MANTISSA_BITS)}.")
         if self.near_tie is not None and self.near_tie < 0:
-            raise InvalidRequestError(f"--near-tie must be >= 0, got {self.near_tie}.")
+            raise InvalidRequestError(f"near_tie={self.near_tie}: it must be >= 0.")
 
 
 @dataclass(slots=True)
@@ -130,11 +130,11 @@ def check_methods(decoder: SpecDecoder, methods: Iterable[str]) -> None:
     """Refuse, before any work, a method this decoder was not loaded for."""
     for method in methods:
         if method == "draft" and decoder.draft is None:
-            raise InvalidRequestError("--method draft needs a draft model: pass --draft (same tokenizer as --target).")
+            raise InvalidRequestError('method="draft" needs a draft model: pass draft= (same tokenizer as the target).')
         if method in TREE_METHODS and method not in decoder.drafters:
-            raise InvalidRequestError(f"--method {method} needs its heads: pass --heads FOLDER from `specdecode train {method}`.")
+            raise InvalidRequestError(f'method="{method}" needs its heads: pass heads=FOLDER from `specdecode train {method}`.')
         if method == "layerskip" and method not in decoder.drafters:
-            raise InvalidRequestError("--method layerskip needs the layers to skip: pass --skip-layers or --layerskip-config.")
+            raise InvalidRequestError('method="layerskip" needs the layers to skip: pass skip_layers= or layerskip_config=.')
 
 
 @torch.inference_mode()

@@ -70,19 +70,19 @@ class BenchConfig:
         if len(set(self.methods)) != len(self.methods):
             raise InvalidRequestError("Each method may be listed once.")
         if self.repeats < 1:
-            raise InvalidRequestError(f"--repeats must be >= 1, got {self.repeats}.")
+            raise InvalidRequestError(f"repeats={self.repeats}: it must be >= 1.")
         if self.max_prompts_per_category is not None and self.max_prompts_per_category < 1:
-            raise InvalidRequestError("--max-prompts-per-category must be >= 1.")
+            raise InvalidRequestError(f"max_prompts_per_category={self.max_prompts_per_category}: it must be >= 1.")
         if self.hf_lookup_tokens < 1:
-            raise InvalidRequestError("--hf-lookup-tokens must be >= 1.")
+            raise InvalidRequestError(f"hf_lookup_tokens={self.hf_lookup_tokens}: it must be >= 1.")
         if self.llamacpp_lookup_tokens < 1:
-            raise InvalidRequestError("--llamacpp-lookup-tokens must be >= 1.")
+            raise InvalidRequestError(f"llamacpp_lookup_tokens={self.llamacpp_lookup_tokens}: it must be >= 1.")
         if self.llamacpp_bin_timeout <= 0:
-            raise InvalidRequestError("--llamacpp-bin-timeout must be > 0 seconds.")
+            raise InvalidRequestError(f"llamacpp_bin_timeout={self.llamacpp_bin_timeout}: it must be > 0 seconds.")
         binaries = [m for m in self.methods if m in LLAMACPP_BIN_METHODS]
         if binaries and self.llamacpp_bin is None:
             raise InvalidRequestError(
-                f"Methods {', '.join(binaries)} run llama.cpp's own binaries: pass --llamacpp-bin DIR, the folder "
+                f"Methods {', '.join(binaries)} run llama.cpp's own binaries: pass llamacpp_bin=DIR, the folder "
                 "`bash /work/shared/tools/build-llamacpp-tools.sh` prints (it builds them in about 10 minutes)."
             )
         self.sampling()  # validates temperature, top-k, top-p, max_new_tokens

@@ -60,7 +60,7 @@ class BenchLineup:
             base = parse_method(name).base
             if base in heads_given and heads_given[base] is None:
                 raise InvalidRequestError(
-                    f"Method {name} needs trained heads: pass --{base}-heads FOLDER (from `specdecode train {base}`)."
+                    f"Method {name} needs trained heads: pass {base}_heads=FOLDER (from `specdecode train {base}`)."
                 )
         self.config = config
         labels = {name: parse_method(name) for name in config.methods}

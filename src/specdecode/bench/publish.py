@@ -36,7 +36,7 @@ def check_optional_dependencies(plots: bool) -> None:
     if missing:
         raise InvalidRequestError(
             f"specdecode bench needs {' and '.join(missing)}: pip install 'specdecode[bench]'"
-            + (" (or pass --no-plots to skip matplotlib)" if missing == ["matplotlib"] else "") + "."
+            + (" (or pass plots=False to skip matplotlib)" if missing == ["matplotlib"] else "") + "."
         )
 
 

@@ -75,8 +75,8 @@ class Scheduler:
             if blocks_for(need, pool.block_size) > pool.usable_blocks:
                 raise InvalidRequestError(
                     f"The request needs up to {need} KV slots but the cache holds "
-                    f"{pool.usable_blocks * pool.block_size}; lower max_tokens or start the engine with a "
-                    "larger KV cache (--kv-cache-tokens)."
+                    f"{pool.usable_blocks * pool.block_size}; lower max_new_tokens= or start the engine with a "
+                    "larger KV cache (kv_cache_tokens=)."
                 )
 
     def admit(self) -> list[ScheduledSequence]:

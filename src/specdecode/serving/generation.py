@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.stream import GenerationStream
 from specdecode.errors import SpecDecodeError
-from specdecode.serving.protocol import APIError, ParsedRequest
+from specdecode.serving.protocol import APIError, ParsedRequest, client_message
 
 if TYPE_CHECKING:
     from specdecode.serving.state import ServerState
@@ -145,5 +145,5 @@ class Generation:
         if err is None:
             return None
         if isinstance(err, SpecDecodeError):
-            return APIError(400, str(err))
+            return APIError(400, client_message(err))
         return APIError(500, f"The server failed on this request: {type(err).__name__}: {err}", kind="server_error")

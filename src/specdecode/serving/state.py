@@ -21,7 +21,7 @@ from specdecode.engine.batch import BATCH_METHODS
 from specdecode.errors import SpecDecodeError
 from specdecode.serving.guard import GuardOptions
 from specdecode.serving.metrics import ServerMetrics
-from specdecode.serving.protocol import APIError, ParsedRequest, parse_request
+from specdecode.serving.protocol import APIError, ParsedRequest, client_message, parse_request
 from specdecode.serving.worker import BatchWorker
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class ServerState:
                     assert self.worker is not None
                     self.worker.engine.check_request(len(prompt_ids), req.params, self.method_of(req), self.k_of(req))
             except SpecDecodeError as err:
-                raise APIError(400, str(err), "messages" if chat else "prompt") from err
+                raise APIError(400, client_message(err), "messages" if chat else "prompt") from err
         except APIError:
             self.metrics.count("rejected")
             raise
