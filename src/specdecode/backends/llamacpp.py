@@ -14,7 +14,7 @@ holds after an exception too.
 Logits come out of llama.cpp's buffer with exactly one copy (into the returned tensor).
 ``llama_cpp`` is imported on first use, so this module imports without the binding
 (``backends/llamacpp_binding.py``: the import, llama.cpp's log, our errors; the batch fed to
-``llama_decode`` is ``backends/llamacpp_batch.py``'s).
+``llama_decode`` is ``backends/llamacpp_decode.py``'s).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Self
 import numpy as np
 import torch
 
-from specdecode.backends.llamacpp_batch import TokenBatch, copy_logits
+from specdecode.backends.llamacpp_decode import TokenBatch, copy_logits
 from specdecode.backends.llamacpp_binding import (
     DECODE_OK,
     BackendUnavailableError,
