@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from specdecode.backends.base import SequenceModel
+from specdecode.backends.batch_select import batch_model
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
 from specdecode.backends.load import load_models
 from specdecode.backends.select import LLAMACPP, TORCH
@@ -266,28 +267,23 @@ class SpecDecoder:
         cost_aware: bool = True,
     ) -> BatchEngine:
         """A continuous-batching engine over this decoder's models (methods none, ngram, draft),
-        with paged KV pools of ``kv_cache_tokens`` slots per model.
+        with KV pools of ``kv_cache_tokens`` slots per model: paged on torch; on llama.cpp a context
+        per model with ``max_batch`` sequences of ``kv_cache_tokens // max_batch`` positions each.
 
         ``cost_aware`` times the target (and draft) on a few pass shapes first (about 25 seconds
         for the demo pair and a batch of 16 on a 2-core CPU) so that the batch's draft length follows measured
         costs and falls to plain decoding where speculation stops paying; without it every
         speculative request drafts its own k each step.
         """
-        if self.backend != TORCH:
-            raise InvalidRequestError(
-                "The continuous-batching engine (generate_batch, the server) runs on the torch backend; "
-                'load the decoder with backend="torch".'
-            )
         if self.kv_dtype != "auto":
-            raise InvalidRequestError('The batch engine\'s paged KV cache stores the model dtype only; drop kv_dtype="int8".')
+            raise InvalidRequestError('The batch engine\'s KV pool stores the model dtype only; drop kv_dtype="int8".')
+        target = batch_model(self.target, max_batch, kv_cache_tokens, block_size)
+        draft = None if self.draft is None else batch_model(self.draft, max_batch, kv_cache_tokens, block_size)
         verify_costs = draft_costs = None
         if cost_aware:
-            verify_costs, draft_costs = batch_pass_costs(
-                self.target.model, None if self.draft is None else self.draft.model, max_batch, self.spec.k_max,
-                live=self.costs.live,
-            )
+            verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.spec.k_max, live=self.costs.live)
         return BatchEngine(
-            self.target.model, None if self.draft is None else self.draft.model, self.eos_token_ids,
+            target, draft, self.eos_token_ids,
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
             k_max=self.spec.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
             ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min, draft_confidence=self.spec.draft_confidence,

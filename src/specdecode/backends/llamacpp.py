@@ -30,7 +30,6 @@ from typing import Any, Self
 import numpy as np
 import torch
 
-from specdecode.backends.llamacpp_decode import TokenBatch, copy_logits
 from specdecode.backends.llamacpp_binding import (
     DECODE_OK,
     BackendUnavailableError,
@@ -41,6 +40,7 @@ from specdecode.backends.llamacpp_binding import (
     import_llama_cpp,
     physical_core_count,
 )
+from specdecode.backends.llamacpp_decode import TokenBatch, copy_logits
 from specdecode.backends.llamacpp_threads import attach_shared_threadpool
 from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeError
 
@@ -93,6 +93,7 @@ class LlamaCppModel:
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
         self.n_threads = n_threads if n_threads is not None else physical_core_count()
+        self.kv_type, self.flash_attn, self.verbose = kv_type, flash_attn, verbose
 
         self._model = self._load_model(llama_cpp)
         self.vocab_size: int = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))
@@ -152,6 +153,13 @@ class LlamaCppModel:
         # llama.cpp may round the context up, never down; our checks use what was asked for.
         assert llama_cpp.llama_n_ctx_seq(ctx) >= self.n_ctx
         return ctx
+
+    def with_sequences(self, n_seq_max: int, n_ctx: int) -> LlamaCppModel:
+        """Another context on the same GGUF file and settings, with ``n_seq_max`` sequences of
+        ``n_ctx`` positions each (a batch engine's); the file is memory-mapped again, so the
+        weights' pages are shared with this one."""
+        return LlamaCppModel(self.path, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=self.n_threads, n_batch=self.n_batch,
+                             kv_type=self.kv_type, flash_attn=self.flash_attn, verbose=self.verbose)
 
     def describe(self) -> dict[str, Any]:
         """The model's shape and special tokens as llama.cpp read them from the GGUF metadata."""

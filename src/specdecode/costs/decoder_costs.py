@@ -8,13 +8,14 @@ long catch-up pass, for the auto method) and builds each request's ``KSchedule``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from specdecode.costs.batch_k import PassCosts
+from specdecode.costs.batch_k import PassCosts, time_batch_costs
 from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, speculation_can_pay
-from specdecode.costs.timing import VERIFY_COST_REPEATS, time_batched_passes, time_passes
+from specdecode.costs.timing import VERIFY_COST_REPEATS
 
 if TYPE_CHECKING:
+    from specdecode.backends.base import BatchModel
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.engine.single import SpecEngine
 
@@ -61,21 +62,19 @@ class DecoderCosts:
         return None
 
 
-def batch_pass_costs(target: Any, draft: Any | None, max_batch: int, k_max: int, live: bool) -> tuple[PassCosts, PassCosts | None]:
+def batch_pass_costs(
+    target: BatchModel, draft: BatchModel | None, max_batch: int, k_max: int, live: bool
+) -> tuple[PassCosts, PassCosts | None]:
     """(target, draft) pass costs for a batch engine of ``max_batch`` rows drafting up to
-    ``k_max``: passes over 1..64 rows, and the batched shapes it will run often. ``target`` and
-    ``draft`` are torch ``Transformer`` models."""
+    ``k_max``: one sequence over 1..64 rows, and the batched shapes it will run often."""
     most_rows = max_batch * (k_max + 1)
     rows = sorted({1, 2, 4, 8, 16, 32, 64, most_rows} & set(range(1, min(most_rows, BATCH_PROBE_MAX_ROWS) + 1)))
     # Batched shapes the engine will run often: plain steps and short drafts, at a middling and
     # the largest batch.
     shapes = sorted({(b, t) for b in {min(4, max_batch), max_batch} if b > 1 for t in (1, 3)})
-    verify_costs = PassCosts(time_passes(target, rows), live=live,
-                             shapes=time_batched_passes(target, shapes) if shapes else None)
+    verify_costs = time_batch_costs(target, rows, shapes, live, VERIFY_COST_REPEATS)
     if draft is None:
         return verify_costs, None
     draft_rows = [r for r in rows if r <= 2 * max_batch] or [1]
-    draft_shapes = [(b, 1) for b, t in shapes if t == 1]
-    draft_costs = PassCosts(time_passes(draft, draft_rows), live=live,
-                            shapes=time_batched_passes(draft, draft_shapes) if draft_shapes else None)
+    draft_costs = time_batch_costs(draft, draft_rows, [(b, 1) for b, t in shapes if t == 1], live, VERIFY_COST_REPEATS)
     return verify_costs, draft_costs
