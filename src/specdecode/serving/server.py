@@ -44,6 +44,7 @@ from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.stream import GenerationStream
 from specdecode.errors import SpecDecodeError
 from specdecode.serving.guard import GuardOptions, RequestGuard
+from specdecode.serving.health import engine_problem
 from specdecode.serving.metrics import ServerMetrics
 from specdecode.serving.protocol import APIError, ParsedRequest, parse_request
 from specdecode.serving.worker import BatchWorker
@@ -350,7 +351,11 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
                                        kind="server_error"))
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> Any:
+        problem = engine_problem(state.worker)
+        if problem is not None:  # a 503, so that a load balancer or Ray stops sending it requests
+            return Response(json.dumps({"status": "unhealthy", "reason": problem}), status_code=503,
+                            media_type="application/json")
         return {"status": "draining" if state.draining else "ok"}
 
     @app.get("/v1/models")
