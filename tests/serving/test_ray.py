@@ -29,6 +29,7 @@ import pytest
 from server_helpers import MESSAGES, MODEL, free_port, wait_for
 
 from specdecode import SamplingParams
+from specdecode.errors import InvalidRequestError
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -38,6 +39,7 @@ from specdecode.serving.ray import (  # noqa: E402
     PROXY_CALLBACK,
     PROXY_CALLBACK_ENV,
     RayOptions,
+    SpecDecodeReplica,
     build_app,
 )
 
@@ -121,6 +123,52 @@ def replica_counts(base: str, status: str = "ok", polls: int = 60) -> dict[str, 
         if len(counts) >= REPLICAS:
             break
     return counts
+
+
+def test_deployment_options_follow_the_flags() -> None:
+    """No cluster needed: what the replicas are deployed with."""
+    from specdecode.serving.ray import deployment_options, parse_serve_args
+
+    args = parse_serve_args("--max-batch 6 --drain-timeout 5")
+    fixed = deployment_options(RayOptions(replicas=3, cpus_per_replica=2), args)
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 2} and fixed["max_ongoing_requests"] == 6 + 2
+    assert fixed["graceful_shutdown_timeout_s"] > 5
+    scaling = deployment_options(RayOptions(min_replicas=0, max_replicas=4, target_ongoing_requests=3), args)
+    assert "num_replicas" not in scaling
+    assert scaling["autoscaling_config"] == {"min_replicas": 0, "max_replicas": 4, "initial_replicas": 1,
+                                             "target_ongoing_requests": 3}
+    with pytest.raises(InvalidRequestError, match="min_replicas"):
+        RayOptions(min_replicas=5, max_replicas=2)
+    with pytest.raises(InvalidRequestError, match="serve_args"):
+        parse_serve_args(["--ray"])
+
+
+def test_app_builder_takes_serve_run_arguments() -> None:
+    """`serve run specdecode.serving.ray:app_builder replicas=2 serve_args='--method ngram'` passes strings."""
+    from specdecode.serving.ray import app_builder
+
+    app = app_builder({"replicas": "2", "serve_args": "--method ngram --max-batch 2"})
+    deployment = app._bound_deployment
+    assert deployment.num_replicas == 2 and deployment.max_ongoing_requests == 4
+    assert deployment.init_args[0].method == "ngram"
+    with pytest.raises(InvalidRequestError, match="unknown arguments"):
+        app_builder({"replica": 2})
+
+
+def test_the_health_check_hook_reads_the_engine(start_server) -> None:
+    """Ray calls check_health on the replica; it raises (Ray replaces the replica) when the engine
+    cannot serve. Called here on a bare server's state, without a cluster."""
+    import asyncio
+    from types import SimpleNamespace
+
+    check = SpecDecodeReplica.func_or_class.check_health
+    with start_server() as (_, state):
+        replica = SimpleNamespace(state=state, replica="r0")
+        asyncio.run(check(replica))  # healthy: returns
+        state.worker.close()
+        with pytest.raises(RuntimeError, match="replica r0: the batch engine's worker thread has stopped"):
+            asyncio.run(check(replica))
 
 
 def test_the_openai_client_gets_single_process_greedy_output(ray_served: str, tiny_decoder) -> None:
@@ -212,7 +260,9 @@ def test_a_killed_replica_fails_only_its_requests_clearly_and_is_replaced(ray_se
 
     during = run_load(kill_after=10)
     counts = {name: len(items) for name, items in during.items()}
-    print(f"\nfault test, {LOAD_REQUESTS} requests at {LOAD_CONCURRENCY} concurrent, one replica killed: {counts}")
+    kinds = [("stream" if i % 2 else "request", kind) for i, kind, _ in during["clear"]]
+    print(f"\nfault test, {LOAD_REQUESTS} requests at {LOAD_CONCURRENCY} concurrent, one replica killed: {counts}; "
+          f"clear errors: {kinds}")
     assert not during["unclear"], during["unclear"]
     assert counts["ok"] + counts["clear"] == LOAD_REQUESTS
     assert counts["clear"] >= 1, "the killed replica held no request: the test proved nothing"
