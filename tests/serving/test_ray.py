@@ -156,6 +156,19 @@ def test_app_builder_takes_serve_run_arguments() -> None:
         app_builder({"replica": 2})
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to one")
+def test_a_replica_runs_its_threads_on_cpus_of_its_own() -> None:
+    """limit_threads in a child process (it pins the whole process): one thread, on the CPU its
+    rank picks, which is also what llama.cpp counts."""
+    allowed = sorted(os.sched_getaffinity(0))
+    code = ("import os, torch; from specdecode.serving.ray import limit_threads; limit_threads(1, 1); "
+            "from specdecode.backends.llamacpp import physical_core_count; "
+            "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), physical_core_count())")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(SRC_DIR), os.environ.get("PYTHONPATH", "")) if p))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split("\n")[-2] == f"[{allowed[1]}] 1 1"
+
+
 def test_the_health_check_hook_reads_the_engine(start_server) -> None:
     """Ray calls check_health on the replica; it raises (Ray replaces the replica) when the engine
     cannot serve. Called here on a bare server's state, without a cluster."""
