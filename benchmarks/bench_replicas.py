@@ -68,8 +68,8 @@ def drive(base: str, args: argparse.Namespace) -> list[dict]:
             for key in ("_ttfts", "_gaps"):
                 row.pop(key)
             rows.append(row)
-            print(f"  {method:>6} c={level}: {row['completed']}/{row['requests']} ok, {row['tokens_per_second']:.2f} tok/s, "
-                  f"TTFT p50 {row['ttft_seconds']['p50']:.2f} s", flush=True)
+            print(f"  {method:>6} c={level}: {row['completed']}/{row['requests']} ok, "
+                  f"{row['tokens_per_second']:.2f} tok/s, TTFT p50 {row['ttft_seconds']['p50']:.2f} s", flush=True)
     return rows
 
 

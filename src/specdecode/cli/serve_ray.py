@@ -50,7 +50,8 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
     try:
         from specdecode.serving.ray import RayOptions, run
     except ImportError as err:
-        raise InvalidRequestError(f'`specdecode serve --ray` needs Ray Serve: pip install "specdecode[ray]" ({err}).') from err
+        raise InvalidRequestError(f'`specdecode serve --ray` needs Ray Serve: pip install "specdecode[ray]" '
+                                  f"({err}).") from err
     try:
         options = RayOptions(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                              target_ongoing_requests=args.target_ongoing_requests,

@@ -96,7 +96,8 @@ class RayOptions:
         if self.target_ongoing_requests is not None and not self.target_ongoing_requests > 0:
             raise InvalidRequestError(f"target_ongoing_requests must be positive, got {self.target_ongoing_requests}.")
         if self.target_ongoing_requests is not None and not self.autoscaling:
-            raise InvalidRequestError("target_ongoing_requests applies to autoscaling: give min_replicas or max_replicas too.")
+            raise InvalidRequestError("target_ongoing_requests applies to autoscaling: give min_replicas or "
+                                      "max_replicas too.")
         if self.autoscaling:
             low, high, start = self.bounds
             if not low <= high:
@@ -241,7 +242,8 @@ def app_builder(config: Mapping[str, Any]) -> Any:
     known = {f.name for f in fields(RayOptions)} - {"address"}
     unknown = sorted(set(config) - known)
     if unknown:
-        raise InvalidRequestError(f"app_builder: unknown arguments {unknown}; give serve_args and any of {sorted(known)}.")
+        raise InvalidRequestError(f"app_builder: unknown arguments {unknown}; give serve_args and any of "
+                                  f"{sorted(known)}.")
     for name in ("replicas", "min_replicas", "max_replicas", "max_ongoing_requests", "cpus_per_replica"):
         if isinstance(config.get(name), str):  # `serve run ... replicas=2` passes strings
             config[name] = int(config[name])
