@@ -318,3 +318,16 @@ def test_the_cli_joins_the_cluster_serves_and_stops_on_sigint(ray_served: str, c
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_cli_says_why_the_replicas_did_not_start(ray_served: str, cluster: str, tmp_path: Path) -> None:
+    """A replica that cannot be built (here: no such model file) fails the command with the
+    replica's own error, not Ray's "failed to update the deployments", and leaves no application."""
+    address = ray.get_runtime_context().gcs_address
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(SRC_DIR), os.environ.get("PYTHONPATH", "")) if p))
+    command = [sys.executable, "-c", "import sys; from specdecode.cli import main; sys.exit(main())", "serve",
+               "--ray", "--ray-address", address, "--target", str(tmp_path / "missing.gguf"), "--method", "none"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "replicas did not start: Model file" in done.stderr and "does not exist" in done.stderr
+    assert APP_NAME not in serve.status().applications

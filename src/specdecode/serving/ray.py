@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shlex
 import signal
 import sys
@@ -201,6 +202,8 @@ class SpecDecodeReplica:
     async def __del__(self) -> None:
         # Ray has waited for the requests in flight (up to graceful_shutdown_timeout_s): end any
         # left, so that their streams close with an error event, then stop the engine's thread.
+        if not hasattr(self, "exporter"):  # the constructor failed (Ray reports why)
+            return
         await self.state.drain(0.0)
         self.exporter.close()
         if self.state.worker is not None:
@@ -273,8 +276,10 @@ def run(serve_args: argparse.Namespace, options: RayOptions) -> None:
         app = build_app(serve_args, options)
         try:
             serve.run(app, name=options.app_name, route_prefix="/", blocking=False)
-        except Exception as err:  # a replica that cannot be built: Ray's error holds its traceback
-            raise InvalidRequestError(f"The Ray Serve replicas did not start: {err}") from err
+        except Exception as err:  # a replica that cannot be built (a wrong path, a bad flag)
+            reason = _deploy_failure(options.app_name, err)
+            serve.delete(options.app_name)  # leave no failed application on a cluster we joined
+            raise InvalidRequestError(f"The Ray Serve replicas did not start: {reason}") from err
         replicas = "autoscaling {}..{} replicas".format(*options.bounds[:2]) if options.autoscaling else \
             f"{options.replicas or 1} replica(s)"
         print(f"specdecode serve --ray: {replicas} on http://{serve_args.host}:{serve_args.port}/v1 "
@@ -286,6 +291,17 @@ def run(serve_args: argparse.Namespace, options: RayOptions) -> None:
         if started:
             serve.shutdown()
             ray.shutdown()
+
+
+def _deploy_failure(app_name: str, err: Exception) -> str:
+    """Why the replicas did not start: the specdecode error a replica raised, found in the
+    deployment's status (Ray's own exception only says that the deployment failed)."""
+    try:
+        status = serve.status().applications[app_name].deployments[DEPLOYMENT_NAME].message
+    except Exception:  # no status to read: Ray's message is all there is
+        return str(err)
+    ours = re.findall(r"specdecode\.errors\.\w+: (.+)", status)
+    return ours[-1] if ours else (status.strip().splitlines() or [str(err)])[-1]
 
 
 def _wait_for_signal() -> None:
