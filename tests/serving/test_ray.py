@@ -134,6 +134,9 @@ def test_deployment_options_follow_the_flags() -> None:
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"] == {"num_cpus": 2} and fixed["max_ongoing_requests"] == 6 + 2
     assert fixed["graceful_shutdown_timeout_s"] > 5
+    cpus = len(os.sched_getaffinity(0))
+    assert RayOptions(replicas=2).cpus == max(1, cpus // 2) and RayOptions().cpus == cpus
+    assert RayOptions(min_replicas=1, max_replicas=2 * cpus).cpus == 1  # the most replicas share the CPUs
     scaling = deployment_options(RayOptions(min_replicas=0, max_replicas=4, target_ongoing_requests=3), args)
     assert "num_replicas" not in scaling
     assert scaling["autoscaling_config"] == {"min_replicas": 0, "max_replicas": 4, "initial_replicas": 1,
@@ -301,7 +304,8 @@ def test_the_cli_joins_the_cluster_serves_and_stops_on_sigint(ray_served: str, c
     log_path = tmp_path / "serve.log"
     port = int(cluster.rsplit(":", 1)[1])
     command = [sys.executable, "-c", "import sys; from specdecode.cli import main; sys.exit(main())", "serve",
-               "--ray", "--ray-address", address, "--replicas", "1", "--port", str(port), "--method", "ngram",
+               "--ray", "--ray-address", address, "--replicas", "1", "--cpus-per-replica", "1", "--port", str(port),
+               "--method", "ngram",
                *serve_flags(tiny_qwen2_dir, tiny_close_draft_dir)]
     with log_path.open("w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -10,7 +10,7 @@ from specdecode.errors import InvalidRequestError
 
 # Flags that mean something only with --ray, with their defaults (given without --ray: refused).
 RAY_ONLY_FLAGS = {"replicas": None, "min_replicas": None, "max_replicas": None, "target_ongoing_requests": None,
-                  "max_ongoing_requests": None, "cpus_per_replica": 1, "ray_address": None}
+                  "max_ongoing_requests": None, "cpus_per_replica": None, "ray_address": None}
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +32,9 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
                        help="autoscaling: requests in flight per replica to aim at (default: Ray's, 2)")
     group.add_argument("--max-ongoing-requests", type=positive_int, default=None,
                        help="most requests one replica holds; the rest wait at Ray's router (default: --max-batch + 2)")
-    group.add_argument("--cpus-per-replica", type=positive_int, default=1,
-                       help="CPUs Ray reserves for each replica, and the threads its engine runs (default 1)")
+    group.add_argument("--cpus-per-replica", type=positive_int, default=None,
+                       help="CPUs Ray reserves for each replica, and the threads its engine runs (default: this "
+                            "machine's CPUs divided by --replicas, or by --max-replicas when autoscaling)")
     group.add_argument("--ray-address", default=None,
                        help="join this Ray cluster ('auto': the one `ray start` runs on this machine; default: "
                             "start a local one for this command)")

@@ -71,7 +71,9 @@ class RayOptions:
     max_ongoing_requests:     the most requests a replica holds; more wait at Ray's router
                               (None: the batch size plus EXTRA_ONGOING_REQUESTS).
     cpus_per_replica:         CPUs Ray reserves for each replica, and the threads its engine
-                              uses (torch's, and llama.cpp's through the CPUs it may run on).
+                              uses (torch's, and llama.cpp's through the CPUs it may run on);
+                              None: this machine's CPUs shared among the replicas (the most
+                              replicas, with autoscaling), at least 1.
     address:                  the Ray cluster to join ("auto": the one ``ray start`` runs on
                               this machine); None starts a local one.
     """
@@ -81,7 +83,7 @@ class RayOptions:
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None
     max_ongoing_requests: int | None = None
-    cpus_per_replica: int = 1
+    cpus_per_replica: int | None = None
     address: str | None = None
     app_name: str = APP_NAME
     health_check_period_s: float = 10.0
@@ -112,6 +114,15 @@ class RayOptions:
         return self.min_replicas is not None or self.max_replicas is not None
 
     @property
+    def cpus(self) -> int:
+        """``cpus_per_replica``, or its default: the CPUs this process may use, shared among the
+        replicas (a cluster's machines may differ from this one: give it there)."""
+        if self.cpus_per_replica is not None:
+            return self.cpus_per_replica
+        most = self.bounds[1] if self.autoscaling else (self.replicas or 1)
+        return max(1, len(os.sched_getaffinity(0)) // most)
+
+    @property
     def bounds(self) -> tuple[int, int, int]:
         """(min, max, initial) replicas under autoscaling."""
         low = self.min_replicas if self.min_replicas is not None else 1
@@ -125,7 +136,7 @@ def deployment_options(options: RayOptions, serve_args: argparse.Namespace) -> d
     ongoing = options.max_ongoing_requests or max(serve_args.max_batch, 1) + EXTRA_ONGOING_REQUESTS
     config: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
-        "ray_actor_options": {"num_cpus": options.cpus_per_replica},
+        "ray_actor_options": {"num_cpus": options.cpus},
         "max_ongoing_requests": ongoing,
         "health_check_period_s": options.health_check_period_s,
         "health_check_timeout_s": options.health_check_timeout_s,
@@ -234,7 +245,7 @@ def build_app(serve_args: Sequence[str] | str | argparse.Namespace = (), options
     args = parse_serve_args(serve_args)
     options = options or RayOptions()
     deployment = SpecDecodeReplica.options(**deployment_options(options, args))
-    return deployment.bind(args, options.cpus_per_replica)
+    return deployment.bind(args, options.cpus)
 
 
 def app_builder(config: Mapping[str, Any]) -> Any:
