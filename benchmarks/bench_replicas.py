@@ -138,6 +138,7 @@ def main() -> int:
             results.append({"config": config, "rows": rows, "requests_per_replica": split,
                             "load_average_before": load_before, "load_average_after": os.getloadavg()})
             print(f"  requests per replica: {split}; load average after {os.getloadavg()[0]:.2f}", flush=True)
+            write(args, results)  # after every config: a run cut short keeps what it measured
     finally:
         if started:
             import ray
@@ -145,11 +146,14 @@ def main() -> int:
 
             serve.shutdown()
             ray.shutdown()
+    return 0
+
+
+def write(args: argparse.Namespace, results: list[dict]) -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"args": vars(args), "cpu_count": os.cpu_count(), "results": results},
                                              indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
