@@ -1,5 +1,6 @@
-"""`specdecode serve`'s Ray flags (cli/serve_ray.py): refused without --ray, and bad autoscaling
-bounds refused by flag name before anything starts. Needs no Ray (nothing is started)."""
+"""`specdecode serve`'s Ray flags (cli/serve_ray.py): refused without --ray (needs no Ray), and bad
+autoscaling bounds refused by flag name before anything starts (marked ray: needs Ray installed,
+though nothing is started)."""
 
 import pytest
 
@@ -16,6 +17,7 @@ def test_ray_flags_without_ray_are_refused(capsys, flags: list[str], pattern: st
     assert pattern in capsys.readouterr().err
 
 
+@pytest.mark.ray  # RayOptions, which checks the bounds, lives in serving.ray and needs Ray installed
 @pytest.mark.parametrize(("flags", "pattern"), [
     (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas (3) must not exceed --max-replicas (2)"),
     (["--replicas", "5", "--max-replicas", "2"],
