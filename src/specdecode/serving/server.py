@@ -33,6 +33,7 @@ flight), ``serving/generation.py`` (``Generation``: the decoding in a worker thr
 # No ``from __future__ import annotations`` here: FastAPI reads the endpoint signatures
 # (``request: Request``, imported inside ``create_app``) at definition time.
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,6 +42,7 @@ from typing import Any
 from specdecode.api import SpecDecoder
 from specdecode.serving.generation import Generation
 from specdecode.serving.guard import RequestGuard
+from specdecode.serving.health import engine_problem
 from specdecode.serving.protocol import APIError, parse_request
 from specdecode.serving.responses import events, final_body
 from specdecode.serving.state import DEFAULT_DRAIN_TIMEOUT, ServerOptions, ServerState
@@ -83,7 +85,11 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
                                        kind="server_error"))
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> Any:
+        problem = engine_problem(state.worker)
+        if problem is not None:  # a 503, so that a load balancer or Ray stops sending it requests
+            return Response(json.dumps({"status": "unhealthy", "reason": problem}), status_code=503,
+                            media_type="application/json")
         return {"status": "draining" if state.draining else "ok"}
 
     @app.get("/v1/models")
