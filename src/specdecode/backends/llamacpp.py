@@ -216,11 +216,18 @@ class LlamaCppModel:
         """
         return self.forward_batch([(seq, tokens, start, logits)])[0]
 
-    def forward_batch(self, requests: Sequence[tuple[int, Sequence[int], int, str]]) -> list[torch.Tensor | None]:
+    def forward_batch(
+        self,
+        requests: Sequence[tuple[int, Sequence[int], int, str]],
+        out: Sequence[np.ndarray | None] | None = None,
+    ) -> list[torch.Tensor | None]:
         """Several (seq, tokens, start, logits) requests, on distinct sequences, in one llama_decode.
 
         Same semantics per request as ``forward``; results in request order. Only when the
         requests hold more than n_batch tokens together is the work split over several calls.
+        ``out`` (optional, one per request): float32 arrays of the result's shape that llama.cpp's
+        rows are copied into, e.g. views of one padded batch array, so that array needs no
+        second copy.
         """
         self._validate(requests)
         for seq, _, start, _ in requests:
@@ -238,7 +245,10 @@ class LlamaCppModel:
             flat_seq.extend([seq] * count)
             flat_out.extend([mode == "all"] * (count - 1) + [mode != "none"])
             rows = {"all": count, "last": 1, "none": 0}[mode]
-            results.append(np.empty((rows, self.vocab_size), dtype=np.float32) if rows else None)
+            given = None if out is None else out[len(results)]
+            if given is not None and given.shape != (rows, self.vocab_size):
+                raise InvalidRequestError(f"out[{len(results)}] has shape {given.shape}, the result needs {(rows, self.vocab_size)}")
+            results.append(given if given is not None else np.empty((rows, self.vocab_size), dtype=np.float32) if rows else None)
         # row_owner[i] = (request, row in its result) of the i-th logit row llama.cpp writes.
         row_owner = [(r, row) for r, res in enumerate(results) if res is not None for row in range(len(res))]
 

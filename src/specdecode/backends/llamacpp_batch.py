@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specdecode.backends.llamacpp import LlamaCppModel
@@ -97,18 +98,23 @@ class LlamaCppBatchModel:
         logits: str = "all",
     ) -> torch.Tensor | None:
         requests = [(self.pool.slots[seq], x.tolist(), start, logits) for seq, x, start in zip(seqs, inputs, starts, strict=True)]
-        rows = self.model.forward_batch(requests)
         if logits == "none":
+            self.model.forward_batch(requests)
             return None
+        # llama.cpp's rows are copied once, straight into the batch's array: (B, V) of each row's
+        # last token, or (B, T_max, V) with the rows past T_b zeroed (padding).
         if logits == "last":
-            return torch.cat(rows)  # (B, V): one row per request
-        width = max(x.shape[0] for x in inputs)
-        if all(row.shape[0] == width for row in rows):
-            return torch.stack(rows)
-        out = torch.zeros((len(rows), width, self.vocab_size), dtype=torch.float32)  # rows past T_b: padding
-        for b, row in enumerate(rows):
-            out[b, : row.shape[0]] = row
-        return out
+            out = np.empty((len(inputs), self.vocab_size), dtype=np.float32)
+            views = [out[b : b + 1] for b in range(len(inputs))]
+        else:
+            width = max(x.shape[0] for x in inputs)
+            out = np.empty((len(inputs), width, self.vocab_size), dtype=np.float32)
+            views = []
+            for b, x in enumerate(inputs):
+                out[b, x.shape[0]:] = 0.0
+                views.append(out[b, : x.shape[0]])
+        self.model.forward_batch(requests, out=views)
+        return torch.from_numpy(out)
 
     def commit(self, seq: int, length: int) -> None:
         self.pool.commit(seq, length)

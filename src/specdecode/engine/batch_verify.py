@@ -32,12 +32,15 @@ def verify_rows(
         width = max(counts)
         drafts = stack_padded([proposals[b].tokens[0] for b in group])[:, :width]  # (G, k)
         if group is greedy:
-            index = host_to_device(group, torch.long, logits.device)
-            result = greedy_verify(drafts, logits[index, : width + 1], counts)
+            # A whole-batch group reads the logits in place; a subset is gathered (a copy).
+            rows = logits if len(group) == logits.shape[0] else logits[host_to_device(group, torch.long, logits.device)]
+            result = greedy_verify(drafts, rows[:, : width + 1], counts)
         else:
-            # Each row's own temperature / top-k / top-p, on its own rows only.
-            probs = torch.cat([_padded(processors[b].probs(logits[b : b + 1, : counts[i] + 1]), width + 1)
-                               for i, b in enumerate(group)])  # (G, k + 1, V)
+            # Each row's own temperature / top-k / top-p, on its own rows only; rows past a row's
+            # drafts stay zero (never read: its count bounds what it accepts).
+            probs = logits.new_zeros((len(group), width + 1, logits.shape[-1]))  # (G, k + 1, V)
+            for i, b in enumerate(group):
+                probs[i, : counts[i] + 1] = processors[b].probs(logits[b : b + 1, : counts[i] + 1])[0]
             result = rejection_verify(drafts, _draft_probs([proposals[b] for b in group], width, probs.shape[-1]),
                                       probs, [generators[b] for b in group], counts)
         for i, b in enumerate(group):
@@ -45,19 +48,16 @@ def verify_rows(
     return stack_padded([results[b] for b in range(len(proposals))], PAD_TOKEN)
 
 
-def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:  # (1, T, V) -> (1, width, V), zero rows after T
-    return torch.nn.functional.pad(rows, (0, 0, 0, width - rows.shape[1]))
-
-
 def _draft_probs(proposals: list[DraftProposal], width: int, vocab: int) -> torch.Tensor | None:
     """The rows' q stacked to (G, width, V): None when every row's drafter is deterministic;
     else a deterministic row's q is one-hot on its tokens (what rejection_verify assumes of None)."""
     if all(p.probs is None for p in proposals):
         return None
-    rows = []
-    for proposal in proposals:
-        q = proposal.probs
-        if q is None:
-            q = torch.zeros((1, proposal.num_tokens, vocab), device=proposal.tokens.device).scatter(2, proposal.tokens[..., None], 1.0)
-        rows.append(_padded(q.float(), width))
-    return torch.cat(rows)
+    q = torch.zeros((len(proposals), width, vocab), device=proposals[0].tokens.device)
+    for i, proposal in enumerate(proposals):
+        n = proposal.num_tokens
+        if proposal.probs is None:
+            q[i, :n].scatter_(1, proposal.tokens[0, :, None], 1.0)
+        else:
+            q[i, :n] = proposal.probs[0]
+    return q
