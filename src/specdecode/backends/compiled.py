@@ -100,13 +100,13 @@ def resolve_compile_mode(compile: bool | str, device: torch.device) -> str | Non
 def check_compilable(backend: str, quant: str, kv_dtype: str) -> None:
     """Raise for what the compiled passes do not cover (the message names the parameters)."""
     if backend != "torch":
-        raise InvalidRequestError("compile= compiles the torch backend's passes; use backend='torch' (--backend torch).")
+        raise InvalidRequestError('compile= compiles the torch backend\'s passes; use backend="torch".')
     if quant != "none":
         raise InvalidRequestError(
-            f"compile= covers unquantized weights only (got {quant}); drop target_quant/draft_quant or compile."
+            f"compile= covers unquantized weights only (got {quant}); drop target_quant=/draft_quant= or compile=."
         )
     if kv_dtype != "auto":
-        raise InvalidRequestError("compile= covers the model-dtype KV cache only; drop kv_dtype='int8' or compile.")
+        raise InvalidRequestError("compile= covers the model-dtype KV cache only; drop kv_dtype='int8' or compile=.")
 
 
 def configure_compile_cache() -> Path:
