@@ -8,28 +8,25 @@ from pathlib import Path
 
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.batch_select import batch_model
-from specdecode.backends.compiled import CompiledSequence, CompileLog, check_compilable, resolve_compile_mode
+from specdecode.backends.compiled import (
+    CompiledSequence,
+    CompileLog,
+    check_compilable,
+    compiled_rows,
+    resolve_compile_mode,
+    warm_up_passes,
+)
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
 from specdecode.backends.load import load_models
 from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
-from specdecode.config import (
-    DRAFT_MODEL_METHODS,
-    METHODS,
-    TREE_METHODS,
-    SamplingParams,
-    SpecConfig,
-    check_acceptance,
-    resolve_k,
-)
+from specdecode.config import METHODS, TREE_METHODS, SamplingParams, SpecConfig, check_acceptance, resolve_k
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
 from specdecode.drafters.auto import AutoDrafter
-from specdecode.drafters.base import Drafter, TreeDrafter
+from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.eagle import DEFAULT_TREE_SIZE as EAGLE_TREE_SIZE
-from specdecode.drafters.eagle import EagleDrafter
+from specdecode.drafters.from_heads import tree_drafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter
-from specdecode.drafters.medusa import MedusaDrafter, build_static_tree, cost_aware_tree_size
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
 from specdecode.engine.metrics import GenerationStats
@@ -39,10 +36,8 @@ from specdecode.engine.text import IncrementalDecoder, Messages, check_same_toke
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
 from specdecode.kv.static import check_kv_dtype
-from specdecode.models.heads import DraftHeads, EagleHead, MedusaHeads
+from specdecode.models.heads import DraftHeads
 from specdecode.models.loader import LoadedModel
-
-CATCH_UP_COMPILED_ROWS = 2  # a draft pass feeds 1 token, or 2 to catch up after a fully accepted step
 
 
 class SpecDecoder:
@@ -101,10 +96,7 @@ class SpecDecoder:
         if loaded.backend == LLAMACPP:
             return LlamaCppSequence(loaded.model)
         if self.compile_mode is not None:
-            # The draft model's passes feed one token, or two when catching up; the target's
-            # verify k + 1 (a per-call k above these runs its passes eagerly).
-            rows = CATCH_UP_COMPILED_ROWS if role == "draft" else max(self.spec.k, self.spec.k_max) + 1
-            return CompiledSequence(loaded.model, self.compile_mode, rows, self.compile_log, role)
+            return CompiledSequence(loaded.model, self.compile_mode, compiled_rows(role, self.spec), self.compile_log, role)
         return TorchSequence(loaded.model, self.kv_dtype)
 
     def warm_up(self, show_progress: bool = False, all_shapes: bool = False) -> CompileLog:
@@ -114,17 +106,10 @@ class SpecDecoder:
         Returns the decoder's compile log: passes, seconds, on-disk cache hits."""
         if self.compile_mode is None:
             return self.compile_log
-        spec = self.spec
         target = self.engine.target
-        assert isinstance(target, CompiledSequence)
-        adaptive = spec.k_policy != "fixed" or spec.method == "auto"
-        verify_rows = 1 if spec.method == "none" else (spec.k_max if adaptive else spec.k) + 1
-        verify_rows = target.max_rows if all_shapes else verify_rows
-        target.warm_up([(rows, None) for rows in range(1, verify_rows + 1)], show_progress)
-        if self.draft_drafter is not None and (all_shapes or spec.method in DRAFT_MODEL_METHODS):
-            draft = self.draft_drafter.model
-            assert isinstance(draft, CompiledSequence)
-            draft.warm_up([(1, None), (2, 1)], show_progress)
+        draft = None if self.draft_drafter is None else self.draft_drafter.model
+        assert isinstance(target, CompiledSequence) and (draft is None or isinstance(draft, CompiledSequence))
+        warm_up_passes(target, draft, self.spec, show_progress, all_shapes)
         return self.compile_log
 
     def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
@@ -141,24 +126,8 @@ class SpecDecoder:
                 stacklevel=2,
             )
         self.heads[heads.config.kind] = heads
-        self.drafters[heads.config.kind] = self._tree_drafter(heads, tree_size)
-
-    def _tree_drafter(self, heads: DraftHeads, tree_size: int | None) -> TreeDrafter:
-        """The Medusa (static tree from the heads' measured accuracies) or EAGLE drafter."""
-        if isinstance(heads, MedusaHeads):
-            tree = heads.config.tree
-            if tree_size is None and heads.config.rank_accuracy:
-                # As many nodes as pay on this machine: measured verify costs against the
-                # heads' held-apart accuracies.
-                costs = self.engine.verify_costs(max(len(tree), 1) + 1)
-                tree_size = cost_aware_tree_size(heads.config.rank_accuracy, costs)
-            if tree_size is not None:
-                tree = build_static_tree(heads.config.rank_accuracy, tree_size)
-            if not tree:
-                raise InvalidRequestError("These Medusa heads carry no tree; pass tree_size= to build one.")
-            return MedusaDrafter(heads, tree)
-        assert isinstance(heads, EagleHead)
-        return EagleDrafter(heads, self.target.model.embed_tokens, tree_size or EAGLE_TREE_SIZE)
+        self.drafters[heads.config.kind] = tree_drafter(heads, tree_size, self.engine.verify_costs,
+                                                        self.target.model.embed_tokens)
 
     @classmethod
     def from_pretrained(

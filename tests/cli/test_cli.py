@@ -152,6 +152,8 @@ def test_library_errors_name_parameters_and_the_cli_names_flags(capsys, tiny_qwe
         ("data='my notes': no such folder", "--data 'my notes': no such folder"),
         ("num_heads=0 must be positive", "--heads 0 must be positive"),
         ("(or pass plots=False to skip matplotlib)", "(or pass --no-plots to skip matplotlib)"),
+        ("compile='max-autotune' replays CUDA graphs; use compile=True.",
+         "--compile-mode max-autotune replays CUDA graphs; use --compile."),
         # Names no flag sets, and text that only looks like a parameter, stay as they are.
         ("with n_ctx=4096 x n_seq_max=1", "with n_ctx=4096 x n_seq_max=1"),
         ("run `specdecode train medusa --out HEADS` and --k=3 a==b", "run `specdecode train medusa --out HEADS` and --k=3 a==b"),

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from specdecode.backends.torch_backend import TorchSequence
+from specdecode.config import DRAFT_MODEL_METHODS, SpecConfig
 from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.static import KVCache, fixed_view
@@ -60,6 +61,7 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that replay 
 # Under CUDA graphs attention reads every slot: for the demo target 2048 slots are 58 MB of
 # bf16 keys and values per pass beside 3.1 GB of weights.
 MIN_CAPACITY = 2048
+CATCH_UP_COMPILED_ROWS = 2  # a draft pass feeds 1 token, or 2 to catch up after a fully accepted step
 MIN_WIDTH = 2  # a symbolic width of 0 or 1 would be specialised (and recompiled); the mask hides the extra slot
 CACHE_ENV_VAR = "TORCHINDUCTOR_CACHE_DIR"
 # A shape: (cache capacity, rows fed, logits of the last n rows or None for every row).
@@ -98,13 +100,13 @@ def resolve_compile_mode(compile: bool | str, device: torch.device) -> str | Non
 def check_compilable(backend: str, quant: str, kv_dtype: str) -> None:
     """Raise for what the compiled passes do not cover (the message names the parameters)."""
     if backend != "torch":
-        raise InvalidRequestError("compile= compiles the torch backend's passes; use backend='torch' (--backend torch).")
+        raise InvalidRequestError('compile= compiles the torch backend\'s passes; use backend="torch".')
     if quant != "none":
         raise InvalidRequestError(
-            f"compile= covers unquantized weights only (got {quant}); drop target_quant/draft_quant or compile."
+            f"compile= covers unquantized weights only (got {quant}); drop target_quant=/draft_quant= or compile=."
         )
     if kv_dtype != "auto":
-        raise InvalidRequestError("compile= covers the model-dtype KV cache only; drop kv_dtype='int8' or compile.")
+        raise InvalidRequestError("compile= covers the model-dtype KV cache only; drop kv_dtype='int8' or compile=.")
 
 
 def configure_compile_cache() -> Path:
@@ -293,3 +295,23 @@ class CompiledSequence(TorchSequence):
                     lambda fed=fed: self._run(cache, fed, COST_PROBE_CONTEXT, logits_last), self.device, repeats
                 )
         return dict(sorted(measured.items()))
+
+
+def compiled_rows(role: str, spec: SpecConfig) -> int:
+    """The most rows a compiled pass of ``role`` ("target" or "draft") takes under ``spec``: the
+    draft model's passes feed one token, or two when catching up; the target's verify k + 1 (a
+    per-call k above these runs its passes eagerly)."""
+    return CATCH_UP_COMPILED_ROWS if role == "draft" else max(spec.k, spec.k_max) + 1
+
+
+def warm_up_passes(
+    target: CompiledSequence, draft: CompiledSequence | None, spec: SpecConfig, show_progress: bool, all_shapes: bool
+) -> None:
+    """Compile now the passes ``spec``'s method and k will run, or with ``all_shapes`` every
+    pass any chain method can run compiled (k up to max(k, k_max))."""
+    adaptive = spec.k_policy != "fixed" or spec.method == "auto"
+    verify_rows = 1 if spec.method == "none" else (spec.k_max if adaptive else spec.k) + 1
+    verify_rows = target.max_rows if all_shapes else verify_rows
+    target.warm_up([(rows, None) for rows in range(1, verify_rows + 1)], show_progress)
+    if draft is not None and (all_shapes or spec.method in DRAFT_MODEL_METHODS):
+        draft.warm_up([(1, None), (2, 1)], show_progress)

@@ -18,7 +18,7 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
 # A flag is its parameter's name with dashes (``kv_dtype`` -> ``--kv-dtype``) unless listed in
 # PARAM_FLAG_NAMES.
 FLAG_PARAMS = frozenset({
-    "acceptance", "accumulate", "alpha", "backend", "chat", "data", "device", "draft", "draft_quant", "draft_vocab",
+    "acceptance", "accumulate", "alpha", "backend", "chat", "compile", "data", "device", "draft", "draft_quant", "draft_vocab",
     "draws", "dtype", "eagle_heads", "epochs", "eval_fraction", "heads", "hf_lookup_tokens", "k", "k_max",
     "kv_cache_tokens", "kv_dtype", "layerskip_config", "llamacpp_bin", "llamacpp_bin_timeout",
     "llamacpp_lookup_tokens", "loss", "lr", "max_new_tokens", "max_prompts_per_category", "max_tokens", "medusa_heads",
@@ -27,6 +27,7 @@ FLAG_PARAMS = frozenset({
 })
 PARAM_FLAG_NAMES = {"num_heads": "--heads"}  # `specdecode train --heads N`
 OFF_SWITCHES = {"plots": "--no-plots"}  # name=False as the switch that sets it
+VALUE_FLAGS = {"compile": "--compile-mode"}  # name=value where the switch --name itself takes none
 
 
 def param_as_flag(name: str, value: str) -> str | None:
@@ -37,7 +38,9 @@ def param_as_flag(name: str, value: str) -> str | None:
     if name not in FLAG_PARAMS:
         return None
     flag = PARAM_FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
-    return flag if value in ("", "True") else f"{flag} {shlex.quote(value)}"
+    if value in ("", "True"):
+        return flag
+    return f"{VALUE_FLAGS.get(name, flag)} {shlex.quote(value)}"
 
 
 def cli_message(err: BaseException) -> str:
