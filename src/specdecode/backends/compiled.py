@@ -18,9 +18,9 @@ up to ``max_rows`` (k + 1). Each is traced whole (``fullgraph=True``, ``dynamic=
   commit;
 - the attention width: a CUDA graph has one shape for the whole sequence, so there attention
   reads every slot of the cache (for the demo target 58 MB beside 3.1 GB of weights). On the
-  CPU reading a 2048-slot cache
-  under a mask made the 0.5B draft's pass 2-2.8 times as long (benchmarks/RESULTS.md), so
-  there the width is the one symbolic dimension of the graph (``torch._dynamo.mark_dynamic``):
+  CPU reading a 2048-slot cache under a mask made the 0.5B draft's pass 2-2.8 times as long
+  (benchmarks/RESULTS.md), so there the width is the one symbolic dimension of the graph
+  (``torch._dynamo.mark_dynamic``):
   one graph per row count serves every length, and attention reads what an eager pass reads;
 - nothing in the region reads a tensor's value on the host.
 
