@@ -20,8 +20,8 @@ up to ``max_rows`` (k + 1). Each is traced whole (``fullgraph=True``, ``dynamic=
   reads every slot of the cache (for the demo target 58 MB beside 3.1 GB of weights). On the
   CPU reading a 2048-slot cache under a mask made the 0.5B draft's pass 2-2.8 times as long
   (benchmarks/RESULTS.md), so there the width is the one symbolic dimension of the graph
-  (``torch._dynamo.mark_dynamic``):
-  one graph per row count serves every length, and attention reads what an eager pass reads;
+  (``torch._dynamo.mark_dynamic``): one graph per row count serves every length, and
+  attention reads what an eager pass reads;
 - nothing in the region reads a tensor's value on the host.
 
 Any other pass (a prefill, a long catch-up, more rows than ``max_rows``, token trees, skipped
