@@ -387,5 +387,5 @@ def test_missing_optional_dependency_is_a_clear_error(monkeypatch: pytest.Monkey
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    with pytest.raises(InvalidRequestError, match=r"matplotlib.*specdecode\[bench\].*--no-plots"):
+    with pytest.raises(InvalidRequestError, match=r"matplotlib.*specdecode\[bench\].*plots=False"):
         runner.run_bench(BenchConfig(quiet=True))

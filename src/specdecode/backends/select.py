@@ -76,7 +76,7 @@ def choose_backend(
     if requested == LLAMACPP:
         if blockers:
             raise InvalidRequestError(
-                f"The llama.cpp backend cannot run this: {'; '.join(blockers)}. Use backend 'torch' (--backend torch)."
+                f'The llama.cpp backend cannot run this: {"; ".join(blockers)}. Use backend="torch".'
             )
         return BackendChoice(LLAMACPP, "asked for")
     if blockers:

@@ -5,8 +5,11 @@ the batch's draft length k is chosen from live acceptance and measured costs
 (``costs.batch_k.BatchK``; k = 0 decodes the whole batch plainly), every running sequence reserves
 its KV slots, the drafters propose (prompt lookup per row on the host; the draft model for all
 its rows in one pass per drafted token), the target scores every row's last committed token and
-drafts in ONE padded pass, and each row is verified on its own with its request's sampling
-parameters and generator. One host read per step brings every row's emitted tokens back.
+drafts in ONE padded pass, and the rows are verified together (greedy rows in one call,
+sampling rows in another, each with its request's sampling parameters and generator). One host
+read per step brings every row's emitted tokens back. The models are ``BatchModel``s
+(``backends/base.py``): our ``Transformer`` over paged pools, or llama.cpp contexts whose
+sequence ids are the batch's slots.
 
 Rows accept different numbers of tokens. Policy ``async`` (the default) lets each keep all it
 accepted; each sequence's length, positions and cache are its own. Policy ``sync`` makes the
@@ -26,24 +29,28 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.backends.base import BatchModel, SequencePool
 from specdecode.backends.device import host_to_device
+from specdecode.backends.torch_batch import PagedBatchModel
 from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SamplingParams
-from specdecode.costs.batch_k import BatchK, BatchRow, PassCosts
+from specdecode.costs.batch_k import BatchK, PassCosts
 from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.base import DraftProposal
-from specdecode.drafters.batch_draft import BatchDraftModel, DraftRow
+from specdecode.drafters.batch_draft import BatchDraftModel
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.engine.batch_proposals import max_draft, may_draft, plan_row, propose
+from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
+from specdecode.engine.batch_verify import verify_rows
 from specdecode.engine.metrics import GenerationStats, Stopwatch
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.scheduler import ScheduledSequence, Scheduler
 from specdecode.engine.stopping import cut_at_stop
-from specdecode.engine.verify import PAD_TOKEN, greedy_verify, rejection_verify
+from specdecode.engine.verify import PAD_TOKEN
 from specdecode.errors import InvalidRequestError
-from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVCache, stack_padded
+from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
 from specdecode.models.llama import Transformer
 
 BATCH_METHODS = ("none", "ngram", "draft")
@@ -51,51 +58,17 @@ BATCH_POLICIES = ("async", "sync")
 DEFAULT_MAX_BATCH = 8
 POOLED_ACCEPTANCE_DECAY = 0.98  # the engine-wide estimate forgets over ~50 steps
 POOLED_PRIOR_TRIALS = 6.0  # how many of its trials a new request's estimate inherits, at most
-# Below this many tried draft positions a row's estimate is too thin to stop drafting on (one
-# rejected first token would read as 40% acceptance): the chooser treats it as unobserved.
-MIN_OBSERVED_TRIALS = 3.0
 DEFAULT_KV_CACHE_TOKENS = 16384  # per model; the demo target's bf16 KV: 28 KiB a token, 0.45 GiB
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step did for one request."""
-
-    request_id: str
-    new_tokens: list[int]
-    finished: bool
-    stats: GenerationStats
-    error: BaseException | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    request_id: str
-    params: SamplingParams
-    method: str
-    k: int  # the most tokens this request lets a step draft
-    processor: LogitsProcessor
-    generator: torch.Generator | None
-    tokens: list[int]  # committed, host
-    committed: torch.Tensor  # (capacity,) long, device: the same tokens
-    stats: GenerationStats
-    started: float
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    ngram: NgramDrafter | None = None
-
-    @property
-    def remaining(self) -> int:
-        return self.params.max_new_tokens - self.stats.new_tokens
-
-
 class BatchEngine:
-    """Continuous-batching speculative decoder over paged KV caches (not thread-safe: one
+    """Continuous-batching speculative decoder over a backend's batch models (not thread-safe: one
     thread calls ``add``, ``abort`` and ``step``)."""
 
     def __init__(
         self,
-        target: Transformer,
-        draft: Transformer | None,
+        target: Transformer | BatchModel,
+        draft: Transformer | BatchModel | None,
         eos_token_ids: Sequence[int],
         *,
         max_batch: int = DEFAULT_MAX_BATCH,
@@ -114,13 +87,13 @@ class BatchEngine:
             raise InvalidRequestError(f"policy must be one of {', '.join(BATCH_POLICIES)}, got {policy!r}.")
         if kv_cache_tokens < block_size:
             raise InvalidRequestError(f"kv_cache_tokens must be at least one block ({block_size}), got {kv_cache_tokens}.")
-        self.target, self.eos_token_ids, self.policy, self.k_max = target, frozenset(eos_token_ids), policy, k_max
-        num_blocks = kv_cache_tokens // block_size + 1  # + the reserved null block
-        self.target_cache = PagedKVCache(target.config, num_blocks, target.dtype, target.device, block_size)
+        self.eos_token_ids, self.policy, self.k_max = frozenset(eos_token_ids), policy, k_max
+        # A torch model gets a paged pool of kv_cache_tokens slots; a backend's BatchModel (llama.cpp)
+        # comes with its own pool.
+        self.target = _batch_model(target, kv_cache_tokens, block_size)
         self.drafter: BatchDraftModel | None = None
         if draft is not None:
-            draft_cache = PagedKVCache(draft.config, num_blocks, draft.dtype, draft.device, block_size)
-            self.drafter = BatchDraftModel(draft, draft_cache, target.config.vocab_size)
+            self.drafter = BatchDraftModel(_batch_model(draft, kv_cache_tokens, block_size), self.target.vocab_size)
         self.scheduler = Scheduler(self.target_cache, self.drafter.cache if self.drafter else None, max_batch, k_max + 1)
         self.chooser = BatchK(k_max, verify_costs, draft_costs)
         self.ngram_sizes = (ngram_max, ngram_min)
@@ -135,6 +108,10 @@ class BatchEngine:
     @property
     def device(self) -> torch.device:
         return self.target.device
+
+    @property
+    def target_cache(self) -> SequencePool:
+        return self.target.pool
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -157,7 +134,7 @@ class BatchEngine:
         committed = torch.zeros(capacity + 1, dtype=torch.long, device=self.device)
         committed[:prompt_len] = host_to_device(list(prompt_ids), torch.long, self.device)
         processor = LogitsProcessor.from_params(params)
-        request = _Request(
+        request = BatchRequest(
             request_id=request_id, params=params, method=method, k=k, processor=processor,
             generator=None if processor.greedy else make_generator(params.seed, self.device),
             tokens=list(prompt_ids), committed=committed,
@@ -196,7 +173,7 @@ class BatchEngine:
         seq = self._requests.get(request_id)
         if seq is None:
             return None
-        request: _Request = seq.state
+        request: BatchRequest = seq.state
         request.stats.stop_reason = "cancelled"
         self._finish(seq)
         return RequestOutput(request_id, [], True, request.stats)
@@ -224,7 +201,7 @@ class BatchEngine:
         return len(self.scheduler.waiting)
 
     def _finish(self, seq: ScheduledSequence) -> None:
-        request: _Request = seq.state
+        request: BatchRequest = seq.state
         request.stats.total_seconds = time.perf_counter() - request.started
         self.scheduler.finish(seq)
         if self.drafter is not None:
@@ -246,16 +223,16 @@ class BatchEngine:
         running = list(self.scheduler.running)
         if not running:
             return failed
-        requests: list[_Request] = [seq.state for seq in running]
-        drafting = [seq for seq in running if self._may_draft(seq.state)]
-        plans = [self._plan_row(seq) for seq in drafting]
+        requests: list[BatchRequest] = [seq.state for seq in running]
+        drafting = [seq for seq in running if may_draft(seq.state)]
+        plans = [plan_row(seq, self.drafter, self.draft_confidence) for seq in drafting]
         k = self.chooser.choose(plans, len(requests))
         read_ahead = k > 0 and any(plan.backlog for plan in plans)
         wanted = {seq.seq_id: 0 for seq in running}
-        wanted.update({seq.seq_id: min(k, self._max_draft(seq.state)) for seq in drafting})
+        wanted.update({seq.seq_id: min(k, max_draft(seq.state)) for seq in drafting})
 
         def needs(seq: ScheduledSequence) -> tuple[int, int]:
-            request: _Request = seq.state
+            request: BatchRequest = seq.state
             return len(request.tokens) + wanted[seq.seq_id], len(request.tokens) + wanted[seq.seq_id] - 1
 
         for seq in self.scheduler.reserve(needs):
@@ -264,7 +241,7 @@ class BatchEngine:
         running = list(self.scheduler.running)
         if not running:
             return failed
-        generators = _generator_states(running)
+        generators = generator_states(running)
         draft_watch, verify_watch = Stopwatch(self.device, self.sync_timing), Stopwatch(self.device, self.sync_timing)
         try:
             with draft_watch:
@@ -276,7 +253,7 @@ class BatchEngine:
             running = list(self.scheduler.running)
             if not running:
                 return failed
-            _restore_generators(generators)
+            restore_generators(generators)
             with draft_watch:
                 proposals, draft_passes, draft_rows = self._draft(running, wanted)
             with verify_watch:
@@ -307,7 +284,7 @@ class BatchEngine:
         of the models, not of a request)."""
         blamed = []
         for seq in running:
-            _restore_generators(generators)
+            restore_generators(generators)
             try:
                 proposals, _, _ = self._draft([seq], wanted)
                 self._verify([seq], proposals)
@@ -333,47 +310,23 @@ class BatchEngine:
         return []
 
     def _fail(self, seq: ScheduledSequence, error: BaseException) -> RequestOutput:
-        request: _Request = seq.state
+        request: BatchRequest = seq.state
         request.stats.stop_reason = "error"
         self._finish(seq)
         return RequestOutput(request.request_id, [], True, request.stats, error=error)
-
-    @staticmethod
-    def _may_draft(request: _Request) -> bool:
-        # A request's first token comes from a plain step: its time to first token never pays
-        # for a draft model reading the prompt, nor for a draft step priced on a guessed
-        # acceptance while requests sent with it are still arriving.
-        return request.method != "none" and request.stats.new_tokens > 0
-
-    def _plan_row(self, seq: ScheduledSequence) -> BatchRow:
-        request: _Request = seq.state
-        backlog = 0
-        if request.method == "draft":
-            assert self.drafter is not None
-            backlog = self.drafter.backlog(seq.seq_id, len(request.tokens))
-        return BatchRow(request.acceptance.rate, self._max_draft(request), request.method == "draft", backlog,
-                        observed=request.acceptance.trials >= MIN_OBSERVED_TRIALS, remaining=request.remaining,
-                        stops_early=request.method == "draft" and self.draft_confidence > 0)
-
-    def _max_draft(self, request: _Request) -> int:
-        # A step emits at most k + 1 tokens: never draft past max_new_tokens.
-        return max(0, min(request.k, request.remaining - 1))
 
     def _prefill(self, seqs: list[ScheduledSequence]) -> None:
         """Fill newly admitted (or readmitted) sequences' target caches with their committed tokens
         but the last, which the first verify pass feeds: one padded pass for all of them. The draft
         model reads them the first time a sequence drafts (``BatchDraftModel.add``)."""
         started = time.perf_counter()
-        requests: list[_Request] = [seq.state for seq in seqs]
+        requests: list[BatchRequest] = [seq.state for seq in seqs]
         rows = [(seq, request) for seq, request in zip(seqs, requests, strict=True) if len(request.tokens) > 1]
         if rows:
-            host_positions = [list(range(len(request.tokens) - 1)) for _, request in rows]
-            view, positions = self.target_cache.view([seq.seq_id for seq, _ in rows], host_positions,
-                                                     self.target.config.sliding_window)
-            tokens = stack_padded([request.committed[: len(request.tokens) - 1] for _, request in rows])
-            self.target(tokens, positions, view, view, compute_logits=False)
+            self.target.forward([seq.seq_id for seq, _ in rows], [request.committed[: len(request.tokens) - 1] for _, request in rows],
+                                [0] * len(rows), logits="none")
         for seq, request in zip(seqs, requests, strict=True):
-            self.target_cache.commit(seq.seq_id, len(request.tokens) - 1)
+            self.target.commit(seq.seq_id, len(request.tokens) - 1)
             request.stats.target_forward_passes += int(len(request.tokens) > 1)
         for seq, request in zip(seqs, requests, strict=True):
             if request.method == "draft":
@@ -383,58 +336,25 @@ class BatchEngine:
         for request in requests:
             request.stats.prefill_seconds += elapsed
 
-    def _draft(
-        self, running: list[ScheduledSequence], wanted: dict[int, int]
-    ) -> tuple[list[DraftProposal], int, int]:
-        """Each row's proposal (possibly empty), the draft model's passes and rows per pass."""
-        empty = torch.empty((1, 0), dtype=torch.long, device=self.device)
-        proposals = [DraftProposal(tokens=empty, probs=None) for _ in running]
-        model_rows, model_index = [], []
-        for index, seq in enumerate(running):
-            request: _Request = seq.state
-            k = wanted[seq.seq_id]
-            if k == 0:
-                continue
-            if request.ngram is not None:
-                request.ngram.extend(request.tokens[len(request.ngram.history):])
-                match, _ = request.ngram.match(k)
-                if match:
-                    proposals[index] = DraftProposal(tokens=host_to_device([match], torch.long, self.device), probs=None)
-            elif request.method == "draft":
-                length = len(request.tokens)
-                model_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator,
-                                           self.draft_confidence))
-                model_index.append(index)
-        passes = 0
-        if model_rows:
-            assert self.drafter is not None
-            drafted, passes = self.drafter.propose(model_rows)
-            for index, proposal in zip(model_index, drafted, strict=True):
-                proposals[index] = proposal
-        return proposals, passes, len(model_rows)
+    def _draft(self, running: list[ScheduledSequence], wanted: dict[int, int]) -> tuple[list[DraftProposal], int, int]:
+        return propose(running, wanted, self.drafter, self.draft_confidence, self.device)
 
     def _verify(self, running: list[ScheduledSequence], proposals: list[DraftProposal]) -> list[list[int]]:
-        """One target pass over every row; each row's emitted tokens (accepted drafts + one)."""
-        inputs, host_positions = [], []
+        """One target pass over every row; each row's emitted tokens (accepted drafts + one).
+
+        Greedy rows are verified in one call, sampling rows in another (each with its own
+        processor's probabilities and its own generator); one host read brings all rows back."""
+        inputs, starts = [], []
         for seq, proposal in zip(running, proposals, strict=True):
-            request: _Request = seq.state
+            request: BatchRequest = seq.state
             length = len(request.tokens)
             inputs.append(torch.cat([request.committed[length - 1 : length], proposal.tokens[0]]))
-            host_positions.append(list(range(length - 1, length + proposal.num_tokens)))
-        view, positions = self.target_cache.view([seq.seq_id for seq in running], host_positions, self.target.config.sliding_window)
-        tokens = stack_padded(inputs)
-        logits = self.target(tokens, positions, view, view).logits  # (B, T, V)
-        rows = []
-        for b, (seq, proposal) in enumerate(zip(running, proposals, strict=True)):
-            request: _Request = seq.state
-            k = proposal.num_tokens
-            row_logits = logits[b : b + 1, : k + 1]
-            if request.processor.greedy:
-                result = greedy_verify(proposal.tokens, row_logits)
-            else:
-                result = rejection_verify(proposal.tokens, proposal.probs, request.processor.probs(row_logits), request.generator)
-            rows.append(result.tokens[0])
-        emitted = stack_padded(rows, PAD_TOKEN).tolist()  # the one host read of the step
+            starts.append(length - 1)
+        logits = self.target.forward([seq.seq_id for seq in running], inputs, starts)  # (B, T, V)
+        assert logits is not None
+        requests: list[BatchRequest] = [seq.state for seq in running]
+        emitted = verify_rows(logits, proposals, [r.processor for r in requests], [r.generator for r in requests])
+        emitted = emitted.tolist()  # the one host read of the step
         return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in emitted]
 
     def _commit(
@@ -455,7 +375,7 @@ class BatchEngine:
                 emitted = [row[: a + 1] for row, a in zip(emitted, accepted, strict=True)]
         outputs = []
         for seq, proposal, row, accepted_len in zip(running, proposals, emitted, accepted, strict=True):
-            request: _Request = seq.state
+            request: BatchRequest = seq.state
             stats = request.stats
             stats.draft_seconds += draft_seconds
             stats.verify_seconds += verify_seconds
@@ -471,7 +391,7 @@ class BatchEngine:
             request.committed[length : length + count] = host_to_device(new_tokens, torch.long, self.device)
             request.tokens.extend(new_tokens)
             seq.num_tokens = len(request.tokens)
-            self.target_cache.commit(seq.seq_id, length + min(accepted_len, count - 1))
+            self.target.commit(seq.seq_id, length + min(accepted_len, count - 1))
             if request.method == "draft" and proposal.num_tokens > 0:
                 assert self.drafter is not None
                 self.drafter.on_verified(seq.seq_id, accepted_len)
@@ -492,12 +412,7 @@ class BatchEngine:
         return generated
 
 
-def _generator_states(running: list[ScheduledSequence]) -> list[tuple[torch.Generator, torch.Tensor]]:
-    """Each sampling row's generator and its state (a few KiB on the host), to rerun a step from."""
-    requests: list[_Request] = [seq.state for seq in running]
-    return [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
-
-
-def _restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
-    for generator, state in states:
-        generator.set_state(state)
+def _batch_model(model: Transformer | BatchModel, kv_cache_tokens: int, block_size: int) -> BatchModel:
+    if isinstance(model, Transformer):
+        return PagedBatchModel.with_pool(model, kv_cache_tokens, block_size)
+    return model

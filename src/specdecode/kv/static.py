@@ -217,7 +217,7 @@ class Int8KVCache(KVCache):
 
 def check_kv_dtype(kv_dtype: str) -> str:
     if kv_dtype not in KV_DTYPES:
-        raise InvalidRequestError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}.")
+        raise InvalidRequestError(f"kv_dtype={kv_dtype!r} is not one of: {', '.join(KV_DTYPES)}.")
     return kv_dtype
 
 
