@@ -261,8 +261,9 @@ class CompiledSequence(TorchSequence):
 
     @torch.inference_mode()
     def warm_up(self, shapes: Sequence[tuple[int, int | None]], show_progress: bool = False) -> None:
-        """Compile the passes of ``shapes`` ((rows, logits_last) pairs) now, for a request of a
-        short prompt (``MIN_CAPACITY``), so that decoding does not stop to compile them."""
+        """Compile the passes of ``shapes`` ((rows, logits_last) pairs) now, on this sequence's
+        cache (a new one holds ``MIN_CAPACITY`` slots, what most requests get), so that decoding
+        does not stop to compile them."""
         if self.cache is None:
             self.begin(1)
         assert self.cache is not None
@@ -282,7 +283,7 @@ class CompiledSequence(TorchSequence):
             len(compiled) < len(row_counts)) else {}
         if not compiled:
             return measured
-        if self.cache is None or self.cache.capacity < COST_PROBE_CONTEXT + max(compiled):
+        if self.cache is None or self.cache.capacity <= COST_PROBE_CONTEXT + max(compiled):
             self.begin(COST_PROBE_CONTEXT + max(compiled))
         cache = self.cache
         assert cache is not None
