@@ -17,10 +17,11 @@ up to ``max_rows`` (k + 1). Each is traced whole (``fullgraph=True``, ``dynamic=
   and the attention mask is built from them (``kv.static.fixed_view``), so rollback stays a
   commit;
 - the attention width: a CUDA graph has one shape for the whole sequence, so there attention
-  reads every slot of the cache, which a GPU does cheaply. On the CPU reading a 2048-slot cache
-  under a mask cost the 0.5B draft nearly three times its pass (benchmarks/RESULTS.md), so
-  there the width is the one symbolic dimension of the graph (``torch._dynamo.mark_dynamic``):
-  one graph per row count serves every length, and attention reads what an eager pass reads;
+  reads every slot of the cache (for the demo target 58 MB beside 3.1 GB of weights). On the
+  CPU reading a 2048-slot cache under a mask made the 0.5B draft's pass 2-2.8 times as long
+  (benchmarks/RESULTS.md), so there the width is the one symbolic dimension of the graph
+  (``torch._dynamo.mark_dynamic``): one graph per row count serves every length, and
+  attention reads what an eager pass reads;
 - nothing in the region reads a tensor's value on the host.
 
 Any other pass (a prefill, a long catch-up, more rows than ``max_rows``, token trees, skipped
@@ -262,8 +263,9 @@ class CompiledSequence(TorchSequence):
 
     @torch.inference_mode()
     def warm_up(self, shapes: Sequence[tuple[int, int | None]], show_progress: bool = False) -> None:
-        """Compile the passes of ``shapes`` ((rows, logits_last) pairs) now, for a request of a
-        short prompt (``MIN_CAPACITY``), so that decoding does not stop to compile them."""
+        """Compile the passes of ``shapes`` ((rows, logits_last) pairs) now, on this sequence's
+        cache (a new one holds ``MIN_CAPACITY`` slots, what most requests get), so that decoding
+        does not stop to compile them."""
         if self.cache is None:
             self.begin(1)
         assert self.cache is not None
@@ -283,7 +285,7 @@ class CompiledSequence(TorchSequence):
             len(compiled) < len(row_counts)) else {}
         if not compiled:
             return measured
-        if self.cache is None or self.cache.capacity < COST_PROBE_CONTEXT + max(compiled):
+        if self.cache is None or self.cache.capacity <= COST_PROBE_CONTEXT + max(compiled):
             self.begin(COST_PROBE_CONTEXT + max(compiled))
         cache = self.cache
         assert cache is not None

@@ -134,8 +134,10 @@ class BenchLineup:
                 decoder = decoder_for(label.target_quant, label.draft_quant, uses_draft_model(label.base) and self.decoder.draft is not None)
                 self.methods[name] = SpecDecodeMethod(name, decoder, config.k)
         draft = self.decoder.draft
-        # Compiled before measuring: every shape a method may run, so none compiles mid-run.
-        self.compile_logs = [d.warm_up(not config.quiet, all_shapes=True) for d in decoders.values()] if config.compile else []
+        # Compiled before measuring: every shape a method may run, so none compiles mid-run (a
+        # decoder made for plain decoding only needs its one-row pass).
+        self.compile_logs = [d.warm_up(not config.quiet, all_shapes=d.spec.method != "none")
+                             for d in decoders.values()] if config.compile else []
         self.target_bytes = weight_bytes_per_forward(self.decoder.target.config, self.dtype)
         self.draft_bytes = weight_bytes_per_forward(draft.config, self.dtype) if draft is not None else 0
         # (target, draft) bytes per forward pass of each method, as its weights are stored.
