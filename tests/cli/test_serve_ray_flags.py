@@ -19,10 +19,9 @@ def test_ray_flags_without_ray_are_refused(capsys, flags: list[str], pattern: st
 
 @pytest.mark.ray  # RayOptions, which checks the bounds, lives in serving.ray and needs Ray installed
 @pytest.mark.parametrize(("flags", "pattern"), [
-    (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas (3) must not exceed --max-replicas (2)"),
-    (["--replicas", "5", "--max-replicas", "2"],
-     "--replicas (5) must lie between --min-replicas (1) and --max-replicas (2)"),
-    (["--target-ongoing-requests", "4"], "--target-ongoing-requests applies to autoscaling"),
+    (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 must not exceed --max-replicas 2"),
+    (["--replicas", "5", "--max-replicas", "2"], "--replicas 5 must lie between --min-replicas 1 and --max-replicas 2"),
+    (["--target-ongoing-requests", "4"], "--target-ongoing-requests applies to autoscaling: give --min-replicas or"),
 ])
 def test_bad_autoscaling_bounds_are_refused_by_flag_name(capsys, flags: list[str], pattern: str) -> None:
     pytest.importorskip("ray.serve")  # the bounds are checked by serving.ray's RayOptions

@@ -24,6 +24,8 @@ FLAG_PARAMS = frozenset({
     "llamacpp_lookup_tokens", "loss", "lr", "max_new_tokens", "max_prompts_per_category", "max_tokens", "medusa_heads",
     "method", "near_tie", "num_heads", "quants", "repeats", "sampled_tokens", "seq_len", "skip_layers", "target",
     "target_quant", "teacher_top_k", "temperature", "top_k", "train_layers", "tree_size", "warmup_steps", "window",
+    # serve --ray (serving/ray.py: RayOptions)
+    "replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "max_ongoing_requests", "cpus_per_replica",
 })
 PARAM_FLAG_NAMES = {"num_heads": "--heads"}  # `specdecode train --heads N`
 OFF_SWITCHES = {"plots": "--no-plots"}  # name=False as the switch that sets it

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 
 from specdecode.errors import InvalidRequestError
 
@@ -53,19 +52,10 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise InvalidRequestError(f'`specdecode serve --ray` needs Ray Serve: pip install "specdecode[ray]" '
                                   f"({err}).") from err
-    try:
-        options = RayOptions(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-                             target_ongoing_requests=args.target_ongoing_requests,
-                             max_ongoing_requests=args.max_ongoing_requests, cpus_per_replica=args.cpus_per_replica,
-                             address=args.ray_address)
-    except InvalidRequestError as err:  # the library speaks of parameters; say which flags
-        raise InvalidRequestError(_as_flags(str(err))) from err
+    # RayOptions' errors name its parameters (min_replicas=3); the CLI shows them as flags (cli/args.py).
+    options = RayOptions(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                         target_ongoing_requests=args.target_ongoing_requests,
+                         max_ongoing_requests=args.max_ongoing_requests, cpus_per_replica=args.cpus_per_replica,
+                         address=args.ray_address)
     run(args, options)
     return 0
-
-
-def _as_flags(message: str) -> str:
-    """RayOptions' parameter names in ``message`` as the flags that set them (one pass, so that
-    ``min_replicas`` is not rewritten twice)."""
-    names = sorted(RAY_ONLY_FLAGS, key=len, reverse=True)
-    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: "--" + m.group(1).replace("_", "-"), message)

@@ -93,21 +93,21 @@ class RayOptions:
         for name in ("replicas", "max_replicas", "max_ongoing_requests", "cpus_per_replica"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise InvalidRequestError(f"{name} must be at least 1, got {value}.")
+                raise InvalidRequestError(f"{name}={value} is too small: give at least 1.")
         if self.min_replicas is not None and self.min_replicas < 0:
-            raise InvalidRequestError(f"min_replicas must be at least 0, got {self.min_replicas}.")
+            raise InvalidRequestError(f"min_replicas={self.min_replicas} is negative: give 0 or more.")
         if self.target_ongoing_requests is not None and not self.target_ongoing_requests > 0:
-            raise InvalidRequestError(f"target_ongoing_requests must be positive, got {self.target_ongoing_requests}.")
+            raise InvalidRequestError(f"target_ongoing_requests={self.target_ongoing_requests} must be positive.")
         if self.target_ongoing_requests is not None and not self.autoscaling:
-            raise InvalidRequestError("target_ongoing_requests applies to autoscaling: give min_replicas or "
-                                      "max_replicas too.")
+            raise InvalidRequestError("target_ongoing_requests= applies to autoscaling: give min_replicas= or "
+                                      "max_replicas= too.")
         if self.autoscaling:
             low, high, start = self.bounds
             if not low <= high:
-                raise InvalidRequestError(f"min_replicas ({low}) must not exceed max_replicas ({high}).")
+                raise InvalidRequestError(f"min_replicas={low} must not exceed max_replicas={high}.")
             if not low <= start <= high:
-                raise InvalidRequestError(f"replicas ({start}) must lie between min_replicas ({low}) and "
-                                          f"max_replicas ({high}) when autoscaling.")
+                raise InvalidRequestError(f"replicas={start} must lie between min_replicas={low} and "
+                                          f"max_replicas={high} when autoscaling.")
 
     @property
     def autoscaling(self) -> bool:
