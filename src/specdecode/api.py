@@ -36,6 +36,9 @@ from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter, resolve_skip_layers
 from specdecode.drafters.medusa import MedusaDrafter, build_static_tree, cost_aware_tree_size
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.suffix import DEFAULT_TREE_SIZE as SUFFIX_TREE_SIZE
+from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer, SuffixTreeDrafter, suffix_drafter
+from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.single import SpecEngine
@@ -77,6 +80,8 @@ class SpecDecoder:
         self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
         # One drafter per method this decoder can run; a call picks one by name.
         self.ngram_drafter = NgramDrafter(spec.ngram_max, spec.ngram_min)
+        # Earlier responses for suffix decoding, shared by this decoder's requests (by group).
+        self.suffix_cache = SuffixCache(spec.suffix_cache_tokens)
         self.backend = target.backend
         # Heads are refused by attach_heads, below, on the same grounds.
         if self.backend == LLAMACPP and (spec.skip_layers or kv_dtype != "auto"):
@@ -158,6 +163,7 @@ class SpecDecoder:
         tree_size: int | None = None,
         acceptance: str = "lossless",
         backend: str = "auto",
+        suffix_cache_tokens: int | None = None,
         show_progress: bool = True,
     ) -> SpecDecoder:
         """Load models by name: a demo model name, a .gguf file, a local HF folder or a hub id.
@@ -175,6 +181,8 @@ class SpecDecoder:
         on llama.cpp on a CPU where llama-cpp-python is installed and the method allows it,
         "torch" or "llama.cpp" force one; on llama.cpp ``dtype="fp32"`` keeps its KV cache in
         f32 (exact to ~1e-5 against fp32 torch), any other dtype takes llama.cpp's f16 cache.
+        ``suffix_cache_tokens`` bounds the earlier responses method ``suffix`` (and ``auto``)
+        keep for drafting, over all groups (0: none; least recently used go first).
         """
         from specdecode.models import demo
 
@@ -182,7 +190,7 @@ class SpecDecoder:
         overrides = {
             "k": fixed_k, "draft_confidence": draft_confidence,
             "ngram_max": ngram_max, "ngram_min": ngram_min, "k_policy": policy, "k_max": k_max,
-            "tree_size": tree_size,
+            "tree_size": tree_size, "suffix_cache_tokens": suffix_cache_tokens,
         }
         spec = SpecConfig(method=method, acceptance=acceptance, **{key: v for key, v in overrides.items() if v is not None})
         if method in TREE_METHODS and heads is None:
@@ -264,13 +272,16 @@ class SpecDecoder:
         k: int | str | None = None,
         k_policy: str | None = None,
         acceptance: str | None = None,
+        suffix_group: str | None = DEFAULT_GROUP,
     ) -> GenerationStream:
         """Start generating; iterate the returned stream for text, read ``.result`` after.
 
         ``prompt`` may be text, chat messages, or token ids. ``method``/``k`` override the
         decoder's defaults for this call (``method="none"`` is plain decoding of the target);
         ``k="auto"`` chooses the draft length per step (``k_policy`` "cost", the default, or
-        "threshold"; see ``costs/k_policy.py``).
+        "threshold"; see ``costs/k_policy.py``). ``suffix_group`` names whose earlier
+        responses method ``suffix`` (and ``auto``) drafts from and adds this one to (default:
+        every request of this decoder; None: only this request's own prompt and output).
         """
         params = params or SamplingParams()
         method = method or self.spec.method
@@ -311,9 +322,11 @@ class SpecDecoder:
         stats = GenerationStats(method=method)
         drafter: Drafter | None
         if method == "auto":
-            auto = self._auto_drafter(draft_k)
+            auto = self._auto_drafter(draft_k, suffix_group)
             stats.steps_by_source = auto.steps_by_source  # filled as it decodes
             drafter, schedule = auto, auto
+        elif method == "suffix":  # chooses its own draft per step
+            drafter, schedule = self._suffix_drafter(policy, draft_k, suffix_group), None
         else:
             drafter = self.drafters.get(method)
             tree = method in TREE_METHODS
@@ -321,6 +334,8 @@ class SpecDecoder:
         # The engine's k: the most a step drafts (a schedule chooses below it; a tree's shape
         # sets how much it drafts, so 1 only says "speculate").
         most_k = 1 if method in TREE_METHODS else self.spec.k_max if schedule is not None else draft_k
+        if method == "suffix":
+            most_k = self.spec.k_max if policy == "cost" else draft_k
         chunks = self.engine.decode(
             prompt_ids, params, drafter, most_k if drafter is not None else 0, stats, schedule, acceptance=acceptance
         )
@@ -335,7 +350,7 @@ class SpecDecoder:
         policy: str = "async",
         cost_aware: bool = True,
     ) -> BatchEngine:
-        """A continuous-batching engine over this decoder's models (methods none, ngram, draft),
+        """A continuous-batching engine over this decoder's models (methods none, ngram, draft, suffix),
         with paged KV pools of ``kv_cache_tokens`` slots per model.
 
         ``cost_aware`` times the target (and draft) on a few pass shapes first (about 25 seconds
@@ -370,7 +385,7 @@ class SpecDecoder:
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
             k_max=self.spec.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
             ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min, draft_confidence=self.spec.draft_confidence,
-            sync_timing=self.engine.sync_timing,
+            sync_timing=self.engine.sync_timing, suffix_cache=self.suffix_cache,
         )
 
     def token_stream(self, chunks: Iterator[list[int]], stats: GenerationStats, params: SamplingParams) -> GenerationStream:
@@ -392,8 +407,18 @@ class SpecDecoder:
             self._draft_costs = (seconds[1], seconds[rows] / rows)
         return self._draft_costs
 
-    def _auto_drafter(self, draft_k: int) -> AutoDrafter:
-        """A fresh per-request auto drafter over this decoder's lookup and draft model."""
+    def _suffix_drafter(self, policy: str, k: int, group: str | None) -> SuffixDrafter | SuffixTreeDrafter:
+        """A fresh per-request suffix drafter: token trees on torch (tree attention), the best
+        chain on llama.cpp; cost-aware up to k_max deep with k "auto", else at most k deep."""
+        tree = self.backend == TORCH
+        cost_aware = policy == "cost"
+        depth = self.spec.k_max if cost_aware else k
+        tree_size = self.spec.tree_size or SUFFIX_TREE_SIZE
+        costs = self.engine.verify_costs((tree_size if tree else depth) + 1) if cost_aware else None
+        return suffix_drafter(self.suffix_cache, group, tree=tree, depth=depth, tree_size=tree_size, verify_seconds=costs)
+
+    def _auto_drafter(self, draft_k: int, suffix_group: str | None = DEFAULT_GROUP) -> AutoDrafter:
+        """A fresh per-request auto drafter over this decoder's lookup, suffix trees and draft model."""
         k_max = self.spec.k_max
         draft = self.draft_drafter
         pass_seconds, token_seconds = self._draft_model_costs() if draft is not None else (0.0, 0.0)
@@ -406,6 +431,7 @@ class SpecDecoder:
             draft_pass_seconds=pass_seconds,
             draft_token_seconds=token_seconds,
             live_costs=self._live_costs(),
+            suffix=SuffixDrafter(SuffixProposer(self.suffix_cache, suffix_group, depth=k_max)),
         )
 
     def _schedule(self, policy: str, k: int, drafter: Drafter | None = None) -> KSchedule | None:
@@ -432,8 +458,10 @@ class SpecDecoder:
         k: int | str | None = None,
         k_policy: str | None = None,
         acceptance: str | None = None,
+        suffix_group: str | None = DEFAULT_GROUP,
     ) -> GenerationResult:
-        stream = self.stream(prompt, params, chat=chat, method=method, k=k, k_policy=k_policy, acceptance=acceptance)
+        stream = self.stream(prompt, params, chat=chat, method=method, k=k, k_policy=k_policy, acceptance=acceptance,
+                             suffix_group=suffix_group)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -448,8 +476,10 @@ class SpecDecoder:
         method: str | None = None,
         k: int | None = None,
         engine: BatchEngine | None = None,
+        suffix_group: str | None = DEFAULT_GROUP,
     ) -> list[GenerationResult]:
-        """Generate for many prompts at once with the batch engine (methods none, ngram, draft).
+        """Generate for many prompts at once with the batch engine (methods none, ngram, draft,
+        suffix: the prompts share this decoder's earlier responses, and each other's).
 
         ``params`` is one ``SamplingParams`` for all prompts or one per prompt. ``engine`` reuses
         a ``batch_engine()`` (its cost timing is paid once); without one, a cost-aware engine is
@@ -468,7 +498,7 @@ class SpecDecoder:
         decoders = [IncrementalDecoder(self.tokenizer, p.stop) for p in params_list]
         stats = [GenerationStats() for _ in prompts]
         ids_to_index = {
-            engine.add_request(ids, request_params, method, k, stats=request_stats): index
+            engine.add_request(ids, request_params, method, k, stats=request_stats, suffix_group=suffix_group): index
             for index, (ids, request_params, request_stats) in enumerate(zip(prompt_ids, params_list, stats, strict=True))
         }
         while engine.has_unfinished:

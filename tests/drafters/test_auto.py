@@ -98,10 +98,12 @@ def cycle_sources(pattern: list[tuple[str, int]]):
     """A plan that ignores costs and follows ``pattern`` by committed length: it depends only on
     the past, so decoding must stay lossless whatever the pattern is."""
 
-    def plan(self: AutoDrafter, length: int, num_tokens: int, lookup_tokens: int, match_size: int) -> tuple[str, int]:
+    def plan(self: AutoDrafter, length: int, num_tokens: int, lookup_tokens: int, match_size: int, suffix_tokens: int = 0,
+             suffix_bucket: int = 0) -> tuple[str, int]:
         source, k = pattern[length % len(pattern)]
-        if source == "ngram":
-            return ("ngram", min(k, lookup_tokens)) if lookup_tokens else ("none", 0)
+        found = {"ngram": lookup_tokens, "suffix": suffix_tokens}
+        if source in found:
+            return (source, min(k, found[source])) if found[source] else ("none", 0)
         return source, min(k, num_tokens)
 
     return plan

@@ -52,7 +52,8 @@ CALIBRATION_RANGE = (0.05, 2.0)  # counts are trusted at most this much less or 
 MATCH_BUCKETS = 5  # match lengths 1, 2-3, 4-7, 8-15, 16+: a longer match predicts better
 
 
-def _bucket(match_len: int) -> int:
+def match_bucket(match_len: int) -> int:
+    """Match lengths 1, 2-3, 4-7, 8-15, 16+ -> 1..5 (0: no match)."""
     return min(match_len.bit_length(), MATCH_BUCKETS)
 
 
@@ -121,7 +122,7 @@ class SuffixProposer:
 
     # -- proposing -----------------------------------------------------------------------------
     def _gamma(self, match_len: int) -> float:
-        b = _bucket(match_len)
+        b = match_bucket(match_len)
         low, high = CALIBRATION_RANGE
         return min(high, max(low, (self._accepted[b] + CALIBRATION_PRIOR) / (self._predicted[b] + CALIBRATION_PRIOR)))
 
@@ -172,6 +173,12 @@ class SuffixProposer:
         """``draft`` goes to verification: the next committed tokens score it."""
         self._pending = draft if len(draft) else None
 
+    def keep(self, draft: Draft, count: int) -> Draft:
+        """Propose the first ``count`` nodes of a draft made with ``mark=False``."""
+        kept = _truncate(draft, count)
+        self.mark_proposed(kept)
+        return kept
+
     def _calibrate(self, draft: Draft, emitted: list[int]) -> None:
         """Accepted tokens (the emitted tokens that follow a path of the draft; the token after
         them is the target's own, never a drafted child) against the counts' prediction."""
@@ -182,7 +189,7 @@ class SuffixProposer:
             if node == -2:
                 break
             accepted += 1
-        b = _bucket(draft.match_len)
+        b = match_bucket(draft.match_len)
         self._accepted[b] = self._accepted[b] * CALIBRATION_DECAY + accepted
         self._predicted[b] = self._predicted[b] * CALIBRATION_DECAY + sum(draft.probs)
 

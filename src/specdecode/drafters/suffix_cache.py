@@ -24,13 +24,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specdecode.config import DEFAULT_SUFFIX_CACHE_TOKENS
 from specdecode.drafters.suffix_tree import Draft, SuffixTree
 from specdecode.errors import InvalidRequestError
 
 DEFAULT_GROUP = ""  # the one group of a library decoder (and the server's --suffix-share global)
-# 128 Ki tokens: tens of MB at the few hundred bytes per token the trees take (the bench and
-# docs/methods.md give measured figures).
-DEFAULT_CACHE_TOKENS = 1 << 17
 DEFAULT_MAX_DEPTH = 32  # tokens of match plus draft a tree path may hold
 MAX_OPEN_RESPONSES = 256  # responses still taking tokens; past it the least recently written are closed
 
@@ -58,7 +56,7 @@ class SuffixCacheStats:
 
 
 class SuffixCache:
-    def __init__(self, max_tokens: int = DEFAULT_CACHE_TOKENS, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
+    def __init__(self, max_tokens: int = DEFAULT_SUFFIX_CACHE_TOKENS, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
         if max_tokens < 0:
             raise InvalidRequestError(f"suffix_cache_tokens must be >= 0 (0 keeps no earlier responses), got {max_tokens}.")
         if max_depth < 2:

@@ -1,26 +1,30 @@
-"""A depth-bounded suffix trie over token sequences with occurrence counts (suffix decoding).
+"""A depth-bounded suffix tree over token sequences with occurrence counts (suffix decoding).
 
 What it stores. For a set of sequences, every run of up to ``max_depth`` tokens that starts
-anywhere in a sequence is a path from the root, and a node's count is the number of
-(sequence, start) pairs whose run passes through it. The children of the node reached by a
-context, with their counts, are therefore the empirical distribution of what followed that
-context: SuffixDecoding's suffix trees (arXiv 2411.04975), which are bounded by a depth too.
+anywhere in a sequence is a path from the root, and the count along a path is the number of
+(sequence, start) pairs whose run passes there. What followed a context, and how often, is
+therefore read below the place the context leads to: SuffixDecoding's suffix trees (arXiv
+2411.04975), which are bounded by a depth too.
 
-Compact. A path that only one occurrence runs through is not stored node by node: its first
-token is a *tail*, a reference (sequence, position) into the stored tokens that stands for that
-sequence's next tokens, down to the depth bound. A second occurrence entering a tail splits one
-node off it (count 2) and the tail moves one token down. So the nodes are the repeated runs
-plus one tail per position, not positions x depth.
+Compact, so that repeated text (what suffix decoding is for) does not cost depth x length:
 
-Incremental. A sequence that is still growing keeps its open suffixes (those shorter than
-``max_depth``); appending a token extends each by one, so a token costs O(max_depth) dictionary
-operations, and a tree built token by token equals one built from the whole sequences (tested).
-Removing a sequence walks each of its runs once, lowering counts and dropping nodes no
-occurrence passes through any more. Nodes whose count falls to 1 stay nodes (only a fresh
-insertion makes tails), so a tree that has seen removals may hold more nodes than a rebuilt one
-of the same sequences; its counts, matches and drafts are the same.
+- a run only one occurrence passes through is a *tail*: a reference (sequence, position) into
+  the stored tokens, standing for that sequence's next tokens down to the depth bound; a
+  second occurrence entering it splits it;
+- a node carries a *label* of one or more tokens with one count (path compression): a chain
+  of single-child nodes with equal counts is one node. A suffix that walks along an existing
+  path, as a growing sequence repeating earlier text does, extends its node's label instead of
+  adding a node per token (the label is fused forward), so a repeat costs O(1) nodes per
+  position plus its label tokens (4 bytes each), not O(max_depth) nodes.
 
-Matching finds the longest suffix of a context that has occurred with a continuation; drafting
+Incremental. A growing sequence keeps its open suffixes (those shorter than ``max_depth``), each
+ending at a node boundary or inside its own tail; appending a token extends each by one:
+O(max_depth) dictionary operations per token. A tree built token by token has the same runs and
+counts as one built from whole sequences (tested against a brute-force count of every run).
+Removing a sequence walks each of its runs once, lowering counts and freeing what no occurrence
+passes through any more; splits are not undone.
+
+Matching finds the longest suffix of a context that occurred with a continuation; drafting
 grows a token tree below it best first by path probability (the product of
 count(child) / count(children) along the path). Host-only Python: no device tensors here.
 """
@@ -36,11 +40,15 @@ from dataclasses import dataclass, field
 ROOT = 0
 _POS_BITS = 32  # a tail packs (sequence id, position) into one negative int
 _POS_MASK = (1 << _POS_BITS) - 1
-_INTERNAL = -1  # cursor/entry field "sequence" of a position at a node (not inside a tail)
+# Cursor kinds (the third field of a cursor): at the end of a node's label, or inside it; any
+# value >= 0 is a sequence id: inside that sequence's tail.
+_AT_END = -1
+_IN_LABEL = -2
 
-# A cursor is a place in the tree: (node, depth, seq, pos). With seq == _INTERNAL it is node
-# ``node`` at ``depth``; otherwise it is inside the tail of sequence ``seq``, whose next token is
-# ``tokens[seq][pos]`` at depth + 1.
+# A cursor is a place in the tree: (node, depth, kind, pos), depth counting the tokens read.
+# (node, depth, _AT_END, 0): at the end of node's label. (node, depth, _IN_LABEL, j): inside
+# node's label, next token extra[node][j]. (node, depth, seq, pos): inside the tail of sequence
+# ``seq`` below ``node``, next token tokens[seq][pos].
 Cursor = tuple[int, int, int, int]
 
 
@@ -81,14 +89,19 @@ class SuffixTree:
         if max_depth < 2:
             raise ValueError(f"max_depth must be >= 2 (a match and one token after it), got {max_depth}")
         self.max_depth = max_depth
-        self._count: list[int] = [0]  # per node; the root's is unused
-        self._kids: list[dict[int, int] | None] = [None]  # token -> node id (>= 0) or tail (< 0)
+        # Per node (the root is node 0): count, children (first token -> node id >= 0 or tail < 0),
+        # parent, and the label's tokens after its first (None: a one-token label; the first
+        # token is the node's key in its parent's children).
+        self._count: list[int] = [0]
+        self._kids: list[dict[int, int] | None] = [None]
+        self._parent: list[int] = [-1]
+        self._extra: list[array | None] = [None]
         self._free: list[int] = []
         self._tokens: dict[int, array] = {}
-        # The suffixes (runs) of open sequences that may still grow, by start position: those
-        # ending at a node, as [start, node, depth], extended token by token; and those inside
-        # their own tail, as start -> [anchor node, anchor depth, tail position], which grow for
-        # free (a tail stands for the sequence's next tokens) until a split moves them.
+        # The open suffixes of growing sequences, by start position: those ending at a node, as
+        # [start, node, depth], extended token by token; and those inside their own tail, as
+        # start -> [node, depth, tail position], which grow for free (a tail stands for the
+        # sequence's next tokens) until another occurrence splits the tail.
         self._at_node: dict[int, list[list[int]]] = {}
         self._in_tail: dict[int, dict[int, list[int]]] = {}
         self._next_seq = 0
@@ -131,14 +144,20 @@ class SuffixTree:
     def num_nodes(self) -> int:
         return len(self._count) - len(self._free) - 1  # the root not counted
 
-    def _new_node(self, count: int) -> int:
+    def _new_node(self, count: int, parent: int) -> int:
         if self._free:
             node = self._free.pop()
-            self._count[node] = count
+            self._count[node], self._parent[node] = count, parent
             return node
         self._count.append(count)
         self._kids.append(None)
+        self._parent.append(parent)
+        self._extra.append(None)
         return len(self._count) - 1
+
+    def _label_len(self, node: int) -> int:
+        extra = self._extra[node]
+        return 1 if extra is None else 1 + len(extra)
 
     def _append(self, seq_id: int, token: int) -> None:
         seq = self._tokens[seq_id]
@@ -149,7 +168,7 @@ class SuffixTree:
         at_node = self._at_node[seq_id]
         at_node.append([n, ROOT, 0])
         in_tail = self._in_tail[seq_id]
-        # Splits below may move suffixes of this sequence to a node: they go to the new list and
+        # Work below may move suffixes of this sequence to a node: they go to the new list and
         # are extended from the next token on (they already hold this one).
         self._at_node[seq_id] = extended = []
         for start, node, depth in at_node:
@@ -162,32 +181,109 @@ class SuffixTree:
             if ref is None:
                 kids[token] = _tail(seq_id, n)
                 in_tail[start] = [node, depth, n]
-            elif ref >= 0:
-                self._count[ref] += 1
-                extended.append([start, ref, depth + 1])
+                continue
+            # This suffix ends at ``node`` and goes on to ``ref``. When every other occurrence
+            # through ``node`` goes on to ``ref`` too (a chain), fuse instead of adding a node.
+            chain = node != ROOT and len(kids) == 1
+            if ref < 0:
+                if chain and self._count[node] == 2:
+                    self._fuse_tail(node, depth, token, ref)
+                    extended.append([start, node, depth + 1])
+                else:
+                    extended.append([start, self._split_tail(node, depth, token, ref), depth + 1])
+            elif chain and self._count[node] == self._count[ref] + 1:
+                extended.append(self._fuse_node(seq, start, node, depth, ref))
             else:
-                extended.append([start, self._split(node, depth, token, ref), depth + 1])
+                self._count[ref] += 1
+                if self._extra[ref] is not None:
+                    ref = self._split_label(node, token, ref)
+                extended.append([start, ref, depth + 1])
         if len(in_tail) > 2 * depth_bound:  # forget suffixes that filled the depth bound
             for start in [s for s in in_tail if s + depth_bound <= n]:
                 del in_tail[start]
 
-    def _split(self, node: int, depth: int, token: int, ref: int) -> int:
-        """A second occurrence enters the tail ``ref`` below ``node``: split its first token off
-        as a node with count 2 and move the tail one token down; the new node's id."""
+    def _move_tail(self, node: int, depth: int, ref: int) -> None:
+        """The tail ``ref`` lost its first token into ``node`` (now ending at ``depth``): hang
+        what is left of it below ``node`` and tell its owner, if still growing, where it is."""
         other, pos = _untail(ref)
         other_seq = self._tokens[other]
-        child = self._new_node(2)
-        if depth + 2 <= self.max_depth and pos + 1 < len(other_seq):
-            self._kids[child] = {other_seq[pos + 1]: _tail(other, pos + 1)}
-        self._kids[node][token] = child  # type: ignore[index]
+        if depth + 1 <= self.max_depth and pos + 1 < len(other_seq):
+            self._kids[node] = {other_seq[pos + 1]: _tail(other, pos + 1)}
+        else:
+            self._kids[node] = None
         owners = self._in_tail.get(other)
-        start = pos - depth  # the suffix that owned the tail, if it may still grow
+        start = pos - (depth - 1)  # the suffix that owned the tail
         if owners is not None and owners.pop(start, None) is not None and len(other_seq) < start + self.max_depth:
             if pos + 1 < len(other_seq):
-                owners[start] = [child, depth + 1, pos + 1]
-            else:  # its last token was the one split off: it now ends at the new node
-                self._at_node[other].append([start, child, depth + 1])
+                owners[start] = [node, depth, pos + 1]
+            else:  # its last token was the one taken: it now ends at ``node``
+                self._at_node[other].append([start, node, depth])
+
+    def _split_tail(self, node: int, depth: int, token: int, ref: int) -> int:
+        """A second occurrence enters the tail ``ref`` below ``node``: its first token becomes
+        a node with count 2; the new node's id."""
+        child = self._new_node(2, node)
+        self._kids[node][token] = child  # type: ignore[index]
+        self._move_tail(child, depth + 1, ref)
         return child
+
+    def _fuse_tail(self, node: int, depth: int, token: int, ref: int) -> None:
+        """``node`` holds this suffix and the tail ``ref`` only: take the tail's first token into
+        its label rather than adding a node."""
+        extra = self._extra[node]
+        if extra is None:
+            extra = self._extra[node] = array("i")
+        extra.append(token)
+        self._move_tail(node, depth + 1, ref)
+
+    def _fuse_node(self, seq: array, start: int, node: int, depth: int, child: int) -> list[int]:
+        """Every occurrence through ``node`` but this suffix (which ends there) goes on to
+        ``child``: with this suffix ``child``'s first token has ``node``'s count, so it joins
+        ``node``'s label. The suffix's new entry."""
+        child_extra = self._extra[child]
+        token = next(iter(self._kids[node]))  # type: ignore[arg-type]
+        if child_extra is None:
+            # All of the child joins: it takes the node's place (open suffixes ending at the
+            # child, or in tails below it, keep pointing at it); only this suffix ended at node.
+            parent = self._parent[node]
+            first = seq[start + depth - self._label_len(node)]  # the node's key: its label's first token
+            node_extra = self._extra[node]
+            label = array("i") if node_extra is None else node_extra
+            label.append(token)
+            self._kids[parent][first] = child  # type: ignore[index]
+            self._extra[child] = label
+            self._count[child] = self._count[node]
+            self._parent[child] = parent
+            self._release(node)
+            return [start, child, depth + 1]
+        node_extra = self._extra[node]
+        if node_extra is None:
+            node_extra = self._extra[node] = array("i")
+        node_extra.append(token)
+        self._kids[node] = {child_extra[0]: child}
+        self._extra[child] = child_extra[1:] if len(child_extra) > 1 else None
+        return [start, node, depth + 1]
+
+    def _split_label(self, parent: int, token: int, node: int) -> int:
+        """Split ``node``'s first token off into a new node (which already counts one more
+        occurrence than the rest of the label): the new node's id. ``node`` keeps the rest of
+        its label, its depth and its children, so whatever points at it stays right."""
+        extra = self._extra[node]
+        assert extra is not None
+        head = self._new_node(self._count[node], parent)
+        self._count[node] -= 1
+        self._kids[parent][token] = head  # type: ignore[index]
+        self._kids[head] = {extra[0]: node}
+        self._extra[node] = extra[1:] if len(extra) > 1 else None
+        self._parent[node] = head
+        return head
+
+    def _release(self, node: int) -> None:
+        self._kids[node] = None
+        self._extra[node] = None
+        self._count[node] = 0
+        self._parent[node] = -1
+        self._free.append(node)
 
     def remove(self, seq_id: int) -> None:
         """Remove a sequence and every occurrence it contributed."""
@@ -196,8 +292,8 @@ class SuffixTree:
         self.num_tokens -= len(seq)
         length = len(seq)
         for start in range(length):
-            node = ROOT
-            for pos in range(start, min(length, start + self.max_depth)):
+            node, pos, end = ROOT, start, min(length, start + self.max_depth)
+            while pos < end:
                 kids = self._kids[node]
                 token = seq[pos]
                 ref = kids[token]  # type: ignore[index]
@@ -209,7 +305,7 @@ class SuffixTree:
                     del kids[token]  # type: ignore[union-attr]
                     self._free_subtree(ref)
                     break
-                node = ref
+                node, pos = ref, pos + self._label_len(ref)  # runs end at node boundaries
             if self._kids[node] == {}:
                 self._kids[node] = None
 
@@ -220,9 +316,7 @@ class SuffixTree:
             kids = self._kids[node]
             if kids:
                 stack.extend(ref for ref in kids.values() if ref >= 0)
-            self._kids[node] = None
-            self._count[node] = 0
-            self._free.append(node)
+            self._release(node)
 
     # -- matching and drafting -----------------------------------------------------------------
     def _walk(self, context: Sequence[int], start: int) -> Cursor | None:
@@ -236,6 +330,14 @@ class SuffixTree:
                 return None
             if ref >= 0:
                 node, depth, i = ref, depth + 1, i + 1
+                extra = self._extra[node]
+                if extra is not None:
+                    for j, token in enumerate(extra):
+                        if i == end:
+                            return node, depth, _IN_LABEL, j
+                        if token != context[i]:
+                            return None
+                        i, depth = i + 1, depth + 1
                 continue
             seq_id, pos = _untail(ref)
             seq = self._tokens[seq_id]
@@ -245,27 +347,33 @@ class SuffixTree:
                     return None
                 i, pos, depth = i + 1, pos + 1, depth + 1
             return node, depth, seq_id, pos
-        return node, depth, _INTERNAL, 0
+        return node, depth, _AT_END, 0
 
     def _children(self, cursor: Cursor) -> list[tuple[int, int, Cursor]]:
         """(token, count, place after it) for each continuation seen at ``cursor``."""
-        node, depth, seq_id, pos = cursor
+        node, depth, kind, pos = cursor
         if depth >= self.max_depth:
             return []
-        if seq_id == _INTERNAL:
+        if kind == _AT_END:
             kids = self._kids[node]
             if not kids:
                 return []
             out = []
             for token, ref in kids.items():
                 if ref >= 0:
-                    out.append((token, self._count[ref], (ref, depth + 1, _INTERNAL, 0)))
+                    after = (ref, depth + 1, _AT_END if self._extra[ref] is None else _IN_LABEL, 0)
+                    out.append((token, self._count[ref], after))
                 else:
                     tail_seq, tail_pos = _untail(ref)
                     out.append((token, 1, (node, depth + 1, tail_seq, tail_pos + 1)))
             return out
-        seq = self._tokens[seq_id]
-        return [(seq[pos], 1, (node, depth + 1, seq_id, pos + 1))] if pos < len(seq) else []
+        if kind == _IN_LABEL:
+            extra = self._extra[node]
+            assert extra is not None
+            after = (node, depth + 1, _IN_LABEL, pos + 1) if pos + 1 < len(extra) else (node, depth + 1, _AT_END, 0)
+            return [(extra[pos], self._count[node], after)]
+        seq = self._tokens[kind]
+        return [(seq[pos], 1, (node, depth + 1, kind, pos + 1))] if pos < len(seq) else []
 
     def match(self, context: Sequence[int], max_len: int) -> tuple[Cursor, int] | None:
         """The longest suffix of ``context`` (at most ``max_len`` tokens) that occurred with at
@@ -305,12 +413,12 @@ class SuffixTree:
         draft = Draft(match_len=match_len)
         order = 0  # heap tie-break: earlier pushes (higher count, then lower token id) first
         heap: list[tuple[float, int, int, int, int, Cursor]] = []
+        width = max_nodes if branching is None else branching
 
         def push(place: Cursor, prob: float, parent: int, level: int) -> None:
             nonlocal order
             children = self._children(place)
             total = sum(count for _, count, _ in children)
-            width = max_nodes if branching is None else branching
             for token, count, after in heapq.nsmallest(width, children, key=lambda c: (-c[1], c[0])):
                 child_prob = prob * count / total
                 if child_prob >= min_prob:
@@ -323,7 +431,7 @@ class SuffixTree:
             draft.tokens.append(token)
             draft.parents.append(parent)
             draft.probs.append(-neg_prob)
-            if place[2] != _INTERNAL:
+            if place[2] >= 0:
                 draft.sequences.add(place[2])
             if level < max_depth:
                 push(place, -neg_prob, len(draft.tokens) - 1, level + 1)
@@ -331,10 +439,10 @@ class SuffixTree:
 
     # -- inspection ----------------------------------------------------------------------------
     def counts(self) -> dict[tuple[int, ...], int]:
-        """Every stored run and its count (tails expanded): the tree's content, independent of
-        how it was built. For tests; walks the whole tree."""
+        """Every stored run and its count (tails and labels expanded): the tree's content,
+        independent of how it was built. For tests; walks the whole tree."""
         out: dict[tuple[int, ...], int] = {}
-        stack: list[tuple[Cursor, tuple[int, ...]]] = [((ROOT, 0, _INTERNAL, 0), ())]
+        stack: list[tuple[Cursor, tuple[int, ...]]] = [((ROOT, 0, _AT_END, 0), ())]
         while stack:
             place, path = stack.pop()
             for token, count, after in self._children(place):
@@ -344,10 +452,13 @@ class SuffixTree:
         return out
 
     def memory_bytes(self) -> int:
-        """Bytes the tree holds on the Python heap (its lists, dictionaries, int objects and
-        token arrays), counted by walking it; close to what tracemalloc measures (tested)."""
-        size = sys.getsizeof(self._count) + sys.getsizeof(self._kids) + sys.getsizeof(self._free)
+        """Bytes the tree holds on the Python heap (its lists, dictionaries, labels, int objects
+        and token arrays), counted by walking it; close to what tracemalloc measures (tested)."""
+        lists = (self._count, self._kids, self._parent, self._extra, self._free)
+        size = sum(sys.getsizeof(values) for values in lists)
         size += sum(sys.getsizeof(c) for c in self._count if not -5 <= c <= 256)
+        size += sum(sys.getsizeof(p) for p in self._parent if not -5 <= p <= 256)
+        size += sum(sys.getsizeof(label) for label in self._extra if label is not None)
         for kids in self._kids:
             if kids is None:
                 continue
