@@ -22,7 +22,8 @@ event). On SIGTERM or SIGINT the server drains (``serving/shutdown.py``).
 
 Extension fields a request may carry besides OpenAI's: ``top_k`` (int), ``method`` (one of
 the loaded decoder's methods) and ``k`` (tokens drafted per step). Each response carries the
-request's decoding metrics under ``specdecode``.
+request's decoding metrics under ``specdecode``. Method ``suffix`` drafts from earlier
+responses of the same tenant only, by default (``serving/suffix_share.py``).
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the endpoint signatures
@@ -46,6 +47,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.serving.guard import GuardOptions, RequestGuard
 from specdecode.serving.metrics import ServerMetrics
 from specdecode.serving.protocol import APIError, ParsedRequest, parse_request
+from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE, suffix_group
 from specdecode.serving.worker import BatchWorker
 
 __all__ = ["APIError", "ServerOptions", "create_app", "parse_request", "serve"]
@@ -60,6 +62,7 @@ class ServerOptions:
     guard: GuardOptions = field(default_factory=GuardOptions)
     request_timeout: float | None = None  # seconds from admission; None: no limit
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT  # seconds in-flight requests get to finish on shutdown
+    suffix_share: str = DEFAULT_SUFFIX_SHARE  # whose earlier responses suffix decoding reads: tenant, global, none
 
 
 class Generation:
@@ -150,10 +153,11 @@ class Generation:
         if batched:
             assert state.worker is not None and isinstance(req.prompt, list)
             chunks, stats = state.worker.submit(req.prompt, req.params, state.method_of(req), state.k_of(req),
-                                                request_id=self.batch_id)
+                                                request_id=self.batch_id, suffix_group=req.suffix_group)
             stream = state.decoder.token_stream(chunks, stats, req.params)
         else:
-            stream = state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k)
+            stream = state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k,
+                                          suffix_group=req.suffix_group)
         self.stats = stream.stats
         deltas = iter(stream)
         try:
@@ -218,7 +222,7 @@ class ServerState:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return tuple(m for m in METHODS if m == "none" or m == "auto" or m in self.decoder.drafters)
+        return tuple(m for m in METHODS if m in ("none", "auto", "suffix") or m in self.decoder.drafters)
 
     @property
     def context_length(self) -> int:
@@ -328,6 +332,7 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
     options = options or ServerOptions()
     state = ServerState(decoder, model_name, aliases, worker, options)
     state.metrics.worker = worker
+    state.metrics.suffix_cache = decoder.suffix_cache
     app = FastAPI(title="specdecode", version="1")
     app.state.specdecode = state
 
@@ -380,6 +385,7 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
     async def respond(request: Request, chat: bool) -> Any:
         raw = await request.body()  # the guard has read it, within the size limit
         req = await asyncio.to_thread(state.prepare, raw, chat)
+        req.suffix_group = suffix_group(options.suffix_share, request.headers.get("authorization"))
         generation = Generation(state, req, asyncio.get_running_loop())
         state.track(generation)
         generation.start()
