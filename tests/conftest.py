@@ -11,7 +11,7 @@ SRC_DIR = Path(__file__).resolve().parents[1] / "src"
 if str(SRC_DIR) not in sys.path:
     sys.path.insert(0, str(SRC_DIR))
 
-import tiny_models  # noqa: E402
+import tiny_models
 
 
 @pytest.fixture(scope="session")
@@ -99,3 +99,15 @@ def eagle_dir(pattern_features, tmp_path_factory: pytest.TempPathFactory) -> Pat
     out = tmp_path_factory.mktemp("eagle")
     train_pattern_heads("eagle", pattern_features, out, epochs=12)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_ggufs(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path, tiny_far_draft_dir: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """F32 GGUF files of the tiny target, the close draft (2% weight noise) and the far one (10%)."""
+    out = tmp_path_factory.mktemp("tiny_ggufs")
+    paths = {}
+    for name, folder in (("target", tiny_qwen2_dir), ("close", tiny_close_draft_dir), ("far", tiny_far_draft_dir)):
+        paths[name] = out / f"{name}.gguf"
+        tiny_models.write_gguf_from_hf(folder, paths[name], "F32")
+    return paths

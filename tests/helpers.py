@@ -2,7 +2,7 @@
 distribution test, greedy equality up to near-ties."""
 
 from collections import Counter
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -13,7 +13,7 @@ from specdecode.engine.tree import TokenTree
 from specdecode.engine.verify import TreeVerifyResult
 
 
-@lru_cache(maxsize=None)
+@cache
 def decoder(target: Path, draft: Path | None, method: str = "draft", draft_confidence: float = 0.0) -> SpecDecoder:
     """A fp32 CPU decoder over tiny model folders, built once per argument set.
 
@@ -176,6 +176,31 @@ def chi_square(dec, prompt_ids: list[int], method: str) -> tuple[float, int]:
     return stat, len(cells) - 1
 
 
+def chi_square_in_batches(dec, eng) -> tuple[float, int]:
+    """``chi_square`` with the draws made inside a batch engine ``eng`` over ``dec``'s models:
+    draft-model requests (k = 2) sharing batches with lookup and plain requests of other
+    prompts and sampling settings (one in ten); same statistic and cells."""
+    prompt_ids = dec.encode("def quicksort(arr):")
+    exact = exact_sequence_distribution(dec, prompt_ids)
+    ids = []
+    for seed in range(DRAWS):
+        params = SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=NEW_TOKENS, seed=seed, ignore_eos=True)
+        ids.append(eng.add_request(prompt_ids, params, "draft", 2))
+        if seed % 10 == 0:
+            other = SamplingParams(temperature=0.7, max_new_tokens=5, seed=seed)
+            eng.add_request(dec.encode(PROMPTS[seed % len(PROMPTS)]), other, ("draft", "ngram", "none")[seed % 3], 3)
+    outputs = eng.run()
+    counts = Counter(tuple(outputs[i]) for i in ids)
+    assert set(counts) <= set(exact), "sampled a sequence the target cannot produce"
+    cells = [seq for seq, p in exact.items() if p * DRAWS >= 5]
+    stat = sum((counts[s] - DRAWS * exact[s]) ** 2 / (DRAWS * exact[s]) for s in cells)
+    other_p = 1.0 - sum(exact[s] for s in cells)
+    if other_p * DRAWS >= 5:
+        other_count = DRAWS - sum(counts[s] for s in cells)
+        return stat + (other_count - DRAWS * other_p) ** 2 / (DRAWS * other_p), len(cells)
+    return stat, len(cells) - 1
+
+
 def install_wrong_residual(monkeypatch, module=None) -> None:
     """Make the engine (``module``'s) recover rejected tokens from p instead of the residual (a
     wrong sampler whose acceptance is unchanged), for power checks of the distribution tests."""
@@ -183,12 +208,13 @@ def install_wrong_residual(monkeypatch, module=None) -> None:
         import specdecode.engine.single as module
     real = module.rejection_verify
 
-    def recover_from_p(draft_tokens, draft_probs, target_probs, generator):
-        result = real(draft_tokens, draft_probs, target_probs, generator)
-        rejected = (result.accepted_len < draft_tokens.shape[1]).nonzero().flatten()
-        for row in rejected.tolist():
-            n = result.accepted_len[row]
-            result.tokens[row, n] = torch.multinomial(target_probs[row, n], 1, generator=generator)
+    def recover_from_p(draft_tokens, draft_probs, target_probs, generator, num_drafted=None):
+        result = real(draft_tokens, draft_probs, target_probs, generator, num_drafted)
+        drafted = num_drafted if num_drafted is not None else [draft_tokens.shape[1]] * draft_tokens.shape[0]
+        generators = generator if isinstance(generator, list) else [generator] * draft_tokens.shape[0]
+        for row, n in enumerate(result.accepted_len.tolist()):
+            if n < drafted[row]:
+                result.tokens[row, n] = torch.multinomial(target_probs[row, n], 1, generator=generators[row])
         return result
 
     monkeypatch.setattr(module, "rejection_verify", recover_from_p)
@@ -209,6 +235,16 @@ def copyable_prompt(dec) -> list[int]:
     chosen = int(torch.argmin((p_self - 0.5).abs()))
     assert 0.2 < p_self[chosen] < 0.8, "no suitable token in the tiny vocabulary"
     return head + [chosen] + head
+
+
+@cache
+def llamacpp_decoder(target: Path, draft: Path | None, backend: str = "llama.cpp") -> SpecDecoder:
+    """A decoder of F32 GGUF files (``tiny_ggufs``) on llama.cpp in its exact mode (f32 KV cache,
+    flash attention off), cached per file pair."""
+    return SpecDecoder.from_pretrained(
+        str(target), str(draft) if draft else None, method="draft" if draft else "none", draft_confidence=0.0,
+        dtype="fp32", device="cpu", backend=backend, show_progress=False,
+    )
 
 
 def broken_rejection_tree_verify(

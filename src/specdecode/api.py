@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from specdecode.backends.base import SequenceModel
+from specdecode.backends.batch_select import batch_model
 from specdecode.backends.device import resolve_device, resolve_dtype
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence, load_llamacpp_model
 from specdecode.backends.select import LLAMACPP, TORCH, choose_backend
@@ -25,9 +26,9 @@ from specdecode.config import (
     check_k_policy,
     resolve_k,
 )
-from specdecode.costs.batch_k import PassCosts
+from specdecode.costs.batch_k import time_batch_costs
 from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, speculation_can_pay
-from specdecode.costs.timing import VERIFY_COST_REPEATS, time_batched_passes, time_passes
+from specdecode.costs.timing import VERIFY_COST_REPEATS
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -351,20 +352,18 @@ class SpecDecoder:
         cost_aware: bool = True,
     ) -> BatchEngine:
         """A continuous-batching engine over this decoder's models (methods none, ngram, draft, suffix),
-        with paged KV pools of ``kv_cache_tokens`` slots per model.
+        with KV pools of ``kv_cache_tokens`` slots per model: paged on torch; on llama.cpp a context
+        per model with ``max_batch`` sequences of ``kv_cache_tokens // max_batch`` positions each.
 
         ``cost_aware`` times the target (and draft) on a few pass shapes first (about 25 seconds
         for the demo pair and a batch of 16 on a 2-core CPU) so that the batch's draft length follows measured
         costs and falls to plain decoding where speculation stops paying; without it every
         speculative request drafts its own k each step.
         """
-        if self.backend != TORCH:
-            raise InvalidRequestError(
-                "The continuous-batching engine (generate_batch, the server) runs on the torch backend; "
-                "load the decoder with backend='torch' (--backend torch)."
-            )
         if self.kv_dtype != "auto":
-            raise InvalidRequestError("The batch engine's paged KV cache stores the model dtype only; drop --kv-dtype int8.")
+            raise InvalidRequestError("The batch engine's KV pool stores the model dtype only; drop kv_dtype='int8'.")
+        target = batch_model(self.target, max_batch, kv_cache_tokens, block_size)
+        draft = None if self.draft is None else batch_model(self.draft, max_batch, kv_cache_tokens, block_size)
         verify_costs = draft_costs = None
         if cost_aware:
             most_rows = max_batch * (self.spec.k_max + 1)
@@ -373,15 +372,13 @@ class SpecDecoder:
             # Batched shapes the engine will run often: plain steps and short drafts, at a
             # middling and the largest batch.
             shapes = sorted({(b, t) for b in {min(4, max_batch), max_batch} if b > 1 for t in (1, 3)})
-            verify_costs = PassCosts(time_passes(self.target.model, rows), live=live,
-                                     shapes=time_batched_passes(self.target.model, shapes) if shapes else None)
-            if self.draft is not None:
+            verify_costs = time_batch_costs(target, rows, shapes, live, VERIFY_COST_REPEATS)
+            if draft is not None:
                 draft_rows = [r for r in rows if r <= 2 * max_batch] or [1]
-                draft_shapes = [(b, 1) for b, t in shapes if t == 1]
-                draft_costs = PassCosts(time_passes(self.draft.model, draft_rows), live=live,
-                                        shapes=time_batched_passes(self.draft.model, draft_shapes) if draft_shapes else None)
+                draft_costs = time_batch_costs(draft, draft_rows, [(b, 1) for b, t in shapes if t == 1], live,
+                                               VERIFY_COST_REPEATS)
         return BatchEngine(
-            self.target.model, None if self.draft is None else self.draft.model, self.eos_token_ids,
+            target, draft, self.eos_token_ids,
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
             k_max=self.spec.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
             ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min, draft_confidence=self.spec.draft_confidence,

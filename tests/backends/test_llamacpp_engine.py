@@ -10,7 +10,6 @@ above that difference), and the tests check that they kept their power (most tok
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ import torch
 pytest.importorskip("llama_cpp")
 
 import tiny_models
-from conftest import _noisy_copy
 from helpers import (
     CHI2_CRITICAL_P001,
     PROMPTS,
@@ -28,6 +26,7 @@ from helpers import (
     copyable_prompt,
     greedy_margins,
     install_wrong_residual,
+    llamacpp_decoder,
 )
 
 from specdecode import SamplingParams, SpecDecoder, cli
@@ -38,24 +37,8 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def ggufs(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """F32 GGUF files of the tiny target, a close draft (2% weight noise) and a far one (10%, as conftest.tiny_far_draft_dir)."""
-    out = tmp_path_factory.mktemp("llamacpp_ggufs")
-    paths = {"target": out / "target.gguf"}
-    tiny_models.write_gguf_from_hf(tiny_qwen2_dir, paths["target"], "F32")
-    for name, noise in (("close", 0.02), ("far", 0.10)):
-        folder = _noisy_copy(tiny_qwen2_dir, out / f"{name}_hf", noise)
-        paths[name] = out / f"{name}.gguf"
-        tiny_models.write_gguf_from_hf(folder, paths[name], "F32")
-    return paths
-
-
-@lru_cache(maxsize=None)
-def llamacpp_decoder(target: Path, draft: Path | None, backend: str = "llama.cpp") -> SpecDecoder:
-    return SpecDecoder.from_pretrained(
-        str(target), str(draft) if draft else None, method="draft" if draft else "none", draft_confidence=0.0,
-        dtype="fp32", device="cpu", backend=backend, show_progress=False,
-    )
+def ggufs(tiny_ggufs: dict[str, Path]) -> dict[str, Path]:
+    return tiny_ggufs
 
 
 def test_backend_is_llamacpp_and_plain_output_equals_the_torch_backend(ggufs: dict[str, Path]) -> None:

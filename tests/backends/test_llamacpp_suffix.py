@@ -5,38 +5,24 @@ earlier responses shared, and the cost-aware choice."""
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("llama_cpp")
 
-import tiny_models
-from helpers import PROMPTS, assert_greedy_equal_up_to_near_tie, copyable_prompt, greedy_margins
+from helpers import PROMPTS, assert_greedy_equal_up_to_near_tie, copyable_prompt, greedy_margins, llamacpp_decoder
 
-from specdecode import SamplingParams, SpecDecoder
+from specdecode import SamplingParams
 from specdecode.drafters.suffix import SuffixDrafter
 
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def target_gguf(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llamacpp_suffix") / "target.gguf"
-    tiny_models.write_gguf_from_hf(tiny_qwen2_dir, path, "F32")
-    return path
-
-
-@lru_cache(maxsize=None)
-def suffix_decoder(target: Path) -> SpecDecoder:
-    return SpecDecoder.from_pretrained(str(target), method="suffix", dtype="fp32", device="cpu", backend="llama.cpp",
-                                       show_progress=False)
-
-
 @pytest.mark.parametrize("k", [2, 6, "auto"])
-def test_greedy_suffix_chain_equals_plain_on_llamacpp(target_gguf: Path, k: int | str) -> None:
-    dec = suffix_decoder(target_gguf)
+def test_greedy_suffix_chain_equals_plain_on_llamacpp(tiny_ggufs: dict[str, Path], k: int | str) -> None:
+    dec = llamacpp_decoder(tiny_ggufs["target"], None)
+    dec.suffix_cache.clear()
     assert dec.backend == "llama.cpp" and isinstance(dec._suffix_drafter("fixed", 4, ""), SuffixDrafter)
     proposed = accepted = compared = total = 0
     for prompt in [copyable_prompt(dec), *PROMPTS[:3]]:
@@ -44,7 +30,7 @@ def test_greedy_suffix_chain_equals_plain_on_llamacpp(target_gguf: Path, k: int 
         plain = dec.generate(prompt, params, method="none").token_ids
         margins = greedy_margins(dec, prompt if isinstance(prompt, list) else dec.encode(prompt), plain)
         for _ in range(2):  # the second time, the first answer is in the shared tree
-            result = dec.generate(prompt, params, k=k)
+            result = dec.generate(prompt, params, method="suffix", k=k)
             compared += assert_greedy_equal_up_to_near_tie(result.token_ids, plain, margins, f"k={k} prompt={prompt!r}")
             total += len(plain)
             proposed += result.stats.draft_tokens_proposed

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import tiny_models
 import torch
-from conftest import _noisy_copy
 
 from specdecode import cli
 from specdecode.bench.llamacpp_bin import LlamaCppBinaryMethod, binary_turn, parse_binary_output
@@ -197,13 +196,9 @@ def test_binary_methods_run_with_greedy_arguments_and_a_timeout(tmp_path: Path) 
 
 
 @pytest.fixture(scope="module")
-def ggufs(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def ggufs(tiny_ggufs: dict[str, Path]) -> dict[str, Path]:
     pytest.importorskip("llama_cpp")
-    out = tmp_path_factory.mktemp("bench_ggufs")
-    paths = {"target": out / "target.gguf", "close": out / "close.gguf"}
-    tiny_models.write_gguf_from_hf(tiny_qwen2_dir, paths["target"], "F32")
-    tiny_models.write_gguf_from_hf(_noisy_copy(tiny_qwen2_dir, out / "close_hf", 0.02), paths["close"], "F32")
-    return paths
+    return tiny_ggufs
 
 
 class _Oracle:

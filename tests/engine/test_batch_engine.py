@@ -4,20 +4,11 @@ batch's draft-length chooser."""
 
 import itertools
 import threading
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
-    CHI2_CRITICAL_P001,
-    NEW_TOKENS,
-    PROMPTS,
-    TOP_K,
-    decoder,
-    exact_sequence_distribution,
-    install_wrong_residual,
-)
+from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square_in_batches, decoder, install_wrong_residual
 
 import specdecode.engine.batch
 import specdecode.engine.sampling
@@ -82,7 +73,7 @@ def test_preemption_recomputes_and_keeps_every_output(dec) -> None:
 
 def test_a_request_that_can_never_fit_is_refused_up_front(dec) -> None:
     eng = engine(dec, kv_cache_tokens=64)
-    with pytest.raises(InvalidRequestError, match="kv-cache-tokens"):
+    with pytest.raises(InvalidRequestError, match="kv_cache_tokens"):
         eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=100), "draft", 4)
     with pytest.raises(InvalidRequestError, match="methods"):
         eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=4), "eagle", 4)
@@ -161,33 +152,11 @@ def test_a_request_whose_sampling_raises_fails_alone(dec, monkeypatch) -> None:
 
 
 def batch_chi_square(dec, policy: str, confidence: float = 0.0) -> tuple[float, int]:
-    """The end-to-end distribution test's statistic (see test_engine: first three tokens,
-    temperature 1, top-k 3, 1,500 seeded draws, chi-square at p = 0.001), with the draws made
-    as requests sharing batches of 16 with draft-model, lookup and plain requests of other
-    prompts and sampling settings in between."""
-    prompt_ids = dec.encode("def quicksort(arr):")
-    exact = exact_sequence_distribution(dec, prompt_ids)
     eng = BatchEngine(dec.target.model, dec.draft.model, dec.eos_token_ids, max_batch=16, kv_cache_tokens=2048,
                       block_size=8, policy=policy, draft_confidence=confidence)
-    draws = 1500
-    ids = []
-    for seed in range(draws):
-        params = SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=NEW_TOKENS, seed=seed, ignore_eos=True)
-        ids.append(eng.add_request(prompt_ids, params, "draft", 2))
-        if seed % 10 == 0:
-            other = SamplingParams(temperature=0.7, max_new_tokens=5, seed=seed)
-            eng.add_request(dec.encode(PROMPTS[seed % len(PROMPTS)]), other, METHODS[seed % 3], 3)
-    outputs = eng.run()
+    stat, df = chi_square_in_batches(dec, eng)
     assert_pools_empty(eng)
-    counts = Counter(tuple(outputs[i]) for i in ids)
-    assert set(counts) <= set(exact), "sampled a sequence the target cannot produce"
-    cells = [seq for seq, p in exact.items() if p * draws >= 5]
-    stat = sum((counts[s] - draws * exact[s]) ** 2 / (draws * exact[s]) for s in cells)
-    other_p = 1.0 - sum(exact[s] for s in cells)
-    if other_p * draws >= 5:
-        other_count = draws - sum(counts[s] for s in cells)
-        return stat + (other_count - draws * other_p) ** 2 / (draws * other_p), len(cells)
-    return stat, len(cells) - 1
+    return stat, df
 
 
 @pytest.mark.parametrize(("policy", "confidence"), [("async", 0.0), ("sync", 0.0), ("async", 0.5)])

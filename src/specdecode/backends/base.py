@@ -68,3 +68,71 @@ class SequenceModel(Protocol):
         self, row_counts: Sequence[int], repeats: int, logits_last: int | None = None
     ) -> dict[int, float]:
         """Seconds of one pass over each row count (best of ``repeats``), on a scratch sequence."""
+
+
+class SequencePool(Protocol):
+    """Where a batch model keeps its sequences' KV, as the scheduler accounts for it: a paged
+    pool of blocks on torch (``kv.paged.PagedKVCache``), a set of sequence slots on llama.cpp
+    (``backends.llamacpp_batch.SlotPool``)."""
+
+    block_size: int  # positions per accounting unit
+
+    @property
+    def usable_blocks(self) -> int: ...
+
+    @property
+    def free_blocks(self) -> int: ...
+
+    @property
+    def used_blocks(self) -> int: ...
+
+    def fits(self, tokens: int) -> bool:
+        """Whether one sequence of ``tokens`` positions fits in the empty pool."""
+
+    def capacity_tokens(self) -> int:
+        """The most positions one sequence can hold in the empty pool (for error messages)."""
+
+    def blocks_needed(self, seq: int | None, tokens: int) -> int:
+        """Units to allocate so that ``seq`` (None: a new sequence) holds ``tokens`` positions."""
+
+    def add(self, seq: int) -> None: ...
+
+    def reserve(self, seq: int, tokens: int) -> None:
+        """Room for positions [0, tokens) of ``seq``, all or nothing (raises ``OutOfBlocks``)."""
+
+    def free(self, seq: int) -> None: ...
+
+
+class BatchModel(Protocol):
+    """A model decoding many sequences in one pass: what the batch engine and the batched draft
+    model ask of a backend. Sequences are the scheduler's ids; the pool holds their KV.
+
+    ``forward`` feeds row b's tokens at positions ``starts[b] ..`` of sequence ``seqs[b]`` (its
+    room reserved in the pool); as with ``SequenceModel.extend``, the pool must hold exactly
+    positions ``[0, starts[b])`` that are valid, and ``commit`` says how much of what a pass
+    wrote stays.
+    """
+
+    pool: SequencePool
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def forward(
+        self,
+        seqs: Sequence[int],
+        inputs: Sequence[torch.Tensor],  # B tensors, (T_b,) long each
+        starts: Sequence[int],
+        logits: str = "all",
+    ) -> torch.Tensor | None:
+        """float32 logits: (B, T_max, V) for "all" (rows past T_b are padding), (B, V) of each
+        row's last token for "last", None for "none" (a prefill)."""
+
+    def commit(self, seq: int, length: int) -> None:
+        """Positions [0, length) of ``seq`` are valid; anything written after them is dropped."""
+
+    def pass_seconds(self, shapes: Sequence[tuple[int, int]], repeats: int) -> dict[tuple[int, int], float]:
+        """Seconds of one pass of B sequences x T new tokens for each (B, T) (best of ``repeats``)."""

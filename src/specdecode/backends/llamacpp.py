@@ -178,6 +178,7 @@ class LlamaCppModel:
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
         self.n_threads = n_threads if n_threads is not None else physical_core_count()
+        self.kv_type, self.flash_attn, self.verbose = kv_type, flash_attn, verbose
 
         self._model = self._load_model(llama_cpp)
         self.vocab_size: int = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))
@@ -249,6 +250,13 @@ class LlamaCppModel:
         self._wants_logits = np.ctypeslib.as_array(self._batch.logits, shape=(n,))
         self._seq_slots = [self._batch.seq_id[i] for i in range(n)]  # each token's seq id array
         self._n_seq_id[:] = 1
+
+    def with_sequences(self, n_seq_max: int, n_ctx: int) -> LlamaCppModel:
+        """Another context on the same GGUF file and settings, with ``n_seq_max`` sequences of
+        ``n_ctx`` positions each (a batch engine's); the file is memory-mapped again, so the
+        weights' pages are shared with this one."""
+        return LlamaCppModel(self.path, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=self.n_threads, n_batch=self.n_batch,
+                             kv_type=self.kv_type, flash_attn=self.flash_attn, verbose=self.verbose)
 
     def describe(self) -> dict[str, Any]:
         """The model's shape and special tokens as llama.cpp read them from the GGUF metadata."""

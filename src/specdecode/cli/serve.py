@@ -43,7 +43,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "OpenAI-compatible /v1/completions and /v1/chat/completions (stream: true for server-sent "
             "events), /v1/models, /health and /metrics (Prometheus). Requests with methods none, ngram "
-            "and draft are batched together (continuous batching over a paged KV cache); the other "
+            "and draft are batched together (continuous batching, on torch and on llama.cpp); the other "
             "methods run one at a time. Listens on loopback unless --host says otherwise."
         ),
     )
@@ -60,14 +60,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="auto: llama.cpp for GGUF files on the CPU (requests then run one at a time), else torch")
+                        help="auto: llama.cpp for GGUF files on the CPU, else torch")
     parser.add_argument("--target-quant", choices=QUANT_CHOICES, default="none")
     parser.add_argument("--draft-quant", choices=QUANT_CHOICES, default="none")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
     parser.add_argument("--max-batch", type=non_negative_int, default=DEFAULT_MAX_BATCH,
                         help="most requests decoded together (0: no batching, one request at a time)")
     parser.add_argument("--kv-cache-tokens", type=positive_int, default=DEFAULT_KV_CACHE_TOKENS,
-                        help="paged KV cache slots per model for the batch (requests wait or are preempted beyond it)")
+                        help="KV cache slots per model for the batch (torch: paged, requests wait or are preempted beyond it; "
+                             "llama.cpp: split evenly over --max-batch sequences)")
     parser.add_argument("--batch-policy", choices=BATCH_POLICIES, default="async",
                         help="async: each request keeps all it accepts; sync: a step keeps the batch's fewest")
     parser.add_argument("--suffix-share", choices=SUFFIX_SHARES, default=DEFAULT_SUFFIX_SHARE,
@@ -115,10 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.model_name or (args.target or demo.DEFAULT_TARGET)
     worker = None
     if args.max_batch > 0:
-        if decoder.backend != "torch":
-            print(f"backend {decoder.backend}: the continuous-batching engine runs on torch; requests run one at a "
-                  "time (--backend torch to batch them).", file=sys.stderr)
-        elif args.kv_dtype != "auto":
+        if args.kv_dtype != "auto":
             print("--kv-dtype int8: the batch engine's paged cache has no int8 storage yet; requests run one at a time.",
                   file=sys.stderr)
         else:

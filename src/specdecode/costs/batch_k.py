@@ -12,8 +12,8 @@ over a single row, while a speculative pass carries B x (k + 1) rows, so as the 
 speculation stops paying and the choice falls to plain decoding by itself.
 
 Costs are per pass *shape* (rows, tokens per row): ``PassCosts`` starts from single-sequence
-passes timed over a few token counts (``engine.time_passes``) and a few batched shapes
-(``engine.batch.time_batched_passes``); unseen shapes are priced by the prior scaled by what
+passes timed over a few token counts and a few batched shapes (``time_batch_costs``, through
+the backend's own ``BatchModel.pass_seconds``); unseen shapes are priced by the prior scaled by what
 batched passes cost relative to it, and every shape that runs keeps its own live cost.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specdecode.backends.base import BatchModel
 from specdecode.costs.k_policy import MAX_PROBE_AFTER, PROBE_AFTER, PROBE_K, blend, expected_tokens, interpolate
 
 OPTIMISTIC_ACCEPTANCE = 0.9  # probe only if drafts accepted this often would pay
@@ -180,3 +181,13 @@ class BatchK:
             self.verify.observe(batch, width, verify_seconds)
         if self.draft is not None and draft_passes > 0:
             self.draft.observe(draft_rows, 1, draft_seconds / draft_passes)
+
+
+def time_batch_costs(
+    model: BatchModel, row_counts: Sequence[int], shapes: Sequence[tuple[int, int]], live: bool, repeats: int
+) -> PassCosts:
+    """A ``PassCosts`` for ``model`` from its own passes: one sequence over each of ``row_counts``
+    tokens (the prior) and the batched ``shapes``, timed on scratch sequences of its pool's kind."""
+    timed = model.pass_seconds([(1, rows) for rows in row_counts] + list(shapes), repeats)
+    return PassCosts({rows: timed[(1, rows)] for rows in row_counts}, live=live,
+                     shapes={shape: timed[shape] for shape in shapes} or None)

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdecode.engine.metrics import Stopwatch
-from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVCache
 from specdecode.kv.static import reusable_cache
 from specdecode.models.llama import Transformer
 
@@ -58,28 +57,4 @@ def time_passes(
             lambda: model.extend(scratch, tokens[:, :rows], COST_PROBE_CONTEXT, logits_last=logits_last, layers=layers),
             model.device, repeats,
         )
-    return measured
-
-
-@torch.inference_mode()
-def time_batched_passes(
-    model: Transformer, shapes: Sequence[tuple[int, int]], repeats: int = VERIFY_COST_REPEATS
-) -> dict[tuple[int, int], float]:
-    """Seconds of one forward pass of B sequences x T new tokens, for each (B, T) in ``shapes``
-    (best of ``repeats`` after a warm-up), each sequence holding ``COST_PROBE_CONTEXT`` tokens
-    in a scratch paged pool: the batch engine's own pass shapes, to seed its cost tables."""
-    most_batch = max(b for b, _ in shapes)
-    most_width = max(t for _, t in shapes)
-    per_sequence = COST_PROBE_CONTEXT + most_width
-    pool = PagedKVCache(model.config, most_batch * (per_sequence // DEFAULT_BLOCK_SIZE + 1) + 1, model.dtype, model.device)
-    for seq in range(most_batch):
-        pool.add(seq)
-        pool.reserve(seq, per_sequence)
-        pool.commit(seq, COST_PROBE_CONTEXT)  # frees the blocks past the context ...
-        pool.reserve(seq, per_sequence)  # ... which the timed tokens write into
-    measured = {}
-    for batch, width in shapes:
-        view, positions = pool.view(list(range(batch)), [list(range(COST_PROBE_CONTEXT, COST_PROBE_CONTEXT + width))] * batch)
-        tokens = torch.zeros((batch, width), dtype=torch.long, device=model.device)
-        measured[(batch, width)] = best_seconds(lambda: model(tokens, positions, view, view), model.device, repeats)
     return measured

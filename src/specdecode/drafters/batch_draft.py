@@ -1,4 +1,5 @@
-"""A draft model proposing for many sequences at once, over its own paged KV cache.
+"""A draft model proposing for many sequences at once, over its own KV pool (any backend's
+``BatchModel``).
 
 The batched twin of ``DraftModelDrafter``: the same bookkeeping per sequence (after a step in
 which the target accepted n of k drafted tokens, the draft cache keeps the old committed
@@ -20,12 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.backends.device import host_to_device
+from specdecode.backends.base import BatchModel, SequencePool
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import draft_confidence, to_target_vocab
 from specdecode.engine.sampling import LogitsProcessor, draw
-from specdecode.kv.paged import PagedKVCache, stack_padded
-from specdecode.models.llama import Transformer
 
 CATCH_UP_WIDTH = 2  # unseen tokens after a verify step: the bonus token, plus the last draft if all were accepted
 
@@ -53,11 +52,14 @@ class DraftRow:
 
 
 class BatchDraftModel:
-    def __init__(self, model: Transformer, cache: PagedKVCache, target_vocab_size: int) -> None:
+    def __init__(self, model: BatchModel, target_vocab_size: int) -> None:
         self.model = model
-        self.cache = cache
         self.target_vocab_size = target_vocab_size
         self._states: dict[int, _DraftState] = {}
+
+    @property
+    def cache(self) -> SequencePool:
+        return self.model.pool
 
     def add(self, seq: int) -> None:
         """A new (or readmitted) sequence; the scheduler has given it a block table in the draft
@@ -78,15 +80,13 @@ class BatchDraftModel:
                   if row.committed.shape[0] - state.cached_len > CATCH_UP_WIDTH]
         if not behind:
             return 0
-        host_positions = [list(range(state.cached_len, row.committed.shape[0] - 1)) for row, state in behind]
-        for (row, _), positions in zip(behind, host_positions, strict=True):
-            self.cache.reserve(row.seq, positions[-1] + 1)
-        view, positions = self.cache.view([row.seq for row, _ in behind], host_positions, self.model.config.sliding_window)
-        tokens = stack_padded([row.committed[state.cached_len : -1] for row, state in behind])
-        self.model(tokens, positions, view, view, compute_logits=False)
+        for row, _ in behind:
+            self.cache.reserve(row.seq, row.committed.shape[0] - 1)
+        self.model.forward([row.seq for row, _ in behind], [row.committed[state.cached_len : -1] for row, state in behind],
+                           [state.cached_len for _, state in behind], logits="none")
         for row, state in behind:
             state.cached_len = row.committed.shape[0] - 1
-            self.cache.commit(row.seq, state.cached_len)
+            self.model.commit(row.seq, state.cached_len)
         return 1
 
     def forget(self, seq: int) -> None:
@@ -95,16 +95,12 @@ class BatchDraftModel:
 
     def _pass(self, seqs: list[int], inputs: list[torch.Tensor], starts: list[int]) -> torch.Tensor:
         """Feed row b ``inputs[b]`` (T_b,) at positions starts[b]..; logits (B, V) of each row's last token."""
-        host_positions = [list(range(start, start + x.shape[0])) for x, start in zip(inputs, starts, strict=True)]
-        for seq, row in zip(seqs, host_positions, strict=True):
-            self.cache.reserve(seq, row[-1] + 1)
-        view, positions = self.cache.view(seqs, host_positions, self.model.config.sliding_window)
-        tokens = stack_padded(inputs)
-        out = self.model(tokens, positions, view, view, compute_logits=False)
-        last = host_to_device([x.shape[0] - 1 for x in inputs], torch.long, tokens.device)
-        hidden = out.hidden[torch.arange(len(seqs), device=tokens.device), last]  # (B, C)
+        for seq, x, start in zip(seqs, inputs, starts, strict=True):
+            self.cache.reserve(seq, start + x.shape[0])
+        logits = self.model.forward(seqs, inputs, starts, logits="last")
+        assert logits is not None
         # Lengths are settled in on_verified, which keeps the accepted drafts' slots and frees the rest.
-        return to_target_vocab(self.model.lm_head(hidden).float(), self.target_vocab_size)
+        return to_target_vocab(logits, self.target_vocab_size)
 
     def propose(self, rows: Sequence[DraftRow]) -> tuple[list[DraftProposal], int]:
         """Drafts for every row (row b gets up to ``rows[b].num_tokens``) and the passes run."""
@@ -163,5 +159,5 @@ class BatchDraftModel:
         """Keep the committed prefix plus the accepted drafts that were fed (all but the last)."""
         state = self._states[seq]
         valid = state.proposed_base + min(num_accepted, state.proposed_count - 1)
-        self.cache.commit(seq, valid)
+        self.model.commit(seq, valid)
         state.cached_len = valid

@@ -5,8 +5,11 @@ the batch's draft length k is chosen from live acceptance and measured costs
 (``costs.batch_k.BatchK``; k = 0 decodes the whole batch plainly), every running sequence reserves
 its KV slots, the drafters propose (prompt lookup per row on the host; the draft model for all
 its rows in one pass per drafted token), the target scores every row's last committed token and
-drafts in ONE padded pass, and each row is verified on its own with its request's sampling
-parameters and generator. One host read per step brings every row's emitted tokens back.
+drafts in ONE padded pass, and the rows are verified together (greedy rows in one call,
+sampling rows in another, each with its request's sampling parameters and generator). One host
+read per step brings every row's emitted tokens back. The models are ``BatchModel``s
+(``backends/base.py``): our ``Transformer`` over paged pools, or llama.cpp contexts whose
+sequence ids are the batch's slots.
 
 Rows accept different numbers of tokens. Policy ``async`` (the default) lets each keep all it
 accepted; each sequence's length, positions and cache are its own. Policy ``sync`` makes the
@@ -17,7 +20,7 @@ distribution the target's; ``sync`` only emits less per step.
 
 Invariant per sequence between steps (as in ``engine/single.py``): L committed tokens, target KV
 valid for positions [0, L - 1); the next verify pass feeds the last committed token with the
-drafts. Methods: ``none``, ``ngram`` and ``draft`` batch; the tree methods, ``auto`` and
+drafts. Methods: ``none``, ``ngram``, ``draft`` and ``suffix`` (its best chain) batch; the tree methods, ``auto`` and
 ``layerskip`` keep their single-sequence engine.
 """
 
@@ -30,7 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.backends.base import BatchModel, SequencePool
 from specdecode.backends.device import host_to_device
+from specdecode.backends.torch_batch import PagedBatchModel
 from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SamplingParams
 from specdecode.costs.batch_k import BatchK, BatchRow, PassCosts
 from specdecode.costs.k_policy import AcceptanceEstimate
@@ -45,7 +50,7 @@ from specdecode.engine.scheduler import ScheduledSequence, Scheduler
 from specdecode.engine.stopping import cut_at_stop
 from specdecode.engine.verify import PAD_TOKEN, greedy_verify, rejection_verify
 from specdecode.errors import InvalidRequestError
-from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVCache, stack_padded
+from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, stack_padded
 from specdecode.models.llama import Transformer
 
 BATCH_METHODS = ("none", "ngram", "draft", "suffix")
@@ -91,13 +96,13 @@ class _Request:
 
 
 class BatchEngine:
-    """Continuous-batching speculative decoder over paged KV caches (not thread-safe: one
+    """Continuous-batching speculative decoder over a backend's batch models (not thread-safe: one
     thread calls ``add``, ``abort`` and ``step``)."""
 
     def __init__(
         self,
-        target: Transformer,
-        draft: Transformer | None,
+        target: Transformer | BatchModel,
+        draft: Transformer | BatchModel | None,
         eos_token_ids: Sequence[int],
         *,
         max_batch: int = DEFAULT_MAX_BATCH,
@@ -117,13 +122,13 @@ class BatchEngine:
             raise InvalidRequestError(f"policy must be one of {', '.join(BATCH_POLICIES)}, got {policy!r}.")
         if kv_cache_tokens < block_size:
             raise InvalidRequestError(f"kv_cache_tokens must be at least one block ({block_size}), got {kv_cache_tokens}.")
-        self.target, self.eos_token_ids, self.policy, self.k_max = target, frozenset(eos_token_ids), policy, k_max
-        num_blocks = kv_cache_tokens // block_size + 1  # + the reserved null block
-        self.target_cache = PagedKVCache(target.config, num_blocks, target.dtype, target.device, block_size)
+        self.eos_token_ids, self.policy, self.k_max = frozenset(eos_token_ids), policy, k_max
+        # A torch model gets a paged pool of kv_cache_tokens slots; a backend's BatchModel (llama.cpp)
+        # comes with its own pool.
+        self.target = _batch_model(target, kv_cache_tokens, block_size)
         self.drafter: BatchDraftModel | None = None
         if draft is not None:
-            draft_cache = PagedKVCache(draft.config, num_blocks, draft.dtype, draft.device, block_size)
-            self.drafter = BatchDraftModel(draft, draft_cache, target.config.vocab_size)
+            self.drafter = BatchDraftModel(_batch_model(draft, kv_cache_tokens, block_size), self.target.vocab_size)
         self.scheduler = Scheduler(self.target_cache, self.drafter.cache if self.drafter else None, max_batch, k_max + 1)
         self.chooser = BatchK(k_max, verify_costs, draft_costs)
         self.ngram_sizes = (ngram_max, ngram_min)
@@ -139,6 +144,10 @@ class BatchEngine:
     @property
     def device(self) -> torch.device:
         return self.target.device
+
+    @property
+    def target_cache(self) -> SequencePool:
+        return self.target.pool
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -380,13 +389,10 @@ class BatchEngine:
         requests: list[_Request] = [seq.state for seq in seqs]
         rows = [(seq, request) for seq, request in zip(seqs, requests, strict=True) if len(request.tokens) > 1]
         if rows:
-            host_positions = [list(range(len(request.tokens) - 1)) for _, request in rows]
-            view, positions = self.target_cache.view([seq.seq_id for seq, _ in rows], host_positions,
-                                                     self.target.config.sliding_window)
-            tokens = stack_padded([request.committed[: len(request.tokens) - 1] for _, request in rows])
-            self.target(tokens, positions, view, view, compute_logits=False)
+            self.target.forward([seq.seq_id for seq, _ in rows], [request.committed[: len(request.tokens) - 1] for _, request in rows],
+                                [0] * len(rows), logits="none")
         for seq, request in zip(seqs, requests, strict=True):
-            self.target_cache.commit(seq.seq_id, len(request.tokens) - 1)
+            self.target.commit(seq.seq_id, len(request.tokens) - 1)
             request.stats.target_forward_passes += int(len(request.tokens) > 1)
         for seq, request in zip(seqs, requests, strict=True):
             if request.method == "draft":
@@ -427,27 +433,39 @@ class BatchEngine:
         return proposals, passes, len(model_rows)
 
     def _verify(self, running: list[ScheduledSequence], proposals: list[DraftProposal]) -> list[list[int]]:
-        """One target pass over every row; each row's emitted tokens (accepted drafts + one)."""
-        inputs, host_positions = [], []
+        """One target pass over every row; each row's emitted tokens (accepted drafts + one).
+
+        Greedy rows are verified in one call, sampling rows in another (each with its own
+        processor's probabilities and its own generator); one host read brings all rows back."""
+        inputs, starts = [], []
         for seq, proposal in zip(running, proposals, strict=True):
             request: _Request = seq.state
             length = len(request.tokens)
             inputs.append(torch.cat([request.committed[length - 1 : length], proposal.tokens[0]]))
-            host_positions.append(list(range(length - 1, length + proposal.num_tokens)))
-        view, positions = self.target_cache.view([seq.seq_id for seq in running], host_positions, self.target.config.sliding_window)
-        tokens = stack_padded(inputs)
-        logits = self.target(tokens, positions, view, view).logits  # (B, T, V)
-        rows = []
-        for b, (seq, proposal) in enumerate(zip(running, proposals, strict=True)):
-            request: _Request = seq.state
-            k = proposal.num_tokens
-            row_logits = logits[b : b + 1, : k + 1]
-            if request.processor.greedy:
-                result = greedy_verify(proposal.tokens, row_logits)
+            starts.append(length - 1)
+        logits = self.target.forward([seq.seq_id for seq in running], inputs, starts)  # (B, T, V)
+        assert logits is not None
+        requests: list[_Request] = [seq.state for seq in running]
+        greedy = [b for b, request in enumerate(requests) if request.processor.greedy]
+        sampled = [b for b, request in enumerate(requests) if not request.processor.greedy]
+        results: dict[int, torch.Tensor] = {}
+        for group in (greedy, sampled):
+            if not group:
+                continue
+            counts = [proposals[b].num_tokens for b in group]
+            width = max(counts)
+            drafts = stack_padded([proposals[b].tokens[0] for b in group])[:, :width]  # (G, k)
+            index = host_to_device(group, torch.long, logits.device)
+            if group is greedy:
+                result = greedy_verify(drafts, logits[index, : width + 1], counts)
             else:
-                result = rejection_verify(proposal.tokens, proposal.probs, request.processor.probs(row_logits), request.generator)
-            rows.append(result.tokens[0])
-        emitted = stack_padded(rows, PAD_TOKEN).tolist()  # the one host read of the step
+                probs = torch.cat([_padded(requests[b].processor.probs(logits[b : b + 1, : counts[i] + 1]), width + 1)
+                                   for i, b in enumerate(group)])  # (G, k + 1, V)
+                result = rejection_verify(drafts, _draft_probs([proposals[b] for b in group], width, probs.shape[-1]),
+                                          probs, [requests[b].generator for b in group], counts)
+            for i, b in enumerate(group):
+                results[b] = result.tokens[i]
+        emitted = stack_padded([results[b] for b in range(len(running))], PAD_TOKEN).tolist()  # the one host read of the step
         return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in emitted]
 
     def _commit(
@@ -486,7 +504,7 @@ class BatchEngine:
             if request.ngram is not None:  # as tokens commit, so other requests draft from them too
                 request.ngram.extend(request.tokens[len(request.ngram.history):])
             seq.num_tokens = len(request.tokens)
-            self.target_cache.commit(seq.seq_id, length + min(accepted_len, count - 1))
+            self.target.commit(seq.seq_id, length + min(accepted_len, count - 1))
             if request.method == "draft" and proposal.num_tokens > 0:
                 assert self.drafter is not None
                 self.drafter.on_verified(seq.seq_id, accepted_len)
@@ -516,3 +534,27 @@ def _generator_states(running: list[ScheduledSequence]) -> list[tuple[torch.Gene
 def _restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
     for generator, state in states:
         generator.set_state(state)
+
+
+def _batch_model(model: Transformer | BatchModel, kv_cache_tokens: int, block_size: int) -> BatchModel:
+    if isinstance(model, Transformer):
+        return PagedBatchModel.with_pool(model, kv_cache_tokens, block_size)
+    return model
+
+
+def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:  # (1, T, V) -> (1, width, V), zero rows after T
+    return torch.nn.functional.pad(rows, (0, 0, 0, width - rows.shape[1]))
+
+
+def _draft_probs(proposals: list[DraftProposal], width: int, vocab: int) -> torch.Tensor | None:
+    """The rows' q stacked to (G, width, V): None when every row's drafter is deterministic;
+    else a deterministic row's q is one-hot on its tokens (what rejection_verify assumes of None)."""
+    if all(p.probs is None for p in proposals):
+        return None
+    rows = []
+    for proposal in proposals:
+        q = proposal.probs
+        if q is None:
+            q = torch.zeros((1, proposal.num_tokens, vocab), device=proposal.tokens.device).scatter(2, proposal.tokens[..., None], 1.0)
+        rows.append(_padded(q.float(), width))
+    return torch.cat(rows)

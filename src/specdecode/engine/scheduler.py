@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from specdecode.backends.base import SequencePool
 from specdecode.errors import InvalidRequestError
-from specdecode.kv.paged import OutOfBlocks, PagedKVCache, blocks_for
+from specdecode.kv.paged import OutOfBlocks
 
 
 @dataclass(slots=True, eq=False)
@@ -38,8 +39,8 @@ class ScheduledSequence:
 class Scheduler:
     def __init__(
         self,
-        target_cache: PagedKVCache,
-        draft_cache: PagedKVCache | None,
+        target_cache: SequencePool,
+        draft_cache: SequencePool | None,
         max_batch: int,
         step_lookahead: int,
     ) -> None:
@@ -54,7 +55,7 @@ class Scheduler:
         self.running: list[ScheduledSequence] = []
         self.preemptions = 0
 
-    def _pools(self, seq: ScheduledSequence) -> list[PagedKVCache]:
+    def _pools(self, seq: ScheduledSequence) -> list[SequencePool]:
         pools = [self.target_cache]
         if seq.uses_draft:
             if self.draft_cache is None:
@@ -72,11 +73,11 @@ class Scheduler:
         need = max_tokens + self.step_lookahead
         pools = [self.target_cache] + ([self.draft_cache] if uses_draft and self.draft_cache is not None else [])
         for pool in pools:
-            if blocks_for(need, pool.block_size) > pool.usable_blocks:
+            if not pool.fits(need):
                 raise InvalidRequestError(
-                    f"The request needs up to {need} KV slots but the cache holds "
-                    f"{pool.usable_blocks * pool.block_size}; lower max_tokens or start the engine with a "
-                    "larger KV cache (--kv-cache-tokens)."
+                    f"The request needs up to {need} KV slots but a sequence can hold at most "
+                    f"{pool.capacity_tokens()}; lower max_tokens or give the engine a larger KV cache "
+                    "(kv_cache_tokens)."
                 )
 
     def admit(self) -> list[ScheduledSequence]:

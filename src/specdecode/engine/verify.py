@@ -25,6 +25,7 @@ typical acceptance, which is lossy and only for callers that opt in.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,11 +58,19 @@ def _emit(draft_tokens: torch.Tensor, accepted_len: torch.Tensor, final_token: t
 def greedy_verify(
     draft_tokens: torch.Tensor,  # (B, k) long
     target_logits: torch.Tensor,  # (B, k + 1, V)
+    num_drafted: Sequence[int] | None = None,
 ) -> VerifyResult:
-    """Accept the longest prefix equal to the target's argmax, then emit the target's own token."""
+    """Accept the longest prefix equal to the target's argmax, then emit the target's own token.
+
+    ``num_drafted`` (host ints, one per row) verifies a batch whose rows drafted different
+    numbers of tokens, padded to k: row b's drafts past ``num_drafted[b]`` are never accepted,
+    and its last token comes from its row ``num_drafted[b]`` at most.
+    """
     target_argmax = target_logits.argmax(dim=-1)  # (B, k + 1)
     k = draft_tokens.shape[1]
     accepted_len = _accepted_prefix_len(draft_tokens == target_argmax[:, :k])
+    if num_drafted is not None:
+        accepted_len = torch.minimum(accepted_len, host_to_device(list(num_drafted), torch.long, draft_tokens.device))
     final = target_argmax.gather(1, accepted_len[:, None]).squeeze(1)
     return VerifyResult(accepted_len, _emit(draft_tokens, accepted_len, final))
 
@@ -70,9 +79,16 @@ def rejection_verify(
     draft_tokens: torch.Tensor,  # (B, k) long
     draft_probs: torch.Tensor | None,  # (B, k, V) float, or None for a deterministic (one-hot) draft
     target_probs: torch.Tensor,  # (B, k + 1, V) float
-    generator: torch.Generator | None,
+    generator: torch.Generator | None | Sequence[torch.Generator | None],
+    num_drafted: Sequence[int] | None = None,
 ) -> VerifyResult:
-    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023)."""
+    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    ``generator`` may be one per row: each row then draws its random numbers from its own
+    generator, in the shapes a one-row call would (so a seeded request samples the same tokens
+    alone or in a batch). ``num_drafted`` (host ints) as in ``greedy_verify``; a deterministic
+    row among probabilistic ones passes its one-hot q in ``draft_probs``.
+    """
     batch, k = draft_tokens.shape
     device = target_probs.device
     p_draft = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)  # (B, k)
@@ -80,15 +96,28 @@ def rejection_verify(
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)
-    uniform = torch.rand((batch, k), generator=generator, device=device, dtype=p_draft.dtype)
+    per_row = generator is not None and not isinstance(generator, torch.Generator)
+    if per_row:
+        generators = list(generator)  # type: ignore[arg-type]
+        counts = list(num_drafted) if num_drafted is not None else [k] * batch
+        uniform = torch.cat([
+            torch.nn.functional.pad(torch.rand((1, n), generator=g, device=device, dtype=p_draft.dtype), (0, k - n))
+            for g, n in zip(generators, counts, strict=True)
+        ])
+    else:
+        uniform = torch.rand((batch, k), generator=generator, device=device, dtype=p_draft.dtype)
     # u < p/q written without the division, so q == 0 (impossible for a sampled token, but
     # cheap to guard) rejects rather than producing NaN.
     accepted_len = _accepted_prefix_len(uniform * q_draft < p_draft)
+    drafted = torch.full((batch,), k, dtype=torch.long, device=device)
+    if num_drafted is not None:
+        drafted = host_to_device(list(num_drafted), torch.long, device)
+        accepted_len = torch.minimum(accepted_len, drafted)
 
     rows = torch.arange(batch, device=device)
     p_row = target_probs[rows, accepted_len]  # (B, V): p_n
-    # q_n, or zeros for the bonus row (n == k), which turns the residual into p_k itself.
-    rejected = accepted_len < k
+    # q_n, or zeros for the bonus row (n == the row's drafts), which turns the residual into p itself.
+    rejected = accepted_len < drafted
     capped = accepted_len.clamp(max=max(k - 1, 0))
     if k == 0:
         q_row = torch.zeros_like(p_row)
@@ -102,7 +131,10 @@ def rejection_verify(
     mass = residual.sum(-1, keepdim=True)
     # A zero residual only arises from rounding when p == q; fall back to p then.
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)
-    final = torch.multinomial(residual, 1, generator=generator).squeeze(1)
+    if per_row:
+        final = torch.cat([torch.multinomial(residual[b : b + 1], 1, generator=g) for b, g in enumerate(generators)]).squeeze(1)
+    else:
+        final = torch.multinomial(residual, 1, generator=generator).squeeze(1)
     return VerifyResult(accepted_len, _emit(draft_tokens, accepted_len, final))
 
 

@@ -104,6 +104,13 @@ class PagedKVCache:
     def length(self, seq: int) -> int:
         return self.tables[seq].length
 
+    def fits(self, tokens: int) -> bool:
+        """Whether one sequence of ``tokens`` slots fits in the empty pool."""
+        return blocks_for(tokens, self.block_size) <= self.usable_blocks
+
+    def capacity_tokens(self) -> int:
+        return self.usable_blocks * self.block_size
+
     def blocks_needed(self, seq: int | None, tokens: int) -> int:
         """Blocks to allocate so that ``seq`` (None: a new sequence) can hold ``tokens`` slots."""
         have = 0 if seq is None or seq not in self.tables else len(self.tables[seq].blocks)

@@ -1,0 +1,80 @@
+"""Our ``Transformer`` over a paged KV pool: the torch backend's ``BatchModel``.
+
+Every row of a pass is padded to the longest (``PagedKVCache.view`` sends padding writes to the
+null block), so one call of the model serves the whole batch whatever each row feeds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdecode.backends.device import host_to_device
+from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
+from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVCache, stack_padded
+from specdecode.models.llama import Transformer
+
+
+class PagedBatchModel:
+    backend = "torch"
+
+    def __init__(self, model: Transformer, pool: PagedKVCache) -> None:
+        self.model = model
+        self.pool = pool
+
+    @classmethod
+    def with_pool(cls, model: Transformer, kv_cache_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> PagedBatchModel:
+        """``model`` over a fresh pool of ``kv_cache_tokens`` slots (plus the null block)."""
+        num_blocks = kv_cache_tokens // block_size + 1
+        return cls(model, PagedKVCache(model.config, num_blocks, model.dtype, model.device, block_size))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def forward(
+        self,
+        seqs: Sequence[int],
+        inputs: Sequence[torch.Tensor],  # B tensors, (T_b,) long each
+        starts: Sequence[int],
+        logits: str = "all",
+    ) -> torch.Tensor | None:
+        host_positions = [list(range(start, start + x.shape[0])) for x, start in zip(inputs, starts, strict=True)]
+        view, positions = self.pool.view(list(seqs), host_positions, self.model.config.sliding_window)
+        tokens = stack_padded(list(inputs))
+        if logits == "all":
+            return self.model(tokens, positions, view, view).logits  # (B, T_max, V)
+        out = self.model(tokens, positions, view, view, compute_logits=False)
+        if logits == "none":
+            return None
+        # Only each row's last token goes through the head: a draft step's logits, not T_max rows.
+        last = host_to_device([x.shape[0] - 1 for x in inputs], torch.long, tokens.device)
+        hidden = out.hidden[torch.arange(len(inputs), device=tokens.device), last]  # (B, C)
+        return self.model.lm_head(hidden).float()
+
+    def commit(self, seq: int, length: int) -> None:
+        self.pool.commit(seq, length)
+
+    @torch.inference_mode()
+    def pass_seconds(self, shapes: Sequence[tuple[int, int]], repeats: int) -> dict[tuple[int, int], float]:
+        """Each (B, T) pass timed on a scratch pool, each sequence holding ``COST_PROBE_CONTEXT``
+        tokens first (so attention reads something, as in decoding)."""
+        model = self.model
+        most_batch = max(b for b, _ in shapes)
+        per_sequence = COST_PROBE_CONTEXT + max(t for _, t in shapes)
+        pool = PagedKVCache(model.config, most_batch * (per_sequence // DEFAULT_BLOCK_SIZE + 1) + 1, model.dtype,
+                            model.device)
+        for seq in range(most_batch):
+            pool.add(seq)
+            pool.reserve(seq, per_sequence)
+        measured = {}
+        for batch, width in shapes:
+            view, positions = pool.view(list(range(batch)), [list(range(COST_PROBE_CONTEXT, COST_PROBE_CONTEXT + width))] * batch)
+            tokens = torch.zeros((batch, width), dtype=torch.long, device=model.device)
+            measured[(batch, width)] = best_seconds(lambda t=tokens, p=positions, v=view: model(t, p, v, v), model.device, repeats)
+        return measured

@@ -1,0 +1,120 @@
+"""The batch engine on llama.cpp: sequences as llama.cpp sequence ids of one context, decoded
+together in one ``llama_decode`` per pass, each with its own rollbacks.
+
+As in test_llamacpp_engine.py the decoders run the F32 files in llama.cpp's exact mode, where a
+pass over several rows still rounds differently from a one-row pass (by ~3e-6): greedy
+equality with single-request decoding is asserted up to the target's first near-tie
+(helpers.NEAR_TIE), and each test checks that most tokens were compared.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+
+from helpers import (
+    CHI2_CRITICAL_P001,
+    PROMPTS,
+    assert_greedy_equal_up_to_near_tie,
+    chi_square_in_batches,
+    greedy_margins,
+    install_wrong_residual,
+    llamacpp_decoder,
+)
+
+import specdecode.engine.batch
+from specdecode import SamplingParams
+from specdecode.backends.llamacpp import LlamaCppModel
+from specdecode.backends.llamacpp_batch import LlamaCppBatchModel
+from specdecode.engine.batch import BatchEngine
+from specdecode.errors import InvalidRequestError
+
+METHODS = ("draft", "ngram", "none")
+
+
+def assert_slots_free(eng: BatchEngine) -> None:
+    for pool in (eng.target_cache, eng.drafter.cache):
+        assert pool.free_blocks == pool.usable_blocks and not pool.slots
+
+
+def test_forward_batch_of_ragged_rows_equals_each_row_alone(tiny_ggufs: dict[str, Path]) -> None:
+    """Rows of different lengths at different positions, padded to (B, T_max, V): each row's
+    logits equal the same tokens fed to that sequence alone (within the multi-row rounding)."""
+    with LlamaCppModel(tiny_ggufs["target"], n_ctx=64, n_seq_max=3, kv_type="f32", flash_attn=False) as model:
+        batch = LlamaCppBatchModel(model)
+        prompts = [[5, 9, 13, 2, 7], [4, 4], [11, 3, 8, 1]]
+        for seq in range(3):
+            batch.pool.add(seq)
+        batch.forward([0, 1, 2], [torch.tensor(p) for p in prompts], [0, 0, 0], logits="none")
+        rows = [torch.tensor([6, 1, 2]), torch.tensor([3]), torch.tensor([9, 9])]
+        starts = [len(p) for p in prompts]
+        together = batch.forward([0, 1, 2], rows, starts)  # (3, 3, V)
+        assert together.shape == (3, 3, model.vocab_size)
+        for seq, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
+            model.clear(seq)
+            alone = model.forward(seq, prompt + row.tolist(), 0)[len(prompt):]
+            torch.testing.assert_close(together[seq, : len(row)], alone, rtol=0, atol=1e-4)
+            assert not together[seq, len(row):].any()  # padding rows are zeros
+        batch.commit(0, starts[0] + 1)  # rollback of two rows
+        assert model.cached_length(0) == starts[0] + 1
+        batch.pool.free(1)
+        assert model.cached_length(1) == 0 and batch.pool.free_blocks == 1
+
+
+@pytest.mark.parametrize("policy", ["async", "sync"])
+def test_batch_greedy_equals_single_request_greedy(tiny_ggufs: dict[str, Path], policy: str) -> None:
+    """Mixed prompts, methods (draft model, lookup, plain), k and lengths, more requests than
+    slots (they join as others leave): each output is its single-request plain output."""
+    dec = llamacpp_decoder(tiny_ggufs["target"], tiny_ggufs["close"])
+    on_torch = llamacpp_decoder(tiny_ggufs["target"], None, backend="torch")
+    cases = [(p, m, k, n) for p, m, k, n in zip(PROMPTS, itertools.cycle(METHODS), itertools.cycle([1, 3, 5, 8]),
+                                                itertools.cycle([24, 7, 16, 30, 2]))]
+    eng = dec.batch_engine(max_batch=3, kv_cache_tokens=3 * 256, policy=policy, cost_aware=False)
+    ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=n), m, k) for p, m, k, n in cases]
+    outputs = eng.run()
+    assert_slots_free(eng)
+    compared = total = 0
+    for (prompt, method, _, n), request_id in zip(cases, ids, strict=True):
+        alone = dec.generate(prompt, SamplingParams(max_new_tokens=n), method="none").token_ids
+        margins = greedy_margins(on_torch, on_torch.encode(prompt), alone)
+        compared += assert_greedy_equal_up_to_near_tie(outputs[request_id], alone, margins, f"{method} {prompt!r}")
+        total += len(alone)
+    assert compared >= total * 3 // 4
+    assert eng.scheduler.preemptions == 0  # a slot, once given, is never taken back
+
+
+def test_a_request_longer_than_a_slot_is_refused_up_front(tiny_ggufs: dict[str, Path]) -> None:
+    dec = llamacpp_decoder(tiny_ggufs["target"], tiny_ggufs["close"])
+    eng = dec.batch_engine(max_batch=2, kv_cache_tokens=2 * 256, cost_aware=False)
+    with pytest.raises(InvalidRequestError, match="at most 256"):
+        eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=300), "draft", 3)
+    with pytest.raises(InvalidRequestError, match="positions per llama.cpp sequence"):
+        dec.batch_engine(max_batch=8, kv_cache_tokens=1024, cost_aware=False)
+
+
+def test_cost_aware_engine_times_llamacpp_passes(tiny_ggufs: dict[str, Path]) -> None:
+    dec = llamacpp_decoder(tiny_ggufs["target"], tiny_ggufs["close"])
+    eng = dec.batch_engine(max_batch=2, kv_cache_tokens=2 * 256)
+    costs = eng.chooser.verify
+    assert {(2, 1), (2, 3)} <= set(costs.shapes) and all(s > 0 for s in costs.points.values())
+    assert_slots_free(eng)  # the timing's scratch sequences are gone
+
+
+def test_sampling_inside_a_llamacpp_batch_matches_the_target_distribution(tiny_ggufs: dict[str, Path]) -> None:
+    dec = llamacpp_decoder(tiny_ggufs["target"], tiny_ggufs["far"])
+    eng = dec.batch_engine(max_batch=16, kv_cache_tokens=16 * 256, cost_aware=False)
+    stat, df = chi_square_in_batches(dec, eng)
+    assert_slots_free(eng)
+    assert stat < CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}"
+
+
+def test_llamacpp_batch_distribution_test_has_power(tiny_ggufs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    install_wrong_residual(monkeypatch, specdecode.engine.batch)
+    dec = llamacpp_decoder(tiny_ggufs["target"], tiny_ggufs["far"])
+    stat, df = chi_square_in_batches(dec, dec.batch_engine(max_batch=16, kv_cache_tokens=16 * 256, cost_aware=False))
+    assert stat > CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}: the test has no power"
