@@ -13,8 +13,9 @@ How much it proposes:
 
 - at most ``SPEC_FACTOR`` x the match length deep (the paper's rule: a short match says little
   about what follows), at most ``depth`` (``k``) deep, at most ``tree_size`` nodes;
-- probabilities calibrated by this request's measured acceptance: per match-length bucket,
-  the tokens accepted over the tokens the counts predicted (pooled with forgetting);
+- probabilities calibrated by this request's measured acceptance: per match-length bucket, the
+  drafted edges accepted over the edges the counts predicted (pooled with forgetting), which
+  scales every edge's count ratio, so a path's probability decays with its depth;
 - with a fixed k: every node whose calibrated path probability is at least ``MIN_PROB``;
 - cost-aware (``k="auto"``): the best-first prefix of nodes that maximises expected tokens
   (1 + the sum of calibrated probabilities) per second of a verify pass over that many rows,
@@ -50,6 +51,7 @@ CALIBRATION_DECAY = 0.9  # weight an older step keeps in the calibration: a wind
 CALIBRATION_PRIOR = 1.0  # pseudo-tokens behind the prior "counts are calibrated"
 CALIBRATION_RANGE = (0.05, 2.0)  # counts are trusted at most this much less or more than measured
 MATCH_BUCKETS = 5  # match lengths 1, 2-3, 4-7, 8-15, 16+: a longer match predicts better
+_REJECTED = -2  # no proposed child was the target's token
 
 
 def match_bucket(match_len: int) -> int:
@@ -126,9 +128,9 @@ class SuffixProposer:
         low, high = CALIBRATION_RANGE
         return min(high, max(low, (self._accepted[b] + CALIBRATION_PRIOR) / (self._predicted[b] + CALIBRATION_PRIOR)))
 
-    def _draft(self, depth: int, nodes: int, branching: int | None, floor: float) -> Draft:
+    def _draft(self, depth: int, nodes: int, branching: int | None) -> Draft:
         """The better (higher-score) draft of the request's own tree and its group's tree."""
-        limits = {"max_nodes": nodes, "max_depth": depth, "min_prob": floor, "branching": branching,
+        limits = {"max_nodes": nodes, "max_depth": depth, "min_prob": 0.0, "branching": branching,
                   "max_match": max(self.tree_depth - depth, self.tree_depth // 2), "spec_factor": SPEC_FACTOR}
         local = self._local.draft(self.history, **limits)  # type: ignore[arg-type]
         if self.cache is None:
@@ -136,22 +138,32 @@ class SuffixProposer:
         shared = self.cache.draft(self.group or "", self.history, **limits)  # type: ignore[arg-type]
         return shared if shared.score > local.score else local
 
-    def _keep(self, draft: Draft, gamma: float) -> int:
-        """How many of the draft's best-first nodes to propose."""
-        probs = [min(1.0, gamma * p) for p in draft.probs]
+    def _calibrated(self, draft: Draft) -> list[float]:
+        """Each node's path probability with every edge's count ratio scaled by the measured
+        calibration of its match-length bucket (so a chain of sure-looking edges that the target
+        keeps leaving decays with depth)."""
+        gamma = self._gamma(draft.match_len)
+        out: list[float] = []
+        for parent, prob in zip(draft.parents, draft.probs):
+            above = 1.0 if parent < 0 else draft.probs[parent]
+            out.append((1.0 if parent < 0 else out[parent]) * min(1.0, gamma * prob / above))
+        return out
+
+    def _choose(self, probs: list[float]) -> list[int]:
+        """The nodes to propose, most probable first (a parent always before its children, since
+        its probability is at least theirs): by the threshold, or by expected tokens per second."""
+        order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
         costs = self.verify_seconds
         if costs is None:
-            kept = 0
-            while kept < len(probs) and probs[kept] >= self.min_prob:
-                kept += 1
-            return kept
+            return [i for i in order if probs[i] >= self.min_prob]
+        order = [i for i in order if probs[i] >= COST_FLOOR_PROB]
         best, best_rate, expected = 0, 1.0 / costs[0], 1.0
-        for kept in range(1, min(len(probs), len(costs) - 1) + 1):
-            expected += probs[kept - 1]
-            rate = expected / costs[kept]  # kept nodes + the root: kept + 1 rows
+        for count in range(1, min(len(order), len(costs) - 1) + 1):
+            expected += probs[order[count - 1]]
+            rate = expected / costs[count]  # count nodes + the root: count + 1 rows
             if rate > best_rate:
-                best, best_rate = kept, rate
-        return best
+                best, best_rate = count, rate
+        return order[:best]
 
     def propose(self, num_tokens: int, tree: bool, mark: bool = True) -> Draft:
         """A draft of at most ``num_tokens`` tokens along any path: a tree (``tree``) or the
@@ -159,12 +171,9 @@ class SuffixProposer:
         depth = min(self.depth, num_tokens)
         if depth < 1 or not self.history:
             return Draft()
-        floor = self.min_prob if self.verify_seconds is None else COST_FLOOR_PROB
-        raw = self._draft(depth, self.tree_size if tree else depth, None if tree else 1, 0.0)
-        gamma = self._gamma(raw.match_len) if raw.match_len else 1.0
-        raw = _truncate(raw, sum(1 for p in raw.probs if min(1.0, gamma * p) >= floor))
-        kept = _truncate(raw, self._keep(raw, gamma))
+        raw = self._draft(depth, self.tree_size if tree else depth, None if tree else 1)
         self.last_match_len = raw.match_len
+        kept = _subset(raw, self._choose(self._calibrated(raw)))
         if mark:
             self.mark_proposed(kept)
         return kept
@@ -175,30 +184,41 @@ class SuffixProposer:
 
     def keep(self, draft: Draft, count: int) -> Draft:
         """Propose the first ``count`` nodes of a draft made with ``mark=False``."""
-        kept = _truncate(draft, count)
+        kept = _subset(draft, list(range(min(count, len(draft)))))
         self.mark_proposed(kept)
         return kept
 
     def _calibrate(self, draft: Draft, emitted: list[int]) -> None:
-        """Accepted tokens (the emitted tokens that follow a path of the draft; the token after
-        them is the target's own, never a drafted child) against the counts' prediction."""
-        child = {(parent, token): node for node, (parent, token) in enumerate(zip(draft.parents, draft.tokens))}
-        node, accepted = NO_PARENT, 0
+        """Score a verified draft edge by edge: at each node the target reached (the root first),
+        the counts predicted the sum of its proposed children's ratios, and one of them was
+        accepted or none (the token after the accepted ones is the target's own, never a
+        proposed child)."""
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(draft.parents):
+            children.setdefault(parent, []).append(node)
+        node, accepted, predicted = NO_PARENT, 0.0, 0.0
         for token in emitted:
-            node = child.get((node, token), -2)
-            if node == -2:
+            below = children.get(node, [])
+            if not below:
+                break
+            above = 1.0 if node == NO_PARENT else draft.probs[node]
+            predicted += sum(draft.probs[c] for c in below) / above
+            node = next((c for c in below if draft.tokens[c] == token), _REJECTED)
+            if node == _REJECTED:
                 break
             accepted += 1
         b = match_bucket(draft.match_len)
         self._accepted[b] = self._accepted[b] * CALIBRATION_DECAY + accepted
-        self._predicted[b] = self._predicted[b] * CALIBRATION_DECAY + sum(draft.probs)
+        self._predicted[b] = self._predicted[b] * CALIBRATION_DECAY + predicted
 
 
-def _truncate(draft: Draft, count: int) -> Draft:
-    """The first ``count`` nodes (best first, so a parent is always kept before its children)."""
-    if count >= len(draft):
+def _subset(draft: Draft, nodes: list[int]) -> Draft:
+    """The draft's ``nodes`` (each one's parent among them or before it), in that order."""
+    if nodes == list(range(len(draft))):
         return draft
-    return Draft(draft.tokens[:count], draft.parents[:count], draft.probs[:count], draft.match_len, draft.sequences)
+    index = {node: i for i, node in enumerate(nodes)}
+    return Draft([draft.tokens[n] for n in nodes], [index.get(draft.parents[n], -1) for n in nodes],
+                 [draft.probs[n] for n in nodes], draft.match_len, draft.sequences)
 
 
 class SuffixDrafter:
