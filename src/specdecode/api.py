@@ -27,7 +27,7 @@ from specdecode.config import (
     resolve_k,
 )
 from specdecode.costs.batch_k import time_batch_costs
-from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, speculation_can_pay
+from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, interpolate, speculation_can_pay
 from specdecode.costs.timing import VERIFY_COST_REPEATS
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter, TreeDrafter
@@ -411,7 +411,12 @@ class SpecDecoder:
         cost_aware = policy == "cost"
         depth = self.spec.k_max if cost_aware else k
         tree_size = self.spec.tree_size or SUFFIX_TREE_SIZE
-        costs = self.engine.verify_costs((tree_size if tree else depth) + 1) if cost_aware else None
+        costs = None
+        if cost_aware:
+            # The table the other cost-aware methods time (once per decoder), extended along its
+            # last slope to a tree's rows rather than timed again.
+            measured = dict(enumerate(self.engine.verify_costs(self.spec.k_max + 1), start=1))
+            costs = [interpolate(measured, rows) for rows in range(1, (tree_size if tree else depth) + 2)]
         return suffix_drafter(self.suffix_cache, group, tree=tree, depth=depth, tree_size=tree_size, verify_seconds=costs)
 
     def _auto_drafter(self, draft_k: int, suffix_group: str | None = DEFAULT_GROUP) -> AutoDrafter:

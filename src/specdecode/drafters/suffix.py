@@ -100,7 +100,7 @@ class SuffixProposer:
         self.history, self._prompt_len, self._pending = [], prompt_len, None
         if self.cache is not None:
             self.cache.close(self._handle)
-            self._handle = self.cache.open(self.group or "")
+            self._handle = self.cache.open(self.group)  # type: ignore[arg-type]  # a cache means a group
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Newly committed tokens (the prompt first): into the request's tree, the response part
@@ -117,11 +117,6 @@ class SuffixProposer:
         if self.cache is not None:
             self.cache.append(self._handle, tokens[max(0, self._prompt_len - before) :])
 
-    def finish(self) -> None:
-        """The request ended: its response stays in the cache but takes no more tokens."""
-        if self.cache is not None:
-            self.cache.close(self._handle)
-
     # -- proposing -----------------------------------------------------------------------------
     def _gamma(self, match_len: int) -> float:
         b = match_bucket(match_len)
@@ -135,7 +130,7 @@ class SuffixProposer:
         local = self._local.draft(self.history, **limits)  # type: ignore[arg-type]
         if self.cache is None:
             return local
-        shared = self.cache.draft(self.group or "", self.history, **limits)  # type: ignore[arg-type]
+        shared = self.cache.draft(self.group, self.history, **limits)  # type: ignore[arg-type]
         return shared if shared.score > local.score else local
 
     def _calibrated(self, draft: Draft) -> list[float]:
