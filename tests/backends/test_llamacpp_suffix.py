@@ -38,3 +38,24 @@ def test_greedy_suffix_chain_equals_plain_on_llamacpp(tiny_ggufs: dict[str, Path
     assert compared >= total * 3 // 4
     if k != "auto":  # (cost-aware on this CPU, llama.cpp's extra rows may never pay: it may not draft)
         assert proposed > accepted > 0
+
+
+def test_suffix_rows_in_a_llamacpp_batch_share_the_tree_and_keep_greedy_output(tiny_ggufs: dict[str, Path]) -> None:
+    """The batch engine on llama.cpp: suffix rows draft from one shared tree (the same prompts a
+    second time draft from the first batch's answers), each output its single-request plain output."""
+    dec = llamacpp_decoder(tiny_ggufs["target"], None)
+    dec.suffix_cache.clear()
+    on_torch = llamacpp_decoder(tiny_ggufs["target"], None, backend="torch")
+    prompts, params = PROMPTS[:3], SamplingParams(max_new_tokens=NEW_TOKENS)
+    eng = dec.batch_engine(max_batch=3, kv_cache_tokens=3 * 256, cost_aware=False)
+    runs = [dec.generate_batch(prompts, params, method="suffix", k=6, engine=eng) for _ in range(2)]
+    compared = total = 0
+    for index, prompt in enumerate(prompts):
+        alone = dec.generate(prompt, params, method="none").token_ids
+        margins = greedy_margins(on_torch, on_torch.encode(prompt), alone)
+        for run in runs:
+            compared += assert_greedy_equal_up_to_near_tie(run[index].token_ids, alone, margins, f"{prompt!r}")
+            total += len(alone)
+    assert compared >= total * 3 // 4
+    steps = [sum(r.stats.verify_steps for r in run) for run in runs]
+    assert steps[1] < steps[0] and sum(r.stats.draft_tokens_accepted for r in runs[1]) > 0
