@@ -11,7 +11,10 @@ CPU) and measures what does not depend on the weights:
 - speculative decoding with the target as its own draft (acceptance 1: the ceiling of what
   speculation can give at this k), ours against transformers' assisted generation with the
   same self-assistant;
-- the 0.5B-shaped draft's pass cost (its acceptance with random weights means nothing).
+- the 0.5B-shaped draft's pass cost (its acceptance with random weights means nothing);
+- with ``--compile``: the same decoding with compiled passes (``compile=True``: CUDA graphs on
+  CUDA), their compile time, the draft's pass cost compiled, and transformers' ``generate``
+  with its static cache and ``torch.compile(mode="reduce-overhead")`` on the same weights.
 Medians over ``--repeats``; every figure is a ratio or a per-pass time measured in one run.
 """
 
@@ -23,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -115,6 +119,51 @@ def graph_pass(model) -> dict[str, object]:
         return {"error": repr(err)}
 
 
+def compiled_runs(eager: SpecDecoder, target_dir: Path, prompt: list[int], params: SamplingParams,
+                  args: argparse.Namespace, eager_plain_s: float, device: torch.device) -> dict[str, object]:
+    """Decoding with compiled passes on the models ``eager`` loaded, against eager decoding
+    (``eager_plain_s``), and transformers with a static cache compiled the way its docs show."""
+    from specdecode.costs.timing import time_passes
+
+    out: dict[str, object] = {}
+    # The k + 1 verify shapes and the draft's two, not every k up to k_max: compiling costs device time.
+    compiled = SpecDecoder(eager.target, eager.draft, replace(eager.spec, k=args.k), compile=True)
+    started = time.perf_counter()
+    log = compiled.warm_up()
+    out["compile"] = {"mode": compiled.compile_mode, "seconds": round(time.perf_counter() - started, 1),
+                      "passes": len(log.passes), "cache_hits": log.cache_hits}
+    target_seq, draft_seq = compiled.engine.target, compiled.draft_drafter.model
+    out["target_pass_ms_by_rows"] = {r: round(1000 * s, 3) for r, s in target_seq.pass_seconds([1, 2, 4, 8], 5).items()}
+    out["draft_pass_ms"] = round(1000 * draft_seq.pass_seconds([1], 5)[1], 3)
+    eager_draft = time_passes(eager.draft.model, (1,), repeats=5)[1]
+    eager_target = time_passes(eager.target.model, (1,), repeats=5)[1]
+    out["draft_over_target"] = {"eager": round(eager_draft / eager_target, 3),
+                                "compiled": round(draft_seq.pass_seconds([1], 5)[1] / target_seq.pass_seconds([1], 5)[1], 3)}
+    plain_s, plain = timed(lambda: compiled.generate(prompt, params, method="none"), device, args.repeats)
+    draft_s, drafted = timed(lambda: compiled.generate(prompt, params, method="draft", k=args.k), device, args.repeats)
+    out["plain"] = {"tok_per_s": args.new_tokens / plain_s, "speedup_vs_eager_plain": eager_plain_s / plain_s}
+    out["small_draft"] = {"tok_per_s": args.new_tokens / draft_s, "speedup_vs_compiled_plain": plain_s / draft_s,
+                          "tau": drafted.stats.tau}
+    try:  # transformers' own fast path: static cache + torch.compile (its documented recipe)
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(device).eval()
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead" if device.type == "cuda" else None, fullgraph=True)
+        ids = torch.tensor([prompt], device=device)
+        gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,
+                   cache_implementation="static")
+        started = time.perf_counter()
+        hf.generate(ids, **gen)  # compiles
+        out["hf_static_compiled_compile_seconds"] = round(time.perf_counter() - started, 1)
+        hf_s, hf_out = timed(lambda: hf.generate(ids, **gen), device, args.repeats)
+        out["hf_static_compiled"] = {"tok_per_s": args.new_tokens / hf_s, "ours_compiled_plain_over_hf": hf_s / plain_s,
+                                     "ours_compiled_draft_over_hf": hf_s / draft_s,
+                                     "same_tokens": hf_out[0, len(prompt):].tolist() == plain.token_ids}
+    except Exception as err:  # noqa: BLE001 - report, do not lose the figures above
+        out["hf_static_compiled_error"] = repr(err)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -125,6 +174,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--only-passes", action="store_true", help="time the passes only, no decoding")
+    parser.add_argument("--compile", action="store_true", help="also decode with compiled passes, and compiled transformers")
     args = parser.parse_args()
     device = torch.device(args.device)
     results: dict[str, object] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -180,8 +230,11 @@ def main() -> None:
     _, drafted = timed(lambda: run(small, "draft", args.k), device, 1)
     results["small_draft"] = {"draft_pass_ms": 1000 * drafted.stats.draft_seconds / max(drafted.stats.draft_forward_passes, 1),
                               "tau": drafted.stats.tau}
-    del small
     save()
+    if args.compile:
+        results["compiled"] = compiled_runs(small, target_dir, prompt, params, args, plain_s, device)
+        save()
+    del small
 
     try:  # transformers on the same weights, the reference a user would compare against
         from transformers import AutoModelForCausalLM

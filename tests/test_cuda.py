@@ -1,5 +1,6 @@
 """The same code on a CUDA device: parity with transformers, greedy equality for every method,
-batches, quantized paths, sampling, and the host syncs a decode step costs.
+batches, quantized paths, sampling, the host syncs a decode step costs, and compiled passes
+(``compile=True``: CUDA graphs).
 
 Skipped where PyTorch sees no GPU (CI). ``SPECDECODE_TEST_DEVICE=cpu`` runs the checks that do
 not need CUDA on the CPU, to try this file without a GPU. ``SPECDECODE_TEST_REPORT=path.json``
@@ -168,6 +169,59 @@ def test_a_batch_step_syncs_with_the_host_once(method: str, tiny_qwen2_dir: Path
     syncs, steps = sum(sites.values()), len(steps_taken)
     REPORT[f"batch_syncs_{method}"] = {"syncs": syncs, "steps": steps, "sites": dict(sites.most_common(8))}
     assert syncs <= steps + 8, f"{syncs} syncs over {steps} steps: {sites.most_common(4)}"
+
+
+@pytest.mark.parametrize("method", ["none", "draft", "ngram"])
+def test_compiled_passes_equal_eager_and_plain(method: str, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    # compile=True: CUDA graphs (mode reduce-overhead) on CUDA, inductor's kernels on the CPU.
+    eager = on_device(tiny_qwen2_dir, tiny_close_draft_dir)
+    compiled = on_device(tiny_qwen2_dir, tiny_close_draft_dir, compile=True)
+    log = compiled.warm_up()
+    REPORT["compile"] = {"mode": compiled.compile_mode, "seconds": log.seconds, "passes": log.passes}
+    for prompt in PROMPTS[:4]:
+        want = eager.generate(prompt, PARAMS, method=method, k=4).token_ids
+        got = compiled.generate(prompt, PARAMS, method=method, k=4)
+        assert got.token_ids == want, prompt
+        assert got.token_ids == compiled.generate(prompt, PARAMS, method="none").token_ids, prompt
+        assert got.stats.compile_seconds == 0
+
+
+def test_compiled_steps_replay_graphs_without_recompiling(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    from torch._dynamo.utils import counters
+
+    compiled = on_device(tiny_qwen2_dir, tiny_close_draft_dir, compile=True)
+    compiled.warm_up(all_shapes=True)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt in PROMPTS:
+            for method in ("none", "draft", "ngram"):
+                compiled.generate(prompt, PARAMS, method=method, k=4)
+    assert counters["stats"]["unique_graphs"] == graphs
+    if DEVICE.startswith("cuda"):
+        # Inductor falls back to plain kernels, silently, when a graph cannot be captured
+        # (e.g. a cache tensor not marked static): that would be correct and slow.
+        REPORT["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+        assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_compiled_sampling_matches_target_distribution(tiny_qwen2_dir: Path, tiny_far_draft_dir: Path) -> None:
+    dec = on_device(tiny_qwen2_dir, tiny_far_draft_dir, compile=True)
+    stat, df = chi_square(dec, dec.encode("def quicksort(arr):"), "draft")
+    REPORT["chi_square_draft_compiled"] = [stat, df]
+    assert stat < CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}"
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="counts CUDA synchronisations")
+@pytest.mark.parametrize("method", ["none", "draft"])
+def test_a_compiled_step_syncs_with_the_host_once(method: str, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    dec = on_device(tiny_qwen2_dir, tiny_close_draft_dir, compile=True)
+    dec.warm_up(all_shapes=True)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    dec.generate(PROMPTS[0], params, method=method)
+    sites = count_syncs(lambda: dec.generate(PROMPTS[0], params, method=method))
+    steps = dec.generate(PROMPTS[0], params, method=method).stats.verify_steps
+    REPORT[f"syncs_compiled_{method}"] = {"syncs": sum(sites.values()), "steps": steps, "sites": dict(sites.most_common(8))}
+    assert sum(sites.values()) <= steps + 4, f"{sum(sites.values())} syncs over {steps} steps: {sites.most_common(4)}"
 
 
 def count_syncs(run) -> Counter:

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
-
-import torch
 
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.batch_select import batch_model
-from specdecode.backends.device import resolve_device, resolve_dtype
-from specdecode.backends.llamacpp_sequence import LlamaCppSequence, load_llamacpp_model
-from specdecode.backends.select import LLAMACPP, TORCH, choose_backend
+from specdecode.backends.compiled import CompiledSequence, CompileLog, check_compilable, resolve_compile_mode
+from specdecode.backends.llamacpp_sequence import LlamaCppSequence
+from specdecode.backends.load import load_models
+from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import (
     DRAFT_MODEL_METHODS,
@@ -23,21 +20,17 @@ from specdecode.config import (
     SamplingParams,
     SpecConfig,
     check_acceptance,
-    check_k_policy,
     resolve_k,
 )
-from specdecode.costs.batch_k import time_batch_costs
-from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, interpolate, speculation_can_pay
-from specdecode.costs.timing import VERIFY_COST_REPEATS
+from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import DEFAULT_TREE_SIZE as EAGLE_TREE_SIZE
 from specdecode.drafters.eagle import EagleDrafter
-from specdecode.drafters.layer_skip import LayerSkipDrafter, resolve_skip_layers
+from specdecode.drafters.layer_skip import LayerSkipDrafter
 from specdecode.drafters.medusa import MedusaDrafter, build_static_tree, cost_aware_tree_size
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.suffix import DEFAULT_TREE_SIZE as SUFFIX_TREE_SIZE
 from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer, SuffixTreeDrafter, suffix_drafter
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
@@ -48,12 +41,10 @@ from specdecode.engine.text import IncrementalDecoder, Messages, check_same_toke
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
 from specdecode.kv.static import check_kv_dtype
-from specdecode.models.heads import DraftHeads, EagleHead, MedusaHeads, load_heads
-from specdecode.models.loader import LoadedModel, gguf_source, load_model
-from specdecode.quant.apply import check_quant
+from specdecode.models.heads import DraftHeads, EagleHead, MedusaHeads
+from specdecode.models.loader import LoadedModel
 
-CATCH_UP_PROBE_ROWS = 64  # tokens in the timed draft pass that prices a catch-up per token
-BATCH_PROBE_MAX_ROWS = 64  # the largest pass timed for the batch engine's costs; larger ones extrapolate
+CATCH_UP_COMPILED_ROWS = 2  # a draft pass feeds 1 token, or 2 to catch up after a fully accepted step
 
 
 class SpecDecoder:
@@ -66,11 +57,12 @@ class SpecDecoder:
         spec: SpecConfig,
         kv_dtype: str = "auto",
         heads: DraftHeads | None = None,
+        compile: bool | str = False,
     ) -> None:
         if spec.method == "draft" and draft is None:
-            raise InvalidRequestError("--method draft needs a draft model (--draft).")
+            raise InvalidRequestError('method="draft" needs a draft model (draft=).')
         if spec.method in TREE_METHODS and (heads is None or heads.config.kind != spec.method):
-            raise InvalidRequestError(f"--method {spec.method} needs {spec.method} heads (--heads FOLDER).")
+            raise InvalidRequestError(f'method="{spec.method}" needs {spec.method} heads (heads=FOLDER).')
         if draft is not None:
             check_same_tokenizer(target.tokenizer, draft.tokenizer, target.name, draft.name)
         self.target = target
@@ -84,33 +76,65 @@ class SpecDecoder:
         # Earlier responses for suffix decoding, shared by this decoder's requests (by group).
         self.suffix_cache = SuffixCache(spec.suffix_cache_tokens)
         self.backend = target.backend
+        # compile=: the repeated passes compiled per shape (backends/compiled.py); None: eager.
+        if compile:
+            for loaded in (target, draft):
+                if loaded is not None:
+                    check_compilable(loaded.backend, loaded.quant, kv_dtype)
+        self.compile_mode = resolve_compile_mode(compile, target.model.device) if compile else None
+        self.compile_log = CompileLog()
         # Heads are refused by attach_heads, below, on the same grounds.
         if self.backend == LLAMACPP and (spec.skip_layers or kv_dtype != "auto"):
-            raise InvalidRequestError("Layer skip and the int8 KV cache need the torch backend (--backend torch).")
+            raise InvalidRequestError('Layer skip and the int8 KV cache need the torch backend (backend="torch").')
         self.draft_drafter = None if draft is None else DraftModelDrafter(
-            self._sequence(draft), target.config.vocab_size, spec.draft_confidence
+            self._sequence(draft, "draft"), target.config.vocab_size, spec.draft_confidence
         )
         self.drafters: dict[str, Drafter] = {"ngram": self.ngram_drafter}
         if self.draft_drafter is not None:
             self.drafters["draft"] = self.draft_drafter
         if spec.skip_layers:  # shares the target's weights and KV cache: costs no memory
             self.drafters["layerskip"] = LayerSkipDrafter(target.model, spec.skip_layers, spec.draft_confidence)
-        self.engine = SpecEngine(self._sequence(target), self.eos_token_ids)
-        self._draft_costs: tuple[float, float] | None = None  # a draft pass, and a catch-up per token
+        self.engine = SpecEngine(self._sequence(target, "target"), self.eos_token_ids, compile_log=self.compile_log)
+        self.costs = DecoderCosts(self.engine, self.draft_drafter)
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
             self.attach_heads(heads, spec.tree_size)
 
-    def _sequence(self, loaded: LoadedModel) -> SequenceModel:
+    def _sequence(self, loaded: LoadedModel, role: str) -> SequenceModel:
         """One sequence of a loaded model on its backend, for the single-request engine."""
         if loaded.backend == LLAMACPP:
             return LlamaCppSequence(loaded.model)
+        if self.compile_mode is not None:
+            # The draft model's passes feed one token, or two when catching up; the target's
+            # verify k + 1 (a per-call k above these runs its passes eagerly).
+            rows = CATCH_UP_COMPILED_ROWS if role == "draft" else max(self.spec.k, self.spec.k_max) + 1
+            return CompiledSequence(loaded.model, self.compile_mode, rows, self.compile_log, role)
         return TorchSequence(loaded.model, self.kv_dtype)
+
+    def warm_up(self, show_progress: bool = False, all_shapes: bool = False) -> CompileLog:
+        """With compile=, compile now the passes this decoder's method and k will run, or with
+        ``all_shapes`` every pass any chain method can run compiled (k up to max(k, k_max));
+        other shapes compile when first used, their time in ``stats.compile_seconds``.
+        Returns the decoder's compile log: passes, seconds, on-disk cache hits."""
+        if self.compile_mode is None:
+            return self.compile_log
+        spec = self.spec
+        target = self.engine.target
+        assert isinstance(target, CompiledSequence)
+        adaptive = spec.k_policy != "fixed" or spec.method == "auto"
+        verify_rows = 1 if spec.method == "none" else (spec.k_max if adaptive else spec.k) + 1
+        verify_rows = target.max_rows if all_shapes else verify_rows
+        target.warm_up([(rows, None) for rows in range(1, verify_rows + 1)], show_progress)
+        if self.draft_drafter is not None and (all_shapes or spec.method in DRAFT_MODEL_METHODS):
+            draft = self.draft_drafter.model
+            assert isinstance(draft, CompiledSequence)
+            draft.warm_up([(1, None), (2, 1)], show_progress)
+        return self.compile_log
 
     def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
         """Make method ``heads.config.kind`` (medusa or eagle) available with these heads."""
         if self.backend != TORCH:
-            raise InvalidRequestError("Medusa and EAGLE heads need the torch backend (--backend torch).")
+            raise InvalidRequestError('Medusa and EAGLE heads need the torch backend (backend="torch").')
         heads.config.check_target(self.target.config)
         trained_for = heads.config.target_name
         if trained_for and trained_for != self.target.name:
@@ -135,7 +159,7 @@ class SpecDecoder:
             if tree_size is not None:
                 tree = build_static_tree(heads.config.rank_accuracy, tree_size)
             if not tree:
-                raise InvalidRequestError("These Medusa heads carry no tree; pass --tree-size to build one.")
+                raise InvalidRequestError("These Medusa heads carry no tree; pass tree_size= to build one.")
             return MedusaDrafter(heads, tree)
         assert isinstance(heads, EagleHead)
         return EagleDrafter(heads, self.target.model.embed_tokens, tree_size or EAGLE_TREE_SIZE)
@@ -164,8 +188,9 @@ class SpecDecoder:
         tree_size: int | None = None,
         acceptance: str = "lossless",
         backend: str = "auto",
-        suffix_cache_tokens: int | None = None,
         show_progress: bool = True,
+        compile: bool | str = False,
+        suffix_cache_tokens: int | None = None,
     ) -> SpecDecoder:
         """Load models by name: a demo model name, a .gguf file, a local HF folder or a hub id.
 
@@ -182,11 +207,12 @@ class SpecDecoder:
         on llama.cpp on a CPU where llama-cpp-python is installed and the method allows it,
         "torch" or "llama.cpp" force one; on llama.cpp ``dtype="fp32"`` keeps its KV cache in
         f32 (exact to ~1e-5 against fp32 torch), any other dtype takes llama.cpp's f16 cache.
+        ``compile=True`` compiles the torch backend's repeated passes per shape (CUDA graphs on a
+        GPU; a mode name of ``torch.compile`` picks another mode); call ``warm_up()`` to compile
+        them before the first request ([docs/compile.md](docs/compile.md)).
         ``suffix_cache_tokens`` bounds the earlier responses method ``suffix`` (and ``auto``)
-        keep for drafting, over all groups (0: none; least recently used go first).
+        keeps for drafting, over all groups (0: none; the least recently used go first).
         """
-        from specdecode.models import demo
-
         fixed_k, policy = resolve_k(k, k_policy)
         overrides = {
             "k": fixed_k, "draft_confidence": draft_confidence,
@@ -194,54 +220,14 @@ class SpecDecoder:
             "tree_size": tree_size, "suffix_cache_tokens": suffix_cache_tokens,
         }
         spec = SpecConfig(method=method, acceptance=acceptance, **{key: v for key, v in overrides.items() if v is not None})
-        if method in TREE_METHODS and heads is None:
-            raise InvalidRequestError(
-                f"--method {method} needs trained heads for the target: run `specdecode train {method} "
-                f"--target TARGET --data stdlib --out HEADS` and pass --heads HEADS."
-            )
-        check_quant(target_quant, "--target-quant")
-        check_quant(draft_quant, "--draft-quant")
-        check_kv_dtype(kv_dtype)
-        torch_device = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, torch_device)
-        if target is None:
-            target = demo.DEFAULT_TARGET
-        if draft is None and method in DRAFT_MODEL_METHODS:
-            if demo.is_demo_model_name(target):
-                draft = demo.DEFAULT_DRAFT
-            elif method == "draft":
-                raise InvalidRequestError(
-                    "--method draft needs a draft model: pass --draft (a smaller model with the same "
-                    "tokenizer), or --method none for plain decoding."
-                )
-        uses_draft = method in DRAFT_MODEL_METHODS and draft is not None
-        choice = choose_backend(
-            backend, target_is_gguf=gguf_source(target, show_progress) is not None,
-            draft_is_gguf=(gguf_source(draft, show_progress) is not None) if uses_draft else None,
-            device=torch_device, method=method, weight_quant=(target_quant, draft_quant) != ("none", "none"),
-            kv_int8=kv_dtype == "int8",
+        loaded = load_models(
+            target, draft, spec, k_given=k is not None or k_policy is not None, skip_layers=skip_layers,
+            layerskip_config=layerskip_config, dtype=dtype, device=device, target_quant=target_quant,
+            draft_quant=draft_quant, kv_dtype=kv_dtype, heads=heads, backend=backend, show_progress=show_progress,
+            compile=compile,
         )
-        if show_progress:
-            print(f"specdecode: backend {choice.name} ({choice.reason})", file=sys.stderr, flush=True)
-        if choice.name == LLAMACPP:
-            if k is None and k_policy is None:
-                # ggml's CPU passes are compute-bound on small machines: a verify row can cost
-                # over half a pass, so a fixed k can lose to plain decoding; the cost-aware k
-                # drafts only as much as the measured costs and acceptance pay for.
-                spec = replace(spec, k_policy="cost")
-            exact = torch_dtype == torch.float32
-            target_model = load_llamacpp_model(target, exact=exact, show_progress=show_progress)
-            draft_model = load_llamacpp_model(draft, exact=exact, show_progress=show_progress) if uses_draft else None
-            return cls(target_model, draft_model, spec)
-        target_model = load_model(target, torch_dtype, torch_device, show_progress=show_progress, quant=target_quant)
-        if skip_layers or layerskip_config or method == "layerskip":
-            chosen = resolve_skip_layers(target, target_model.config.num_layers, skip_layers, layerskip_config)
-            spec = replace(spec, skip_layers=chosen)
-        draft_model = None
-        if uses_draft:
-            draft_model = load_model(draft, torch_dtype, torch_device, show_progress=show_progress, quant=draft_quant)
-        loaded_heads = None if heads is None else load_heads(heads, torch_dtype, torch_device)
-        return cls(target_model, draft_model, spec, kv_dtype=kv_dtype, heads=loaded_heads)
+        return cls(loaded.target, loaded.draft, loaded.spec, kv_dtype=loaded.kv_dtype, heads=loaded.heads,
+                   compile=compile)
 
     def encode(self, prompt: str | Messages, chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)
@@ -258,9 +244,8 @@ class SpecDecoder:
             )
         if len(prompt_ids) + params.max_new_tokens > context:
             raise InvalidRequestError(
-                f"The prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
-                f"exceeds the model's context of {context} tokens; lower max_new_tokens to at most "
-                f"{context - len(prompt_ids)}."
+                f"The prompt ({len(prompt_ids)} tokens) plus max_new_tokens={params.max_new_tokens} exceeds the "
+                f"model's context of {context} tokens; lower it to at most {context - len(prompt_ids)}."
             )
 
     def stream(
@@ -289,25 +274,17 @@ class SpecDecoder:
         if method not in METHODS:
             raise InvalidRequestError(f"Unknown method {method!r}; choose one of: {', '.join(METHODS)}.")
         if method == "draft" and self.draft is None:
-            raise InvalidRequestError("This decoder was loaded without a draft model; use method='none'.")
+            raise InvalidRequestError('This decoder was loaded without a draft model; use method="none".')
         if method in TREE_METHODS and method not in self.drafters:
             raise InvalidRequestError(f"This decoder was loaded without {method} heads; load it with heads=FOLDER.")
         acceptance = acceptance or (self.spec.acceptance if method == self.spec.method else "lossless")
         check_acceptance(acceptance, method)
         if method == "layerskip" and "layerskip" not in self.drafters:
             raise InvalidRequestError(
-                "This decoder has no layers to skip: load it with skip_layers or layerskip_config "
-                "(--skip-layers / --layerskip-config; `specdecode tune-layerskip` makes the file)."
+                "This decoder has no layers to skip: load it with skip_layers= or layerskip_config= "
+                "(`specdecode tune-layerskip` makes the file)."
             )
-        # draft_k: the fixed draft length, or the first one a policy tries.
-        if k is None and k_policy is None:
-            draft_k, policy = self.spec.k, self.spec.k_policy
-        else:
-            fixed_k, policy = resolve_k(k, k_policy)
-            draft_k = fixed_k if fixed_k is not None else self.spec.k
-            if policy is None:
-                policy = "fixed" if k is not None else self.spec.k_policy
-        check_k_policy(policy, self.spec.k_max)
+        draft_k, policy = self.spec.call_k(k, k_policy)
         if method != "none" and draft_k < 1:
             raise InvalidRequestError(f"k (tokens drafted per step) must be >= 1, got {draft_k}.")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -331,7 +308,9 @@ class SpecDecoder:
         else:
             drafter = self.drafters.get(method)
             tree = method in TREE_METHODS
-            schedule = self._schedule(policy, draft_k, drafter) if drafter is not None and not tree else None
+            schedule = None
+            if drafter is not None and not tree:
+                schedule = self.costs.schedule(policy, draft_k, self.spec.k_max, drafter is self.draft_drafter)
         # The engine's k: the most a step drafts (a schedule chooses below it; a tree's shape
         # sets how much it drafts, so 1 only says "speculate").
         most_k = 1 if method in TREE_METHODS else self.spec.k_max if schedule is not None else draft_k
@@ -361,22 +340,12 @@ class SpecDecoder:
         speculative request drafts its own k each step.
         """
         if self.kv_dtype != "auto":
-            raise InvalidRequestError("The batch engine's KV pool stores the model dtype only; drop kv_dtype='int8'.")
+            raise InvalidRequestError('The batch engine\'s KV pool stores the model dtype only; drop kv_dtype="int8".')
         target = batch_model(self.target, max_batch, kv_cache_tokens, block_size)
         draft = None if self.draft is None else batch_model(self.draft, max_batch, kv_cache_tokens, block_size)
         verify_costs = draft_costs = None
         if cost_aware:
-            most_rows = max_batch * (self.spec.k_max + 1)
-            rows = sorted({1, 2, 4, 8, 16, 32, 64, most_rows} & set(range(1, min(most_rows, BATCH_PROBE_MAX_ROWS) + 1)))
-            live = self._live_costs()
-            # Batched shapes the engine will run often: plain steps and short drafts, at a
-            # middling and the largest batch.
-            shapes = sorted({(b, t) for b in {min(4, max_batch), max_batch} if b > 1 for t in (1, 3)})
-            verify_costs = time_batch_costs(target, rows, shapes, live, VERIFY_COST_REPEATS)
-            if draft is not None:
-                draft_rows = [r for r in rows if r <= 2 * max_batch] or [1]
-                draft_costs = time_batch_costs(draft, draft_rows, [(b, 1) for b, t in shapes if t == 1], live,
-                                               VERIFY_COST_REPEATS)
+            verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.spec.k_max, live=self.costs.live)
         return BatchEngine(
             target, draft, self.eos_token_ids,
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
@@ -389,41 +358,19 @@ class SpecDecoder:
         """Text deltas (stop strings applied) over token chunks from any engine, e.g. ``BatchWorker.submit``."""
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
 
-    def _live_costs(self) -> bool:
-        # On an asynchronous device step timings are only right with synchronising stopwatches.
-        return self.engine.device.type == "cpu" or self.engine.sync_timing
-
-    def _draft_model_costs(self) -> tuple[float, float]:
-        """Seconds of one draft-model pass over one token, and per token of a long catch-up
-        pass (timed once per decoder): whether the draft model can pay at all on this machine,
-        and what reading the tokens it missed costs the auto method."""
-        if self._draft_costs is None:
-            assert self.draft_drafter is not None
-            rows = CATCH_UP_PROBE_ROWS
-            seconds = self.draft_drafter.model.pass_seconds([1, rows], VERIFY_COST_REPEATS, logits_last=1)
-            self._draft_costs = (seconds[1], seconds[rows] / rows)
-        return self._draft_costs
-
     def _suffix_drafter(self, policy: str, k: int, group: str | None) -> SuffixDrafter | SuffixTreeDrafter:
-        """A fresh per-request suffix drafter: token trees on torch (tree attention), the best
-        chain on llama.cpp; cost-aware up to k_max deep with k "auto", else at most k deep."""
-        tree = self.backend == TORCH
+        """A fresh per-request suffix drafter: token trees on torch, the best chain elsewhere;
+        cost-aware up to k_max deep with k "auto" (the table the other methods time), else at most k."""
         cost_aware = policy == "cost"
-        depth = self.spec.k_max if cost_aware else k
-        tree_size = self.spec.tree_size or SUFFIX_TREE_SIZE
-        costs = None
-        if cost_aware:
-            # The table the other cost-aware methods time (once per decoder), extended along its
-            # last slope to a tree's rows rather than timed again.
-            measured = dict(enumerate(self.engine.verify_costs(self.spec.k_max + 1), start=1))
-            costs = [interpolate(measured, rows) for rows in range(1, (tree_size if tree else depth) + 2)]
-        return suffix_drafter(self.suffix_cache, group, tree=tree, depth=depth, tree_size=tree_size, verify_seconds=costs)
+        return suffix_drafter(self.suffix_cache, group, tree=self.backend == TORCH,
+                              depth=self.spec.k_max if cost_aware else k, tree_size=self.spec.tree_size,
+                              verify_seconds=self.engine.verify_costs(self.spec.k_max + 1) if cost_aware else None)
 
     def _auto_drafter(self, draft_k: int, suffix_group: str | None = DEFAULT_GROUP) -> AutoDrafter:
         """A fresh per-request auto drafter over this decoder's lookup, suffix trees and draft model."""
         k_max = self.spec.k_max
         draft = self.draft_drafter
-        pass_seconds, token_seconds = self._draft_model_costs() if draft is not None else (0.0, 0.0)
+        pass_seconds, token_seconds = self.costs.draft_model() if draft is not None else (0.0, 0.0)
         return AutoDrafter(
             self.ngram_drafter,
             draft,
@@ -432,23 +379,9 @@ class SpecDecoder:
             draft_k=draft_k,
             draft_pass_seconds=pass_seconds,
             draft_token_seconds=token_seconds,
-            live_costs=self._live_costs(),
+            live_costs=self.costs.live,
             suffix=SuffixDrafter(SuffixProposer(self.suffix_cache, suffix_group, depth=k_max)),
         )
-
-    def _schedule(self, policy: str, k: int, drafter: Drafter | None = None) -> KSchedule | None:
-        """A fresh per-request draft-length schedule (None: fixed k); the cost-aware one never
-        drafts with a draft model whose measured pass cost rules out any gain."""
-        k_max = self.spec.k_max
-        if policy == "threshold":
-            return ThresholdK(k=min(k, k_max), k_max=k_max)
-        if policy == "cost":
-            costs = self.engine.verify_costs(k_max + 1)
-            # A draft model whose pass costs too much next to the target's extra verify rows
-            # loses to plain decoding even when every token is accepted: never draft with it.
-            can_pay = drafter is not self.draft_drafter or speculation_can_pay(costs, self._draft_model_costs()[0], k_max)
-            return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max) if can_pay else 0, live_costs=self._live_costs())
-        return None
 
     def generate(
         self,

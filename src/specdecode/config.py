@@ -236,19 +236,31 @@ class SpecConfig:
         check_k_policy(self.k_policy, self.k_max)
         check_acceptance(self.acceptance, self.method)
         if self.tree_size is not None and not 1 <= self.tree_size <= MAX_TREE_SIZE:
-            raise InvalidRequestError(f"--tree-size must be in 1..{MAX_TREE_SIZE}, got {self.tree_size}.")
+            raise InvalidRequestError(f"tree_size={self.tree_size} is out of range: use 1..{MAX_TREE_SIZE}.")
         if self.suffix_cache_tokens < 0:
             raise InvalidRequestError(
-                f"suffix_cache_tokens must be >= 0 (0 keeps no earlier responses), got {self.suffix_cache_tokens}."
+                f"suffix_cache_tokens={self.suffix_cache_tokens} is out of range: use >= 0 (0 keeps no earlier responses)."
             )
+
+    def call_k(self, k: int | str | None, k_policy: str | None) -> tuple[int, str]:
+        """(draft_k, policy) for one call that may override ``k`` and ``k_policy``: draft_k is the
+        fixed draft length, or the first one a policy tries."""
+        if k is None and k_policy is None:
+            return self.k, self.k_policy
+        fixed_k, policy = resolve_k(k, k_policy)
+        draft_k = fixed_k if fixed_k is not None else self.k
+        if policy is None:
+            policy = "fixed" if k is not None else self.k_policy
+        check_k_policy(policy, self.k_max)
+        return draft_k, policy
 
 
 def check_acceptance(acceptance: str, method: str) -> None:
     if acceptance not in ACCEPTANCE_RULES:
-        raise InvalidRequestError(f"--acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {acceptance!r}.")
+        raise InvalidRequestError(f"acceptance={acceptance!r} is not one of: {', '.join(ACCEPTANCE_RULES)}.")
     if acceptance == "typical" and method not in TREE_METHODS:
         raise InvalidRequestError(
-            f"--acceptance typical applies to the tree methods ({', '.join(TREE_METHODS)}) only, not {method!r}."
+            f'acceptance="typical" applies to the tree methods ({", ".join(TREE_METHODS)}) only, not method={method!r}.'
         )
 
 
@@ -256,7 +268,7 @@ def check_k_policy(k_policy: str, k_max: int) -> None:
     if k_policy not in K_POLICY_CHOICES:
         raise InvalidRequestError(f"k policy must be one of {', '.join(K_POLICY_CHOICES)}, got {k_policy!r}.")
     if not 1 <= k_max <= MAX_K_MAX:
-        raise InvalidRequestError(f"--k-max must be in 1..{MAX_K_MAX}, got {k_max}.")
+        raise InvalidRequestError(f"k_max={k_max} is out of range: use 1..{MAX_K_MAX}.")
 
 
 def check_ngram_sizes(ngram_max: int, ngram_min: int) -> None:

@@ -27,7 +27,7 @@ from helpers import (
     llamacpp_decoder,
 )
 
-import specdecode.engine.batch
+import specdecode.engine.batch_verify
 from specdecode import SamplingParams
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.backends.llamacpp_batch import LlamaCppBatchModel
@@ -114,7 +114,7 @@ def test_sampling_inside_a_llamacpp_batch_matches_the_target_distribution(tiny_g
 
 
 def test_llamacpp_batch_distribution_test_has_power(tiny_ggufs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    install_wrong_residual(monkeypatch, specdecode.engine.batch)
+    install_wrong_residual(monkeypatch, specdecode.engine.batch_verify)
     dec = llamacpp_decoder(tiny_ggufs["target"], tiny_ggufs["far"])
     stat, df = chi_square_in_batches(dec, dec.batch_engine(max_batch=16, kv_cache_tokens=16 * 256, cost_aware=False))
     assert stat > CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}: the test has no power"

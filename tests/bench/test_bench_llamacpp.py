@@ -65,7 +65,7 @@ def test_bad_llamacpp_labels_are_one_clear_error(label: str, message: str) -> No
 
 
 def test_binaries_need_their_folder() -> None:
-    with pytest.raises(InvalidRequestError, match="--llamacpp-bin DIR"):
+    with pytest.raises(InvalidRequestError, match="llamacpp_bin=DIR"):
         BenchConfig(methods=("none", "llamacpp-bin-lookup"))
 
 

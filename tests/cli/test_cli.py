@@ -125,3 +125,40 @@ def test_demo_models_not_installed(capsys, monkeypatch) -> None:
 
     monkeypatch.setattr(demo, "demo_model_path", missing)
     expect_error(capsys, ["generate", "hi", "--quiet"], "specdecode[demo]")
+
+
+def test_library_errors_name_parameters_and_the_cli_names_flags(capsys, tiny_qwen2_dir: Path) -> None:
+    from specdecode import SpecDecoder
+    from specdecode.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as caught:
+        SpecDecoder.from_pretrained(str(tiny_qwen2_dir), method="none", backend="llama.cpp", show_progress=False)
+    assert 'backend="torch"' in str(caught.value) and "--backend" not in str(caught.value)
+    code, _, err = run_cli(capsys, "generate", "hi", *common(tiny_qwen2_dir), "--method", "none", "--backend", "llama.cpp")
+    assert code == cli.EXIT_USER_ERROR == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--backend torch" in lines[0] and 'backend="torch"' not in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("message", "worded"),
+    [
+        ('need the torch backend (backend="torch").', "need the torch backend (--backend torch)."),
+        ("method='medusa' needs heads (heads=FOLDER).", "--method medusa needs heads (--heads FOLDER)."),
+        ("k_max=40 is out of range: use 1..32.", "--k-max 40 is out of range: use 1..32."),
+        ("pass skip_layers= or layerskip_config=.", "pass --skip-layers or --layerskip-config."),
+        ("drop chat=True.", "drop --chat."),
+        ("pass target=/draft= explicitly.", "pass --target/--draft explicitly."),
+        ("data='my notes': no such folder", "--data 'my notes': no such folder"),
+        ("num_heads=0 must be positive", "--heads 0 must be positive"),
+        ("(or pass plots=False to skip matplotlib)", "(or pass --no-plots to skip matplotlib)"),
+        # Names no flag sets, and text that only looks like a parameter, stay as they are.
+        ("with n_ctx=4096 x n_seq_max=1", "with n_ctx=4096 x n_seq_max=1"),
+        ("run `specdecode train medusa --out HEADS` and --k=3 a==b", "run `specdecode train medusa --out HEADS` and --k=3 a==b"),
+    ],
+)
+def test_cli_names_the_parameters_of_library_errors_as_flags(message: str, worded: str) -> None:
+    from specdecode.cli.args import cli_message
+    from specdecode.errors import InvalidRequestError
+
+    assert cli_message(InvalidRequestError(message)) == worded

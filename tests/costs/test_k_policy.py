@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from helpers import PROMPTS, decoder, plain_tokens
 
-import specdecode.api
+import specdecode.costs.decoder_costs
 from specdecode import SamplingParams
 from specdecode.config import resolve_k
 from specdecode.costs.k_policy import (
@@ -103,7 +103,7 @@ def test_adaptive_k_keeps_greedy_output(
     # The tiny draft is as large as the tiny target, so on measured costs it cannot pay and the
     # cost policy would never draft with it (speculation_can_pay); here drafting must be
     # exercised, so the check is waived: the output must stay plain decoding's whatever k is.
-    monkeypatch.setattr(specdecode.api, "speculation_can_pay", lambda *args: True)
+    monkeypatch.setattr(specdecode.costs.decoder_costs, "speculation_can_pay", lambda *args: True)
     dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
     proposed = 0
     for prompt in PROMPTS[:4]:

@@ -8,7 +8,7 @@ import pytest
 from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square, copyable_prompt, decoder, plain_tokens
 
 from specdecode import SamplingParams
-from specdecode.drafters.auto import CATCH_UP_HORIZON, PRIOR_GAIN, PROBE_AFTER, AutoDrafter
+from specdecode.drafters.auto import CATCH_UP_HORIZON, DRAFT_RETRY_AFTER, PRIOR_GAIN, AutoDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.errors import InvalidRequestError
 
@@ -86,7 +86,7 @@ def test_failing_draft_goes_plain_then_probes_again() -> None:
     auto._draft_used = True
     observe(auto, "draft", 3, 0, times=10)
     assert auto.plan(50, 8, 0, 0) == ("none", 0)
-    for _ in range(PROBE_AFTER):
+    for _ in range(DRAFT_RETRY_AFTER):
         auto.source = "none"
         auto.observe(0, 0, 0.0, 0, FLAT_VERIFY[0])
     assert auto.plan(50, 8, 0, 0) == ("draft", 5)

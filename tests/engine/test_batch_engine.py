@@ -11,6 +11,7 @@ import torch
 from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square_in_batches, decoder, install_wrong_residual
 
 import specdecode.engine.batch
+import specdecode.engine.batch_verify
 import specdecode.engine.sampling
 from specdecode import SamplingParams
 from specdecode.costs.batch_k import BatchK, BatchRow, PassCosts
@@ -73,7 +74,7 @@ def test_preemption_recomputes_and_keeps_every_output(dec) -> None:
 
 def test_a_request_that_can_never_fit_is_refused_up_front(dec) -> None:
     eng = engine(dec, kv_cache_tokens=64)
-    with pytest.raises(InvalidRequestError, match="kv_cache_tokens"):
+    with pytest.raises(InvalidRequestError, match="kv_cache_tokens="):
         eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=100), "draft", 4)
     with pytest.raises(InvalidRequestError, match="methods"):
         eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=4), "eagle", 4)
@@ -170,7 +171,7 @@ def test_sampling_inside_a_batch_matches_the_target_distribution(
 
 
 def test_batch_distribution_test_catches_a_wrong_residual(tiny_qwen2_dir: Path, tiny_far_draft_dir: Path, monkeypatch) -> None:
-    install_wrong_residual(monkeypatch, specdecode.engine.batch)
+    install_wrong_residual(monkeypatch, specdecode.engine.batch_verify)
     stat, df = batch_chi_square(decoder(tiny_qwen2_dir, tiny_far_draft_dir), "async")
     assert stat > CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}: the test has no power"
 

@@ -299,9 +299,9 @@ def test_weight_bytes_shrink_with_quantization(tiny_qwen2_dir: Path) -> None:
 
 
 def test_bad_quant_options_are_clear_errors(tiny_qwen2_dir: Path) -> None:
-    with pytest.raises(InvalidRequestError, match="--target-quant must be one of"):
+    with pytest.raises(InvalidRequestError, match="target_quant='int2' is not one of"):
         SpecDecoder.from_pretrained(str(tiny_qwen2_dir), method="none", target_quant="int2", show_progress=False)
-    with pytest.raises(InvalidRequestError, match="--kv-dtype must be one of"):
+    with pytest.raises(InvalidRequestError, match="kv_dtype=.* is not one of"):
         SpecDecoder.from_pretrained(str(tiny_qwen2_dir), method="none", kv_dtype="fp8", show_progress=False)
 
 

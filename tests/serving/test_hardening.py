@@ -12,6 +12,7 @@ import pytest
 from server_helpers import MESSAGES, MODEL, PROMPT, client, metric, sse_data, wait_for
 
 import specdecode.api
+import specdecode.backends.load
 import specdecode.engine.batch
 import specdecode.engine.sampling
 import specdecode.models.loader
@@ -218,9 +219,9 @@ def test_unknown_methods_on_routes_get_an_openai_body(served) -> None:
 def test_events_are_single_lines_for_line_splitting_clients() -> None:
     """Generated text may hold U+2028 or U+0085, which str.splitlines and httpx's iter_lines
     (not SSE itself) read as line breaks; the schema fuzz test found events split by them."""
-    from specdecode.serving.server import _sse
+    from specdecode.serving.responses import sse
 
-    event = _sse({"text": "a\u2028b\x85c\u2029d é"})
+    event = sse({"text": "a\u2028b\x85c\u2029d é"})
     assert len(event.rstrip("\n").splitlines()) == 1 and json.loads(event[len("data: "):])["text"] == "a\u2028b\x85c\u2029d é"
 
 
@@ -291,7 +292,7 @@ def test_model_names_are_never_resolved_at_request_time(served, monkeypatch, tin
     import transformers
 
     monkeypatch.setattr(specdecode.models.loader, "load_model", no_loading)
-    monkeypatch.setattr(specdecode.api, "load_model", no_loading)
+    monkeypatch.setattr(specdecode.backends.load, "load_model", no_loading)
     monkeypatch.setattr(specdecode.api.SpecDecoder, "from_pretrained", no_loading)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)

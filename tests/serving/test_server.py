@@ -110,6 +110,21 @@ def test_bad_input_gets_an_openai_style_4xx(served, body: dict, status: int, par
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
 
 
+def test_library_errors_name_what_a_client_sets(served) -> None:
+    """A library error a request causes names the request's field (max_tokens, not the library's
+    max_new_tokens) and the server's flags."""
+    from specdecode.errors import InvalidRequestError
+    from specdecode.serving.protocol import client_message
+
+    base, _ = served
+    response = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 10**9})
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and "max_tokens=1000000000" in message and "max_new_tokens" not in message
+    worded = client_message(InvalidRequestError("lower max_new_tokens= or raise kv_cache_tokens=; n_ctx=8"))
+    assert worded == "lower max_tokens or raise --kv-cache-tokens; n_ctx=8"
+    assert "/v1/completions" in client_message(InvalidRequestError("no chat template; give the prompt without chat=True."))
+
+
 def test_malformed_json_and_unknown_routes_and_the_server_keeps_serving(served) -> None:
     base, _ = served
     response = httpx.post(base + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})

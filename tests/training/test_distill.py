@@ -83,11 +83,11 @@ def test_written_folder_holds_the_trained_layers(distilled, tiny_far_draft_dir: 
 
 
 def test_bad_settings_are_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(InvalidRequestError, match="train-layers"):
+    with pytest.raises(InvalidRequestError, match="train_layers="):
         DistillConfig(out=tmp_path, train_layers=0)
-    with pytest.raises(InvalidRequestError, match="--lr"):
+    with pytest.raises(InvalidRequestError, match="lr="):
         DistillConfig(out=tmp_path, lr=2.0)
-    with pytest.raises(InvalidRequestError, match="--loss"):
+    with pytest.raises(InvalidRequestError, match="loss="):
         DistillConfig(out=tmp_path, loss="mse")
 
 

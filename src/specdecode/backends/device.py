@@ -12,11 +12,11 @@ DTYPE_CHOICES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "f
 
 def resolve_device(name: str) -> torch.device:
     if name not in DEVICE_CHOICES and not name.startswith("cuda:"):
-        raise InvalidRequestError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {name!r}.")
+        raise InvalidRequestError(f"device={name!r} is not one of: {', '.join(DEVICE_CHOICES)}.")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidRequestError("--device cuda was asked for, but PyTorch sees no CUDA device.")
+        raise InvalidRequestError('device="cuda" was asked for, but PyTorch sees no CUDA device.')
     return torch.device(name)
 
 
@@ -31,7 +31,7 @@ def cpu_supports_bf16() -> bool:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 where the hardware computes in it natively, else fp32."""
     if name not in DTYPE_CHOICES:
-        raise InvalidRequestError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}.")
+        raise InvalidRequestError(f"dtype={name!r} is not one of: {', '.join(DTYPE_CHOICES)}.")
     chosen = DTYPE_CHOICES[name]
     if chosen is not None:
         return chosen

@@ -12,128 +12,43 @@ If a pass fails, every sequence it touched is cut back to its ``start``, so the 
 holds after an exception too.
 
 Logits come out of llama.cpp's buffer with exactly one copy (into the returned tensor).
-``llama_cpp`` is imported on first use, so this module imports without the binding.
+``llama_cpp`` is imported on first use, so this module imports without the binding
+(``backends/llamacpp_binding.py``: the import, llama.cpp's log, our errors; the batch fed to
+``llama_decode`` is ``backends/llamacpp_decode.py``'s).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import os
-import sys
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, ClassVar, Self
+from typing import Any, Self
 
 import numpy as np
 import torch
 
+from specdecode.backends.llamacpp_binding import (
+    DECODE_OK,
+    BackendUnavailableError,
+    ContextOverflowError,
+    LlamaCppDecodeError,
+    LogSink,
+    decode_error,
+    import_llama_cpp,
+    physical_core_count,
+)
+from specdecode.backends.llamacpp_decode import TokenBatch, copy_logits
 from specdecode.backends.llamacpp_threads import attach_shared_threadpool
 from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeError
 
+# Re-exported: the binding's errors and the default thread count are part of this module's API.
+__all__ = ["BackendUnavailableError", "ContextOverflowError", "LlamaCppDecodeError", "LlamaCppModel", "physical_core_count"]
+
 LOGITS_MODES = ("all", "last", "none")
 KV_TYPES = ("f16", "f32")  # llama.cpp's default is f16; f32 makes logits match fp32 torch closely
-# ggml's log levels (ggml.h). llama-cpp-python's own _logger maps an older numbering.
-GGML_LOG_LEVEL_WARN = 3
-GGML_LOG_LEVEL_CONT = 5
-# llama_decode return codes (llama.h).
-DECODE_OK = 0
-DECODE_NO_KV_SLOT = 1
-DECODE_ABORTED = 2
-DECODE_INVALID_BATCH = -1
-RECENT_LOG_LINES = 20  # warnings/errors kept to explain a failed load or decode
-
-
-class BackendUnavailableError(SpecDecodeError):
-    """The llama.cpp backend was asked for but llama-cpp-python is not installed."""
-
-
-class ContextOverflowError(InvalidRequestError):
-    """A pass would write positions beyond the context the model was created with."""
-
-
-class LlamaCppDecodeError(SpecDecodeError):
-    """llama_decode refused or failed a batch."""
-
-
-def _import_llama_cpp() -> ModuleType:
-    try:
-        import llama_cpp
-    except ImportError as err:  # a missing or unloadable libllama also surfaces as ImportError
-        raise BackendUnavailableError(
-            "the llama.cpp backend needs llama-cpp-python: `pip install llama-cpp-python` (it compiles "
-            f"llama.cpp, so it needs a C++ compiler and CMake), or use the torch backend instead ({err})"
-        ) from err
-    _set_up_once(llama_cpp)
-    return llama_cpp
-
-
-@functools.cache  # the log callback and the backend are process-global: set them up once
-def _set_up_once(llama_cpp: ModuleType) -> None:
-    _LogSink.install(llama_cpp)
-    llama_cpp.llama_backend_init()
-
-
-class _LogSink:
-    """Swallows llama.cpp's log output, keeping recent warnings and errors for our exceptions.
-
-    llama.cpp's logger is process-global, so there is one sink; importing llama_cpp installs
-    a callback that prints everything to stderr, which this one replaces.
-    """
-
-    recent: ClassVar[deque[str]] = deque(maxlen=RECENT_LOG_LINES)
-    echo: ClassVar[bool] = False  # also print every line to stderr (LlamaCppModel(verbose=True))
-    _callback: ClassVar[Any] = None  # the ctypes callback, held here so it is never garbage-collected
-    _last_level: ClassVar[int] = 0
-
-    @classmethod
-    def install(cls, llama_cpp: ModuleType) -> None:
-        cls._callback = llama_cpp.llama_log_callback(cls._log)
-        llama_cpp.llama_log_set(cls._callback, ctypes.c_void_p(0))
-
-    @classmethod
-    def _log(cls, level: int, text: bytes | None, user_data: int | None) -> None:
-        # Never raise: an exception in a ctypes callback cannot reach anyone who could handle it.
-        with contextlib.suppress(Exception):
-            message = text.decode("utf-8", errors="replace") if text else ""
-            if level != GGML_LOG_LEVEL_CONT:  # a continuation keeps its first part's level
-                cls._last_level = level
-            if cls._last_level >= GGML_LOG_LEVEL_WARN:
-                cls.recent.append(message.rstrip("\n"))
-            if cls.echo:
-                print(message, end="", file=sys.stderr, flush=True)
-
-    @classmethod
-    def take_recent(cls) -> str:
-        """The last few warnings and errors, joined; forgets them."""
-        lines = [line for line in cls.recent if line.strip()]
-        cls.recent.clear()
-        return "; ".join(lines[-5:])
-
-
-def physical_core_count() -> int:
-    """Physical cores among the CPUs this process may run on.
-
-    llama.cpp's matrix kernels gain nothing from a core's second hyperthread and lose when
-    threads outnumber the cores they get, so we count (package, core) pairs over the affinity
-    mask rather than logical CPUs; where the topology is unreadable, the number of allowed CPUs.
-    """
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
-    cores: set[tuple[str, str]] = set()
-    for cpu in cpus:
-        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            package = (topology / "physical_package_id").read_text().strip()
-            cores.add((package, (topology / "core_id").read_text().strip()))
-        except OSError:
-            return max(1, len(cpus))
-    return max(1, len(cores))
 
 
 class LlamaCppModel:
@@ -164,15 +79,15 @@ class LlamaCppModel:
         self._llama = None  # set first: close() (and __del__) must work on a half-built object
         self._model = None
         self._ctx = None
-        self._batch = None
+        self._batch: TokenBatch | None = None
         for name, value in (("n_ctx", n_ctx), ("n_seq_max", n_seq_max), ("n_batch", n_batch)):
             if value < 1:
                 raise InvalidRequestError(f"{name} must be at least 1, got {value}")
         if kv_type not in KV_TYPES:
             raise InvalidRequestError(f"kv_type must be one of {KV_TYPES}, got {kv_type!r}")
-        llama_cpp = _import_llama_cpp()
+        llama_cpp = import_llama_cpp()
         self._llama = llama_cpp
-        _LogSink.echo = verbose
+        LogSink.echo = verbose
         self.path = Path(gguf_path)
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
@@ -186,7 +101,7 @@ class LlamaCppModel:
         # One thread pool for all our contexts (a target and its draft): see llamacpp_threads.py.
         self.shared_threads = attach_shared_threadpool(llama_cpp, self._ctx, self.n_threads)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._init_batch(llama_cpp)
+        self._batch = TokenBatch(llama_cpp, self.n_batch)
 
     # ---------------------------------------------------------------------------- setup
 
@@ -196,10 +111,10 @@ class LlamaCppModel:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0  # this backend runs on the CPU; the torch backend owns GPUs
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP  # 0.3.36's spelling of use_mmap=True
-        _LogSink.take_recent()
+        LogSink.take_recent()
         model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
         if not model:
-            detail = _LogSink.take_recent() or "no detail from llama.cpp"
+            detail = LogSink.take_recent() or "no detail from llama.cpp"
             raise ModelLoadError(
                 f"llama.cpp could not load {self.path} ({detail}); is it a complete GGUF file of an "
                 "architecture this llama-cpp-python version supports?"
@@ -229,7 +144,7 @@ class LlamaCppModel:
         }[flash_attn]
         ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not ctx:
-            detail = _LogSink.take_recent() or "no detail from llama.cpp"
+            detail = LogSink.take_recent() or "no detail from llama.cpp"
             self.close()
             raise ModelLoadError(
                 f"llama.cpp could not create a context for {self.path} with n_ctx={self.n_ctx} x "
@@ -238,18 +153,6 @@ class LlamaCppModel:
         # llama.cpp may round the context up, never down; our checks use what was asked for.
         assert llama_cpp.llama_n_ctx_seq(ctx) >= self.n_ctx
         return ctx
-
-    def _init_batch(self, llama_cpp: ModuleType) -> None:
-        # One batch for the model's lifetime, written through numpy views of its C arrays so
-        # filling it costs a few vectorised stores instead of a Python loop over fields.
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        n = self.n_batch
-        self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(n,))
-        self._positions = np.ctypeslib.as_array(self._batch.pos, shape=(n,))
-        self._n_seq_id = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))
-        self._wants_logits = np.ctypeslib.as_array(self._batch.logits, shape=(n,))
-        self._seq_slots = [self._batch.seq_id[i] for i in range(n)]  # each token's seq id array
-        self._n_seq_id[:] = 1
 
     def with_sequences(self, n_seq_max: int, n_ctx: int) -> LlamaCppModel:
         """Another context on the same GGUF file and settings, with ``n_seq_max`` sequences of
@@ -354,44 +257,16 @@ class LlamaCppModel:
         return [None if res is None else torch.from_numpy(res) for res in results]
 
     def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], outputs: list[bool]) -> int:
-        count = len(tokens)
-        self._tokens[:count] = tokens
-        self._positions[:count] = positions
-        self._wants_logits[:count] = outputs
-        slots = self._seq_slots
-        for i, seq in enumerate(seqs):
-            slots[i][0] = seq
-        self._batch.n_tokens = count
-        rc = self._llama.llama_decode(self._ctx, self._batch)
+        assert self._batch is not None
+        self._batch.fill(tokens, positions, seqs, outputs)
+        rc = self._llama.llama_decode(self._ctx, self._batch.batch)
         if rc != DECODE_OK:
-            raise self._decode_error(rc, count)
+            raise decode_error(rc, len(tokens))
         return sum(outputs)
 
     def _copy_logits(self, results: list[np.ndarray | None], owners: list[tuple[int, int]]) -> None:
-        # The only copy: llama.cpp's logit rows (in batch order) straight into the result arrays.
         buffer = np.ctypeslib.as_array(self._llama.llama_get_logits(self._ctx), shape=(len(owners), self.vocab_size))
-        i = 0
-        while i < len(owners):
-            request, first_row = owners[i]
-            run = 1  # consecutive rows of one request go in one slice copy
-            while i + run < len(owners) and owners[i + run][0] == request:
-                run += 1
-            results[request][first_row : first_row + run] = buffer[i : i + run]
-            i += run
-
-    def _decode_error(self, rc: int, count: int) -> LlamaCppDecodeError:
-        detail = _LogSink.take_recent()
-        detail = f" (llama.cpp: {detail})" if detail else ""
-        if rc == DECODE_NO_KV_SLOT:
-            return LlamaCppDecodeError(
-                f"the llama.cpp context is full: no KV cache room for {count} more tokens{detail}; "
-                "truncate or clear sequences, or create the model with a larger n_ctx"
-            )
-        if rc == DECODE_ABORTED:
-            return LlamaCppDecodeError(f"llama_decode was aborted{detail}")
-        if rc == DECODE_INVALID_BATCH:
-            return LlamaCppDecodeError(f"llama.cpp rejected the batch as invalid{detail}")
-        return LlamaCppDecodeError(f"llama_decode failed with code {rc}{detail}")
+        copy_logits(buffer, results, owners)
 
     def _validate(self, requests: Sequence[tuple[int, Sequence[int], int, str]]) -> None:
         if not requests:
@@ -435,7 +310,7 @@ class LlamaCppModel:
         if llama_cpp is None:
             return
         if self._batch is not None:
-            llama_cpp.llama_batch_free(self._batch)
+            self._batch.free()
             self._batch = None
         if self._ctx is not None:
             llama_cpp.llama_free(self._ctx)

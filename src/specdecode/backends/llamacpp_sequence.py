@@ -117,7 +117,7 @@ def load_llamacpp_model(
     if path is None:
         raise InvalidRequestError(
             f"The llama.cpp backend runs GGUF files; {name!r} is not one (a Hugging Face folder or hub id). "
-            "Use backend 'torch' (--backend torch) for it."
+            'Use backend="torch" for it.'
         )
     folder = cached_tokenizer_folder(path, show_progress=show_progress)
     tokenizer = load_tokenizer(folder)

@@ -45,6 +45,7 @@ def choose_backend(
     weight_quant: bool,
     kv_int8: bool,
     batch_engine: bool = False,
+    compiled: bool = False,
 ) -> BackendChoice:
     """The backend for these models and options. ``draft_is_gguf`` is None without a draft
     model; ``batch_engine`` says the caller needs the continuous-batching engine (the server)."""
@@ -65,6 +66,8 @@ def choose_backend(
         blockers.append("target_quant/draft_quant quantize torch weights (a GGUF file carries its own quantization)")
     if kv_int8:
         blockers.append("kv_dtype int8 is the torch backend's cache")
+    if compiled:
+        blockers.append("compile= compiles the torch backend's passes")
     if batch_engine:
         blockers.append("the continuous-batching engine (batches, the server) runs on torch")
     installed = llamacpp_installed()
@@ -73,7 +76,7 @@ def choose_backend(
     if requested == LLAMACPP:
         if blockers:
             raise InvalidRequestError(
-                f"The llama.cpp backend cannot run this: {'; '.join(blockers)}. Use backend 'torch' (--backend torch)."
+                f'The llama.cpp backend cannot run this: {"; ".join(blockers)}. Use backend="torch".'
             )
         return BackendChoice(LLAMACPP, "asked for")
     if blockers:

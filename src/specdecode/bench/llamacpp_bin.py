@@ -122,7 +122,7 @@ def find_binary(folder: Path, method: str) -> Path:
     path = Path(folder).expanduser() / BINARIES[method]
     if not path.is_file():
         raise InvalidRequestError(
-            f"Method {method} runs {BINARIES[method]}, which is not in --llamacpp-bin {folder}: build llama.cpp's tools "
+            f"Method {method} runs {BINARIES[method]}, which is not in llamacpp_bin={str(folder)!r}: build llama.cpp's tools "
             "with `bash /work/shared/tools/build-llamacpp-tools.sh` (about 10 minutes) and pass the folder it prints."
         )
     return path
@@ -149,7 +149,7 @@ class LlamaCppBinaryMethod:
         if name not in LLAMACPP_BIN_METHODS:
             raise InvalidRequestError(f"Unknown llama.cpp binary method {name!r}; choose one of: {', '.join(LLAMACPP_BIN_METHODS)}.")
         if name == "llamacpp-bin-draft" and draft is None:
-            raise InvalidRequestError("llamacpp-bin-draft needs a draft model: pass --draft with a .gguf file.")
+            raise InvalidRequestError("llamacpp-bin-draft needs a draft model: pass a .gguf file as draft=.")
         self.name = name
         self.binary = find_binary(folder, name)
         self.tokenizer = tokenizer
@@ -173,7 +173,7 @@ class LlamaCppBinaryMethod:
 
     def run_turn(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
         if params.temperature > 0:
-            raise InvalidRequestError(f"{self.name} is run greedy only (--temp 0); use --temperature 0.")
+            raise InvalidRequestError(f"{self.name} is run greedy only (--temp 0); use temperature=0.")
         prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)  # the binary re-tokenizes it
         try:
             done = subprocess.run(self.command(prompt, params.max_new_tokens), capture_output=True, text=True,

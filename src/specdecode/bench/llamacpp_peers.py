@@ -48,18 +48,18 @@ def resolve_gguf_files(target: str, draft: str | None, methods: list[str], needs
     target_path = gguf_source(target, show_progress=False)
     if target_path is None:
         raise InvalidRequestError(
-            f"Methods {asked} run on llama.cpp, which reads GGUF files; --target {target!r} is not one (a Hugging "
-            "Face folder or hub id). Pass a .gguf file or a demo model name as --target, or leave those methods out."
+            f"Methods {asked} run on llama.cpp, which reads GGUF files; target={target!r} is not one (a Hugging "
+            "Face folder or hub id). Pass a .gguf file or a demo model name as target=, or leave those methods out."
         )
     if not needs_draft:
         return GGUFFiles(target_path, None)
     if draft is None:
-        raise InvalidRequestError(f"Methods {asked} need a draft model on llama.cpp: pass --draft with a .gguf file.")
+        raise InvalidRequestError(f"Methods {asked} need a draft model on llama.cpp: pass a .gguf file as draft=.")
     draft_path = gguf_source(draft, show_progress=False)
     if draft_path is None:
         raise InvalidRequestError(
-            f"Methods {asked} run on llama.cpp, which reads GGUF files; --draft {draft!r} is not one. Pass a .gguf "
-            "file or a demo model name as --draft, or leave those methods out."
+            f"Methods {asked} run on llama.cpp, which reads GGUF files; draft={draft!r} is not one. Pass a .gguf "
+            "file or a demo model name as draft=, or leave those methods out."
         )
     return GGUFFiles(target_path, draft_path)
 

@@ -305,7 +305,7 @@ class HFMethod:
         if name not in HF_METHODS:
             raise InvalidRequestError(f"Unknown Hugging Face method {name!r}; choose one of: {', '.join(HF_METHODS)}.")
         if name == "hf-assisted" and draft is None:
-            raise InvalidRequestError("hf-assisted needs a draft model (--draft).")
+            raise InvalidRequestError("hf-assisted needs a draft model (draft=).")
         import transformers
 
         # Its per-call deprecation notices would bury the benchmark's own output.

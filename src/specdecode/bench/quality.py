@@ -83,9 +83,9 @@ def measure_quality(
     from specdecode.quant.apply import check_quant
 
     for quant in quants:
-        check_quant(quant, "--quants")
+        check_quant(quant, "quants")
     if window < 2:
-        raise InvalidRequestError(f"--window must be >= 2, got {window}.")
+        raise InvalidRequestError(f"window={window}: it must be >= 2.")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     name = target or demo.DEFAULT_TARGET

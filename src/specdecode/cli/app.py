@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from specdecode.cli.args import EXIT_INTERRUPTED, EXIT_USER_ERROR
+from specdecode.cli.args import EXIT_INTERRUPTED, EXIT_USER_ERROR, cli_message
 from specdecode.cli.audit import add_audit_parser, cmd_audit
 from specdecode.cli.bench import add_bench_parser, add_quality_parser, cmd_bench, cmd_quality
 from specdecode.cli.generate import add_generate_parser, cmd_generate
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "audit":
             return cmd_audit(args)
     except SpecDecodeError as err:
-        print(f"specdecode: error: {err}", file=sys.stderr)
+        print(f"specdecode: error: {cli_message(err)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("specdecode: interrupted", file=sys.stderr)

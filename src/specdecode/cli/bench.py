@@ -6,7 +6,14 @@ import argparse
 from pathlib import Path
 
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
-from specdecode.cli.args import EXIT_INTERRUPTED, add_layerskip_arguments, add_ngram_arguments, comma_list
+from specdecode.cli.args import (
+    EXIT_INTERRUPTED,
+    add_compile_arguments,
+    add_layerskip_arguments,
+    add_ngram_arguments,
+    comma_list,
+    compile_choice,
+)
 from specdecode.cli.train import add_tree_arguments
 from specdecode.cli.train import positive_int as _positive_int
 from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K
@@ -79,6 +86,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
     bench.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     bench.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV-cache storage of specdecode's methods")
+    add_compile_arguments(bench)
     bench.add_argument("--bandwidth-probe-mib", type=int, default=1024, help="size of the copy-bandwidth probe (0 = skip it and the ceilings)")
     bench.add_argument(
         "--from-results", metavar="RESULTS_JSON",
@@ -126,6 +134,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         kv_dtype=args.kv_dtype,
+        compile=compile_choice(args),
         bandwidth_probe_bytes=max(0, args.bandwidth_probe_mib) << 20,
         out=Path(args.out),
         plots=not args.no_plots,

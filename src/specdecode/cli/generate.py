@@ -9,10 +9,12 @@ import sys
 from specdecode.backends.base import BACKENDS
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
 from specdecode.cli.args import (
+    add_compile_arguments,
     add_k_policy_arguments,
     add_layerskip_arguments,
     add_ngram_arguments,
     add_quant_arguments,
+    compile_choice,
     k_value,
 )
 from specdecode.cli.train import add_tree_arguments
@@ -68,6 +70,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--backend", choices=BACKENDS, default="auto",
                      help="auto: llama.cpp for GGUF files on the CPU where llama-cpp-python is installed, else torch")
     add_quant_arguments(gen)
+    add_compile_arguments(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     gen.add_argument("--quiet", action="store_true", help="no progress bars or metrics on stderr")
@@ -107,7 +110,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tree_size=args.tree_size,
         acceptance=args.acceptance,
         show_progress=not args.quiet,
+        compile=compile_choice(args),
     )
+    if args.compile:
+        log = decoder.warm_up(show_progress=not args.quiet)
+        if not args.quiet:
+            print(f"specdecode: {log.summary()}", file=sys.stderr, flush=True)
     stream = decoder.stream(prompt, params, chat=args.chat)
     if args.json:
         for _ in stream:

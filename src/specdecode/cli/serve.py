@@ -6,9 +6,16 @@ import argparse
 import math
 import os
 import sys
+from typing import TYPE_CHECKING, NamedTuple
 
 from specdecode.backends.base import BACKENDS
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
+from specdecode.cli.args import add_compile_arguments, compile_choice
+
+if TYPE_CHECKING:
+    from specdecode import SpecDecoder
+    from specdecode.serving.server import ServerOptions
+    from specdecode.serving.worker import BatchWorker
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
 
@@ -28,6 +35,7 @@ def non_negative_float(text: str) -> float:
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from specdecode.cli.serve_ray import add_ray_arguments
     from specdecode.cli.train import non_negative_int, positive_int
     from specdecode.config import DEFAULT_K, DEFAULT_SUFFIX_CACHE_TOKENS, METHODS
     from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
@@ -64,6 +72,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--target-quant", choices=QUANT_CHOICES, default="none")
     parser.add_argument("--draft-quant", choices=QUANT_CHOICES, default="none")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
+    add_compile_arguments(parser)
     parser.add_argument("--max-batch", type=non_negative_int, default=DEFAULT_MAX_BATCH,
                         help="most requests decoded together (0: no batching, one request at a time)")
     parser.add_argument("--kv-cache-tokens", type=positive_int, default=DEFAULT_KV_CACHE_TOKENS,
@@ -90,29 +99,62 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         help="seconds a request may run (queueing included) before it is stopped (default: no limit)")
     limits.add_argument("--drain-timeout", type=non_negative_float, default=DEFAULT_DRAIN_TIMEOUT,
                         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are ended")
+    add_ray_arguments(parser)
+
+
+class ServerParts(NamedTuple):
+    """What ``specdecode serve``'s flags build: the process serves these (or each Ray Serve replica does)."""
+
+    decoder: SpecDecoder
+    model_name: str
+    worker: BatchWorker | None
+    options: ServerOptions
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specdecode import SpecDecoder
+    from specdecode.cli.serve_ray import cmd_serve_ray, refuse_ray_flags_without_ray
     from specdecode.errors import InvalidRequestError
-    from specdecode.models import demo
-    from specdecode.serving.worker import BatchWorker
 
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
 
-        from specdecode.serving.guard import GuardOptions, default_allowed_hosts
-        from specdecode.serving.server import ServerOptions, serve
+        from specdecode.serving.server import serve
     except ImportError as err:
         raise InvalidRequestError(f'`specdecode serve` needs the server extras: pip install "specdecode[serve]" ({err}).') from err
     if not 0 < args.port < 65536:
         raise InvalidRequestError(f"--port must be in 1..65535, got {args.port}.")
+    if args.ray:
+        return cmd_serve_ray(args)
+    refuse_ray_flags_without_ray(args)
+    parts = load_server(args)
+    serve(parts.decoder, parts.model_name, args.host, args.port, log_level=args.log_level, worker=parts.worker,
+          options=parts.options)
+    return 0
+
+
+def load_server(args: argparse.Namespace) -> ServerParts:
+    """Load the models and build the batch worker and the server options that ``args`` (the
+    flags of ``specdecode serve``) ask for; a Ray Serve replica calls this with the same flags."""
+    from specdecode import SpecDecoder
+    from specdecode.models import demo
+    from specdecode.serving.guard import GuardOptions, default_allowed_hosts
+    from specdecode.serving.server import ServerOptions
+    from specdecode.serving.worker import BatchWorker
+
     decoder = SpecDecoder.from_pretrained(
         args.target, args.draft, method=args.method, k=args.k, heads=args.heads, tree_size=args.tree_size,
         dtype=args.dtype, device=args.device, target_quant=args.target_quant, draft_quant=args.draft_quant,
-        kv_dtype=args.kv_dtype, backend=args.backend, suffix_cache_tokens=args.suffix_cache_tokens,
+        kv_dtype=args.kv_dtype, backend=args.backend, compile=compile_choice(args),
+        suffix_cache_tokens=args.suffix_cache_tokens,
     )
+    if args.compile:
+        # Batched requests run the batch engine's passes, which are not compiled; requests served
+        # one at a time (--max-batch 0, or methods the batch does not take) run compiled.
+        if args.max_batch > 0:
+            print("--compile: the continuous-batching engine's passes run eagerly; requests that run one at a time "
+                  "(--max-batch 0, methods auto, layerskip, medusa, eagle) run compiled.", file=sys.stderr)
+        print(f"specdecode: {decoder.warm_up(show_progress=True, all_shapes=True).summary()}", file=sys.stderr)
     name = args.model_name or (args.target or demo.DEFAULT_TARGET)
     worker = None
     if args.max_batch > 0:
@@ -130,5 +172,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          allowed_hosts=default_allowed_hosts(args.host, hosts))
     options = ServerOptions(guard=guard, request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
                             suffix_share=args.suffix_share)
-    serve(decoder, name, args.host, args.port, log_level=args.log_level, worker=worker, options=options)
-    return 0
+    return ServerParts(decoder, name, worker, options)

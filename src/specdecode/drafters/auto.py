@@ -26,7 +26,8 @@ microseconds; then the source with the highest expected tokens per second steps:
 
 The draft model drafts up to ``draft_k`` tokens (its confidence cut-off ends drafts early);
 prompt lookup and suffix decoding propose as many found tokens as pay under
-``k_policy.best_plan`` with their per-match acceptance. After ``PROBE_AFTER`` steps without the draft model and no lookup match, a
+``k_policy.best_plan`` with their per-match acceptance. After ``DRAFT_RETRY_AFTER`` steps without
+the draft model and no lookup match, a
 draft model used earlier in the request drafts again, so a stale estimate can recover.
 Choosing only changes what is proposed, never the acceptance rule: output stays lossless.
 
@@ -62,7 +63,12 @@ PRIOR_STEPS = 2.0  # ... with the weight of this many plain steps' time
 # An untried lookup match length is assumed to pay this much: trying one costs only a few
 # extra verified rows, and a source that is never tried is never measured.
 LOOKUP_PRIOR_GAIN = 2.0
-PROBE_AFTER = 6  # steps without the draft model (and no lookup match) before it drafts again
+# Steps without the draft model (and no lookup match) before it drafts again. Not
+# k_policy.PROBE_AFTER, which counts plain steps in a row before a schedule drafts a short
+# probe (PROBE_K tokens, waiting longer after each probe that does not pay): this counts steps
+# any other source took (lookup steps included) before the draft model, whose goodput estimate
+# only its own steps update, drafts its full draft_k again.
+DRAFT_RETRY_AFTER = 6
 
 
 class AutoDrafter:
@@ -168,7 +174,7 @@ class AutoDrafter:
                     best = (source, k, goodput.rate)
         if self.draft is not None and self.draft_can_pay:
             k = min(self.draft_k, num_tokens)
-            if self._draft_used and self._since_draft >= PROBE_AFTER and lookup_tokens == 0 and suffix_tokens == 0:
+            if self._draft_used and self._since_draft >= DRAFT_RETRY_AFTER and lookup_tokens == 0 and suffix_tokens == 0:
                 return "draft", k
             rate = self.draft_goodput.rate
             catch_up = self._catch_up_seconds(length - self.draft.cached_len)

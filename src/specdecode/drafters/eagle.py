@@ -55,7 +55,7 @@ class EagleDrafter:
         top_k: int = DEFAULT_TOP_K,
     ) -> None:
         if not 1 <= tree_size <= MAX_TREE_SIZE:
-            raise InvalidRequestError(f"--tree-size must be in 1..{MAX_TREE_SIZE}, got {tree_size}.")
+            raise InvalidRequestError(f"tree_size={tree_size} is out of range: use 1..{MAX_TREE_SIZE}.")
         if depth < 1 or top_k < 1:
             raise InvalidRequestError(f"EAGLE needs depth >= 1 and top_k >= 1, got {depth} and {top_k}.")
         self.head = head

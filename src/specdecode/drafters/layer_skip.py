@@ -98,7 +98,7 @@ def resolve_skip_layers(
     from specdecode.training.layer_search import LayerSkipChoice, builtin_choice
 
     if skip_layers and layerskip_config:
-        raise InvalidRequestError("Give the layers to skip either as --skip-layers or as --layerskip-config, not both.")
+        raise InvalidRequestError("Give the layers to skip either as skip_layers= or as layerskip_config=, not both.")
     if skip_layers:
         return check_skip_layers(skip_layers, num_layers)
     if layerskip_config:
@@ -106,7 +106,7 @@ def resolve_skip_layers(
     builtin = builtin_choice(target)
     if builtin is None:
         raise InvalidRequestError(
-            f"--method layerskip needs the layers to skip for {target}: run `specdecode tune-layerskip --target "
-            f"{target} --out layerskip.json` and pass --layerskip-config layerskip.json, or give --skip-layers."
+            f'method="layerskip" needs the layers to skip for {target}: run `specdecode tune-layerskip --target '
+            f'{target} --out layerskip.json` and pass layerskip_config="layerskip.json", or give skip_layers=.'
         )
     return check_skip_layers(builtin.skip_layers, num_layers)

@@ -32,7 +32,7 @@ DEFAULT_TREE_SIZE = 12  # drafted nodes (root excluded)
 def _best_paths(accuracy: Sequence[Sequence[float]], tree_size: int) -> list[tuple[float, tuple[int, ...]]]:
     """Up to ``tree_size`` (probability, path) pairs, best first (see ``build_static_tree``)."""
     if tree_size < 1:
-        raise InvalidRequestError(f"--tree-size must be at least 1, got {tree_size}.")
+        raise InvalidRequestError(f"tree_size={tree_size} is out of range: use at least 1.")
     depth, ranks = len(accuracy), len(accuracy[0]) if accuracy else 0
     if depth == 0 or ranks == 0:
         raise InvalidRequestError("building a Medusa tree needs per-head top-k accuracies.")

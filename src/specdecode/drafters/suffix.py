@@ -36,6 +36,7 @@ import torch
 
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.device import host_to_device
+from specdecode.costs.k_policy import interpolate
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.suffix_cache import DEFAULT_MAX_DEPTH, ResponseHandle, SuffixCache
 from specdecode.drafters.suffix_tree import Draft, SuffixTree
@@ -301,7 +302,12 @@ def suffix_drafter(
     tree_size: int | None = None,
     verify_seconds: Sequence[float] | None = None,
 ) -> SuffixDrafter | SuffixTreeDrafter:
-    """A fresh per-request suffix drafter: token trees (``tree``) or the best chain."""
-    proposer = SuffixProposer(cache, group, depth=depth, tree_size=tree_size or DEFAULT_TREE_SIZE,
-                              verify_seconds=verify_seconds)
+    """A fresh per-request suffix drafter: token trees (``tree``) or the best chain.
+    ``verify_seconds`` (index r - 1: a verify pass over r rows) is extended along its last slope
+    to as many rows as a draft may take, rather than timed again."""
+    tree_size = tree_size or DEFAULT_TREE_SIZE
+    if verify_seconds is not None:
+        measured = dict(enumerate(verify_seconds, start=1))
+        verify_seconds = [interpolate(measured, rows) for rows in range(1, (tree_size if tree else depth) + 2)]
+    proposer = SuffixProposer(cache, group, depth=depth, tree_size=tree_size, verify_seconds=verify_seconds)
     return SuffixTreeDrafter(proposer) if tree else SuffixDrafter(proposer)

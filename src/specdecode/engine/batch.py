@@ -29,7 +29,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -37,20 +36,23 @@ from specdecode.backends.base import BatchModel, SequencePool
 from specdecode.backends.device import host_to_device
 from specdecode.backends.torch_batch import PagedBatchModel
 from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SamplingParams
-from specdecode.costs.batch_k import BatchK, BatchRow, PassCosts
+from specdecode.costs.batch_k import BatchK, PassCosts
 from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.base import DraftProposal
-from specdecode.drafters.batch_draft import BatchDraftModel, DraftRow
+from specdecode.drafters.batch_draft import BatchDraftModel
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
+from specdecode.engine.batch_proposals import max_draft, may_draft, plan_row, propose
+from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
+from specdecode.engine.batch_verify import verify_rows
 from specdecode.engine.metrics import GenerationStats, Stopwatch
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.scheduler import ScheduledSequence, Scheduler
 from specdecode.engine.stopping import cut_at_stop
-from specdecode.engine.verify import PAD_TOKEN, greedy_verify, rejection_verify
+from specdecode.engine.verify import PAD_TOKEN
 from specdecode.errors import InvalidRequestError
-from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, stack_padded
+from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
 from specdecode.models.llama import Transformer
 
 BATCH_METHODS = ("none", "ngram", "draft", "suffix")
@@ -58,41 +60,7 @@ BATCH_POLICIES = ("async", "sync")
 DEFAULT_MAX_BATCH = 8
 POOLED_ACCEPTANCE_DECAY = 0.98  # the engine-wide estimate forgets over ~50 steps
 POOLED_PRIOR_TRIALS = 6.0  # how many of its trials a new request's estimate inherits, at most
-# Below this many tried draft positions a row's estimate is too thin to stop drafting on (one
-# rejected first token would read as 40% acceptance): the chooser treats it as unobserved.
-MIN_OBSERVED_TRIALS = 3.0
 DEFAULT_KV_CACHE_TOKENS = 16384  # per model; the demo target's bf16 KV: 28 KiB a token, 0.45 GiB
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step did for one request."""
-
-    request_id: str
-    new_tokens: list[int]
-    finished: bool
-    stats: GenerationStats
-    error: BaseException | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    request_id: str
-    params: SamplingParams
-    method: str
-    k: int  # the most tokens this request lets a step draft
-    processor: LogitsProcessor
-    generator: torch.Generator | None
-    tokens: list[int]  # committed, host
-    committed: torch.Tensor  # (capacity,) long, device: the same tokens
-    stats: GenerationStats
-    started: float
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    ngram: NgramDrafter | SuffixDrafter | None = None  # a host-side drafter: prompt lookup or suffix decoding
-
-    @property
-    def remaining(self) -> int:
-        return self.params.max_new_tokens - self.stats.new_tokens
 
 
 class BatchEngine:
@@ -172,7 +140,7 @@ class BatchEngine:
         committed = torch.zeros(capacity + 1, dtype=torch.long, device=self.device)
         committed[:prompt_len] = host_to_device(list(prompt_ids), torch.long, self.device)
         processor = LogitsProcessor.from_params(params)
-        request = _Request(
+        request = BatchRequest(
             request_id=request_id, params=params, method=method, k=k, processor=processor,
             generator=None if processor.greedy else make_generator(params.seed, self.device),
             tokens=list(prompt_ids), committed=committed,
@@ -218,7 +186,7 @@ class BatchEngine:
         seq = self._requests.get(request_id)
         if seq is None:
             return None
-        request: _Request = seq.state
+        request: BatchRequest = seq.state
         request.stats.stop_reason = "cancelled"
         self._finish(seq)
         return RequestOutput(request_id, [], True, request.stats)
@@ -246,7 +214,7 @@ class BatchEngine:
         return len(self.scheduler.waiting)
 
     def _finish(self, seq: ScheduledSequence) -> None:
-        request: _Request = seq.state
+        request: BatchRequest = seq.state
         request.stats.total_seconds = time.perf_counter() - request.started
         self.scheduler.finish(seq)
         if self.drafter is not None:
@@ -268,16 +236,16 @@ class BatchEngine:
         running = list(self.scheduler.running)
         if not running:
             return failed
-        requests: list[_Request] = [seq.state for seq in running]
-        drafting = [seq for seq in running if self._may_draft(seq.state)]
-        plans = [self._plan_row(seq) for seq in drafting]
+        requests: list[BatchRequest] = [seq.state for seq in running]
+        drafting = [seq for seq in running if may_draft(seq.state)]
+        plans = [plan_row(seq, self.drafter, self.draft_confidence) for seq in drafting]
         k = self.chooser.choose(plans, len(requests))
         read_ahead = k > 0 and any(plan.backlog for plan in plans)
         wanted = {seq.seq_id: 0 for seq in running}
-        wanted.update({seq.seq_id: min(k, self._max_draft(seq.state)) for seq in drafting})
+        wanted.update({seq.seq_id: min(k, max_draft(seq.state)) for seq in drafting})
 
         def needs(seq: ScheduledSequence) -> tuple[int, int]:
-            request: _Request = seq.state
+            request: BatchRequest = seq.state
             return len(request.tokens) + wanted[seq.seq_id], len(request.tokens) + wanted[seq.seq_id] - 1
 
         for seq in self.scheduler.reserve(needs):
@@ -286,7 +254,7 @@ class BatchEngine:
         running = list(self.scheduler.running)
         if not running:
             return failed
-        generators = _generator_states(running)
+        generators = generator_states(running)
         draft_watch, verify_watch = Stopwatch(self.device, self.sync_timing), Stopwatch(self.device, self.sync_timing)
         try:
             with draft_watch:
@@ -298,7 +266,7 @@ class BatchEngine:
             running = list(self.scheduler.running)
             if not running:
                 return failed
-            _restore_generators(generators)
+            restore_generators(generators)
             with draft_watch:
                 proposals, draft_passes, draft_rows = self._draft(running, wanted)
             with verify_watch:
@@ -329,7 +297,7 @@ class BatchEngine:
         of the models, not of a request)."""
         blamed = []
         for seq in running:
-            _restore_generators(generators)
+            restore_generators(generators)
             try:
                 proposals, _, _ = self._draft([seq], wanted)
                 self._verify([seq], proposals)
@@ -355,38 +323,17 @@ class BatchEngine:
         return []
 
     def _fail(self, seq: ScheduledSequence, error: BaseException) -> RequestOutput:
-        request: _Request = seq.state
+        request: BatchRequest = seq.state
         request.stats.stop_reason = "error"
         self._finish(seq)
         return RequestOutput(request.request_id, [], True, request.stats, error=error)
-
-    @staticmethod
-    def _may_draft(request: _Request) -> bool:
-        # A request's first token comes from a plain step: its time to first token never pays
-        # for a draft model reading the prompt, nor for a draft step priced on a guessed
-        # acceptance while requests sent with it are still arriving.
-        return request.method != "none" and request.stats.new_tokens > 0
-
-    def _plan_row(self, seq: ScheduledSequence) -> BatchRow:
-        request: _Request = seq.state
-        backlog = 0
-        if request.method == "draft":
-            assert self.drafter is not None
-            backlog = self.drafter.backlog(seq.seq_id, len(request.tokens))
-        return BatchRow(request.acceptance.rate, self._max_draft(request), request.method == "draft", backlog,
-                        observed=request.acceptance.trials >= MIN_OBSERVED_TRIALS, remaining=request.remaining,
-                        stops_early=request.method == "draft" and self.draft_confidence > 0)
-
-    def _max_draft(self, request: _Request) -> int:
-        # A step emits at most k + 1 tokens: never draft past max_new_tokens.
-        return max(0, min(request.k, request.remaining - 1))
 
     def _prefill(self, seqs: list[ScheduledSequence]) -> None:
         """Fill newly admitted (or readmitted) sequences' target caches with their committed tokens
         but the last, which the first verify pass feeds: one padded pass for all of them. The draft
         model reads them the first time a sequence drafts (``BatchDraftModel.add``)."""
         started = time.perf_counter()
-        requests: list[_Request] = [seq.state for seq in seqs]
+        requests: list[BatchRequest] = [seq.state for seq in seqs]
         rows = [(seq, request) for seq, request in zip(seqs, requests, strict=True) if len(request.tokens) > 1]
         if rows:
             self.target.forward([seq.seq_id for seq, _ in rows], [request.committed[: len(request.tokens) - 1] for _, request in rows],
@@ -402,35 +349,8 @@ class BatchEngine:
         for request in requests:
             request.stats.prefill_seconds += elapsed
 
-    def _draft(
-        self, running: list[ScheduledSequence], wanted: dict[int, int]
-    ) -> tuple[list[DraftProposal], int, int]:
-        """Each row's proposal (possibly empty), the draft model's passes and rows per pass."""
-        empty = torch.empty((1, 0), dtype=torch.long, device=self.device)
-        proposals = [DraftProposal(tokens=empty, probs=None) for _ in running]
-        model_rows, model_index = [], []
-        for index, seq in enumerate(running):
-            request: _Request = seq.state
-            k = wanted[seq.seq_id]
-            if k == 0:
-                continue
-            if request.ngram is not None:
-                request.ngram.extend(request.tokens[len(request.ngram.history):])
-                match, _ = request.ngram.match(k)
-                if match:
-                    proposals[index] = DraftProposal(tokens=host_to_device([match], torch.long, self.device), probs=None)
-            elif request.method == "draft":
-                length = len(request.tokens)
-                model_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator,
-                                           self.draft_confidence))
-                model_index.append(index)
-        passes = 0
-        if model_rows:
-            assert self.drafter is not None
-            drafted, passes = self.drafter.propose(model_rows)
-            for index, proposal in zip(model_index, drafted, strict=True):
-                proposals[index] = proposal
-        return proposals, passes, len(model_rows)
+    def _draft(self, running: list[ScheduledSequence], wanted: dict[int, int]) -> tuple[list[DraftProposal], int, int]:
+        return propose(running, wanted, self.drafter, self.draft_confidence, self.device)
 
     def _verify(self, running: list[ScheduledSequence], proposals: list[DraftProposal]) -> list[list[int]]:
         """One target pass over every row; each row's emitted tokens (accepted drafts + one).
@@ -439,33 +359,15 @@ class BatchEngine:
         processor's probabilities and its own generator); one host read brings all rows back."""
         inputs, starts = [], []
         for seq, proposal in zip(running, proposals, strict=True):
-            request: _Request = seq.state
+            request: BatchRequest = seq.state
             length = len(request.tokens)
             inputs.append(torch.cat([request.committed[length - 1 : length], proposal.tokens[0]]))
             starts.append(length - 1)
         logits = self.target.forward([seq.seq_id for seq in running], inputs, starts)  # (B, T, V)
         assert logits is not None
-        requests: list[_Request] = [seq.state for seq in running]
-        greedy = [b for b, request in enumerate(requests) if request.processor.greedy]
-        sampled = [b for b, request in enumerate(requests) if not request.processor.greedy]
-        results: dict[int, torch.Tensor] = {}
-        for group in (greedy, sampled):
-            if not group:
-                continue
-            counts = [proposals[b].num_tokens for b in group]
-            width = max(counts)
-            drafts = stack_padded([proposals[b].tokens[0] for b in group])[:, :width]  # (G, k)
-            index = host_to_device(group, torch.long, logits.device)
-            if group is greedy:
-                result = greedy_verify(drafts, logits[index, : width + 1], counts)
-            else:
-                probs = torch.cat([_padded(requests[b].processor.probs(logits[b : b + 1, : counts[i] + 1]), width + 1)
-                                   for i, b in enumerate(group)])  # (G, k + 1, V)
-                result = rejection_verify(drafts, _draft_probs([proposals[b] for b in group], width, probs.shape[-1]),
-                                          probs, [requests[b].generator for b in group], counts)
-            for i, b in enumerate(group):
-                results[b] = result.tokens[i]
-        emitted = stack_padded([results[b] for b in range(len(running))], PAD_TOKEN).tolist()  # the one host read of the step
+        requests: list[BatchRequest] = [seq.state for seq in running]
+        emitted = verify_rows(logits, proposals, [r.processor for r in requests], [r.generator for r in requests])
+        emitted = emitted.tolist()  # the one host read of the step
         return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in emitted]
 
     def _commit(
@@ -486,7 +388,7 @@ class BatchEngine:
                 emitted = [row[: a + 1] for row, a in zip(emitted, accepted, strict=True)]
         outputs = []
         for seq, proposal, row, accepted_len in zip(running, proposals, emitted, accepted, strict=True):
-            request: _Request = seq.state
+            request: BatchRequest = seq.state
             stats = request.stats
             stats.draft_seconds += draft_seconds
             stats.verify_seconds += verify_seconds
@@ -525,36 +427,7 @@ class BatchEngine:
         return generated
 
 
-def _generator_states(running: list[ScheduledSequence]) -> list[tuple[torch.Generator, torch.Tensor]]:
-    """Each sampling row's generator and its state (a few KiB on the host), to rerun a step from."""
-    requests: list[_Request] = [seq.state for seq in running]
-    return [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
-
-
-def _restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
-    for generator, state in states:
-        generator.set_state(state)
-
-
 def _batch_model(model: Transformer | BatchModel, kv_cache_tokens: int, block_size: int) -> BatchModel:
     if isinstance(model, Transformer):
         return PagedBatchModel.with_pool(model, kv_cache_tokens, block_size)
     return model
-
-
-def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:  # (1, T, V) -> (1, width, V), zero rows after T
-    return torch.nn.functional.pad(rows, (0, 0, 0, width - rows.shape[1]))
-
-
-def _draft_probs(proposals: list[DraftProposal], width: int, vocab: int) -> torch.Tensor | None:
-    """The rows' q stacked to (G, width, V): None when every row's drafter is deterministic;
-    else a deterministic row's q is one-hot on its tokens (what rejection_verify assumes of None)."""
-    if all(p.probs is None for p in proposals):
-        return None
-    rows = []
-    for proposal in proposals:
-        q = proposal.probs
-        if q is None:
-            q = torch.zeros((1, proposal.num_tokens, vocab), device=proposal.tokens.device).scatter(2, proposal.tokens[..., None], 1.0)
-        rows.append(_padded(q.float(), width))
-    return torch.cat(rows)

@@ -76,8 +76,8 @@ class Scheduler:
             if not pool.fits(need):
                 raise InvalidRequestError(
                     f"The request needs up to {need} KV slots but a sequence can hold at most "
-                    f"{pool.capacity_tokens()}; lower max_tokens or give the engine a larger KV cache "
-                    "(kv_cache_tokens)."
+                    f"{pool.capacity_tokens()}; lower max_new_tokens= or give the engine a larger KV cache "
+                    "(kv_cache_tokens=)."
                 )
 
     def admit(self) -> list[ScheduledSequence]:

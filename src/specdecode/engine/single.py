@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.backends.base import SequenceModel
+from specdecode.backends.compiled import CompileLog
 from specdecode.backends.device import host_to_device
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import ACCEPTANCE_RULES, SamplingParams
@@ -56,10 +57,20 @@ class StepResult:
 
 
 class SpecEngine:
-    def __init__(self, target: SequenceModel, eos_token_ids: Sequence[int], *, sync_timing: bool = False) -> None:
+    def __init__(
+        self,
+        target: SequenceModel,
+        eos_token_ids: Sequence[int],
+        *,
+        sync_timing: bool = False,
+        compile_log: CompileLog | None = None,
+    ) -> None:
         self.target = target
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sync_timing = sync_timing
+        # Compiled passes (backends/compiled.py) log their compile time here: a request reports
+        # the share it paid for shapes compiled during it.
+        self.compile_log = compile_log
         self._verify_costs: dict[int, list[float]] = {}
 
     @property
@@ -103,6 +114,7 @@ class SpecEngine:
         (a stop string) still leaves ``stats`` complete.
         """
         started = time.perf_counter()
+        compiled_before = self.compile_log.seconds if self.compile_log is not None else 0.0
         device = self.device
         prompt_len = len(prompt_ids)
         max_new = params.max_new_tokens
@@ -167,6 +179,8 @@ class SpecEngine:
                     break
         finally:
             stats.total_seconds = time.perf_counter() - started
+            if self.compile_log is not None:
+                stats.compile_seconds = self.compile_log.seconds - compiled_before
 
     def _stepper(
         self,

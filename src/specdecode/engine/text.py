@@ -44,7 +44,7 @@ def encode_prompt(tokenizer: Any, prompt: str | Messages, chat: bool) -> list[in
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("This model's tokenizer has no chat template; drop --chat.")
+        raise InvalidRequestError("This model's tokenizer has no chat template; give the prompt without chat=True.")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -217,7 +217,7 @@ class Int8KVCache(KVCache):
 
 def check_kv_dtype(kv_dtype: str) -> str:
     if kv_dtype not in KV_DTYPES:
-        raise InvalidRequestError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}.")
+        raise InvalidRequestError(f"kv_dtype={kv_dtype!r} is not one of: {', '.join(KV_DTYPES)}.")
     return kv_dtype
 
 
@@ -259,3 +259,25 @@ def causal_view(
     if sliding_window is not None:
         mask &= key_pos[None, None, :] > query_pos - sliding_window
     return KVView(kv_len=kv_len, mask=mask[:, None])  # (B, 1, T, kv_len)
+
+
+def fixed_view(
+    positions: torch.Tensor,  # (B, T) long, on the model's device
+    width: int,
+    sliding_window: int | None = None,
+) -> KVView:
+    """Attention over the first ``width`` slots, masked by position on the device.
+
+    ``causal_view`` builds its mask from host positions and skips it for a single query; a
+    compiled pass may not branch on its inputs, so the mask always comes from ``positions``
+    and hides every slot past each query (stale or never written). ``width`` may exceed the
+    furthest position (a CUDA graph reads the whole cache: one shape for the whole sequence)
+    or be symbolic (a CPU graph compiled once for every width). What a query sees is what it
+    sees with ``causal_view``.
+    """
+    key_pos = torch.arange(width, device=positions.device)
+    query_pos = positions[:, :, None]  # (B, T, 1)
+    mask = key_pos[None, None, :] <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > query_pos - sliding_window
+    return KVView(kv_len=width, mask=mask[:, None])  # (B, 1, T, width)

@@ -23,7 +23,7 @@ from specdecode.models.paths import cache_dir
 _COPY_CHUNK_BYTES = 8 * 1024 * 1024
 _INSTALL_HINT = (
     'Install them with: pip install "specdecode[demo]" (from a source checkout: '
-    'pip install -e ".[demo]"), or pass --target/--draft explicitly.'
+    'pip install -e ".[demo]"), or pass target=/draft= explicitly.'
 )
 
 

@@ -37,9 +37,9 @@ class QuantSummary:
         return f"{self.mode}: {self.layers} projections{exact}"
 
 
-def check_quant(mode: str, option: str = "--quant") -> str:
+def check_quant(mode: str, param: str = "quant") -> str:
     if mode not in QUANT_CHOICES:
-        raise InvalidRequestError(f"{option} must be one of {', '.join(QUANT_CHOICES)}, got {mode!r}.")
+        raise InvalidRequestError(f"{param}={mode!r} is not one of: {', '.join(QUANT_CHOICES)}.")
     return mode
 
 

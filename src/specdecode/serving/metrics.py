@@ -40,6 +40,8 @@ class ServerMetrics:
     kv_tokens: int = 0  # tokens in the running single-sequence request's target KV cache
     worker: BatchWorker | None = None
     suffix_cache: SuffixCache | None = None  # earlier responses for suffix decoding
+    # Labels on every series, e.g. {"replica": ...} under Ray Serve, where replicas' series meet.
+    labels: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count(self, status: str) -> None:
@@ -66,7 +68,8 @@ class ServerMetrics:
             acceptance = self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
             lines = ["# HELP specdecode_requests_total Finished requests by outcome.",
                      "# TYPE specdecode_requests_total counter"]
-            lines += [f'specdecode_requests_total{{status="{k}"}} {v}' for k, v in sorted(self.requests.items())]
+            fixed = "".join(f'{name}="{value}",' for name, value in sorted(self.labels.items()))
+            lines += [f'specdecode_requests_total{{{fixed}status="{k}"}} {v}' for k, v in sorted(self.requests.items())]
             rows = [
                 ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
                 ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
@@ -98,5 +101,6 @@ class ServerMetrics:
             if rss is not None:
                 rows.append(("process_resident_memory_bytes", "gauge", "The server process's resident memory.", rss))
             for name, kind, help_text, value in rows:
-                lines += [f"# HELP specdecode_{name} {help_text}", f"# TYPE specdecode_{name} {kind}", f"specdecode_{name} {value}"]
+                series = f"specdecode_{name}{{{fixed[:-1]}}}" if fixed else f"specdecode_{name}"
+                lines += [f"# HELP specdecode_{name} {help_text}", f"# TYPE specdecode_{name} {kind}", f"{series} {value}"]
         return "\n".join(lines) + "\n"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdecode.config import SamplingParams
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, reword_params
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -26,6 +26,29 @@ MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1  # torch seeds are 64-bit; vLLM limits seeds to int64 too
 # Chat roles a request may use; `developer` is OpenAI's newer name for `system`.
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+# Library parameters (``errors.reword_params``) as a client of this server sets them: a request
+# field, or a flag the server was started with.
+REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "method": "method", "k": "k", "temperature": "temperature",
+                  "top_k": "top_k", "top_p": "top_p", "seed": "seed"}
+SERVER_FLAGS = {"kv_cache_tokens": "--kv-cache-tokens", "backend": "--backend", "kv_dtype": "--kv-dtype",
+                "k_max": "--k-max", "heads": "--heads", "draft": "--draft"}
+
+
+def _as_client_words(name: str, value: str) -> str | None:
+    if name in REQUEST_FIELDS:
+        return f"{REQUEST_FIELDS[name]}={value}" if value else REQUEST_FIELDS[name]
+    if name in SERVER_FLAGS:
+        return f"{SERVER_FLAGS[name]} {value}".rstrip()
+    if name == "chat":  # chat=True is the chat endpoint
+        return "the chat endpoint: POST it to /v1/completions"
+    return None
+
+
+def client_message(err: SpecDecodeError) -> str:
+    """A library error's message with its parameters named as a client of this server sets them."""
+    return reword_params(str(err), _as_client_words)
 
 
 class APIError(Exception):
@@ -249,5 +272,5 @@ def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_tokens,
                                 seed=_seed(body), stop=_stops(body))
     except SpecDecodeError as err:
-        raise APIError(400, str(err)) from err
+        raise APIError(400, client_message(err)) from err
     return ParsedRequest(prompt, chat, params, stream, method, k, max_tokens_given)

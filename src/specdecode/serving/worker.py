@@ -56,6 +56,9 @@ class BatchWorker:
         self._next_id = 0
         self._id_lock = threading.Lock()
         self._stopped = threading.Event()
+        # Steps that failed as a whole (no single request to blame), since the last good one:
+        # a count that keeps growing says the engine itself is broken (serving/health.py).
+        self.failed_steps_in_a_row = 0
         self._thread = threading.Thread(target=self._loop, name="specdecode-batch", daemon=True)
         self._thread.start()
 
@@ -97,6 +100,11 @@ class BatchWorker:
         finally:
             if not finished:
                 self._inbox.put(_Abort(request_id))
+
+    @property
+    def alive(self) -> bool:
+        """Whether the stepping thread still runs (False after ``close`` or if it died)."""
+        return self._thread.is_alive()
 
     def abort(self, request_id: str) -> None:
         """Cancel a request from any thread: it leaves the batch before the next step, and its
@@ -145,7 +153,9 @@ class BatchWorker:
                 self._take_commands(block=False)
             try:
                 outputs = self.engine.step()
+                self.failed_steps_in_a_row = 0
             except Exception as err:  # one bad step must not take the server down
+                self.failed_steps_in_a_row += 1
                 outputs = self.engine.abort_all(err)
             for output in outputs:
                 outbox = self._outboxes.get(output.request_id)

@@ -80,17 +80,20 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         if self.train_layers < 1:
-            raise InvalidRequestError(f"--train-layers must be >= 1, got {self.train_layers}.")
+            raise InvalidRequestError(f"train_layers={self.train_layers}: it must be >= 1.")
         if self.warmup_steps < 0:
-            raise InvalidRequestError(f"--warmup-steps must be >= 0, got {self.warmup_steps}.")
+            raise InvalidRequestError(f"warmup_steps={self.warmup_steps}: it must be >= 0.")
         if self.epochs < 1 or self.accumulate < 1 or self.max_new_tokens < 1:
-            raise InvalidRequestError("--epochs, --accumulate and --max-new-tokens must be >= 1.")
+            raise InvalidRequestError(
+                f"epochs={self.epochs}, accumulate={self.accumulate} and max_new_tokens={self.max_new_tokens} "
+                "must all be >= 1."
+            )
         if not (0 < self.lr < 1):
-            raise InvalidRequestError(f"--lr must be in (0, 1), got {self.lr}.")
+            raise InvalidRequestError(f"lr={self.lr} is out of range: use (0, 1).")
         if self.loss not in LOSSES:
-            raise InvalidRequestError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}.")
+            raise InvalidRequestError(f"loss={self.loss!r} is not one of: {', '.join(LOSSES)}.")
         if self.teacher_top_k < 1:
-            raise InvalidRequestError(f"--teacher-top-k must be >= 1, got {self.teacher_top_k}.")
+            raise InvalidRequestError(f"teacher_top_k={self.teacher_top_k}: it must be >= 1.")
 
 
 def held_apart_prompts(start: int, count: int) -> list[str]:
@@ -184,7 +187,7 @@ def train_draft(
 
     cfg = read_model_config(draft_folder)
     if config.train_layers > cfg.num_layers:
-        raise InvalidRequestError(f"--train-layers {config.train_layers} exceeds the draft's {cfg.num_layers} layers.")
+        raise InvalidRequestError(f"train_layers={config.train_layers} exceeds the draft's {cfg.num_layers} layers.")
     sequences = [(p, a) for p, a in data if a]
     if not sequences:
         raise InvalidRequestError("No training sequences: every target answer was empty.")

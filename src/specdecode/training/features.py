@@ -99,11 +99,11 @@ def _source_token_lists(source: str, encode: Callable[[str], list[int]]) -> Iter
         return
     path = Path(source)
     if not path.exists():
-        raise InvalidRequestError(f"--data {source!r}: no such file or folder (or use 'stdlib').")
+        raise InvalidRequestError(f"data={source!r}: no such file or folder (or use 'stdlib').")
     if path.is_dir():
         files = _text_files(path)
         if not files:
-            raise InvalidRequestError(f"--data {source!r}: the folder has no {'/'.join(TEXT_SUFFIXES)} files.")
+            raise InvalidRequestError(f"data={source!r}: the folder has no {'/'.join(TEXT_SUFFIXES)} files.")
         for file in files:
             yield encode(file.read_text(errors="replace"))
     elif path.suffix == ".jsonl":

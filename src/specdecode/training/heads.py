@@ -74,9 +74,11 @@ class TrainConfig:
         self.epochs = self.epochs or DEFAULT_EPOCHS[self.kind]
         self.lr = self.lr or DEFAULT_LR[self.kind]
         if not 0.0 < self.eval_fraction < 1.0:
-            raise InvalidRequestError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}.")
+            raise InvalidRequestError(f"eval_fraction={self.eval_fraction} is out of range: use (0, 1).")
         if self.num_heads < 1 or self.draft_vocab < 1 or self.epochs < 1:
-            raise InvalidRequestError("--heads, --draft-vocab and --epochs must be positive.")
+            raise InvalidRequestError(
+                f"num_heads={self.num_heads}, draft_vocab={self.draft_vocab} and epochs={self.epochs} must be positive."
+            )
 
 
 def choose_draft_vocab(
@@ -355,7 +357,9 @@ def train_for_target(
     from specdecode.training.features import DEFAULT_TOP_K, FeatureSpec, extract, read_shards
 
     if seq_len < 16 or max_tokens < seq_len:
-        raise InvalidRequestError("--seq-len must be at least 16 and --max-tokens at least --seq-len.")
+        raise InvalidRequestError(
+            f"seq_len={seq_len} and max_tokens={max_tokens}: seq_len must be at least 16 and max_tokens at least seq_len."
+        )
     loaded = load_model(target, dtype, device, show_progress=show_progress)
     tokenizer = loaded.tokenizer
 

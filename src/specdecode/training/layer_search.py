@@ -117,7 +117,7 @@ def parse_skip_layers(text: str) -> tuple[int, ...]:
             first, dash, last = part.partition("-")
             layers += range(int(first), int(last) + 1) if dash else [int(first)]
     except ValueError as exc:
-        raise InvalidRequestError(f"--skip-layers takes indices and ranges like '3,5,7-9', got {text!r}.") from exc
+        raise InvalidRequestError(f"skip_layers={text!r}: give indices and ranges like '3,5,7-9'.") from exc
     return tuple(layers)
 
 

@@ -1,0 +1,203 @@
+"""The bench's lineup: the models a ``BenchConfig`` needs, loaded once, and its methods built on
+them (ours on torch and their quantized variants, transformers' peers, the llama.cpp side), with
+the weight bytes each method's passes read for the roofline.
+
+The default "every method" leaves out what this target cannot run (layer skip with no tuned
+layers, heads nobody trained) and says so on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench.config import DEFAULT_METHODS, BenchConfig
+from specdecode.bench.llamacpp_bin import LlamaCppBinaryMethod
+from specdecode.bench.llamacpp_peers import LlamaCppPyMethod, LlamaCppSide, load_llamacpp_side
+from specdecode.bench.methods import (
+    HF_METHODS,
+    LLAMACPP_BIN_METHODS,
+    LLAMACPP_PY_METHODS,
+    BenchMethod,
+    HFMethod,
+    MethodLabel,
+    SpecDecodeMethod,
+    parse_method,
+    uses_draft_model,
+)
+from specdecode.bench.roofline import weight_bytes_per_forward
+from specdecode.errors import InvalidRequestError
+
+
+def _layerskip_configured(config: BenchConfig) -> bool:
+    from specdecode.models import demo
+    from specdecode.training.layer_search import builtin_choice
+
+    return bool(config.skip_layers or config.layerskip_config or builtin_choice(config.target or demo.DEFAULT_TARGET))
+
+
+class BenchLineup:
+    """The methods a ``BenchConfig`` names, ready to run, and the weight bytes each reads."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        from specdecode.api import SpecDecoder
+        from specdecode.drafters.layer_skip import resolve_skip_layers
+
+        if config.methods == DEFAULT_METHODS and not _layerskip_configured(config):
+            # The default "every method" cannot include layer skip for a target nobody tuned it for.
+            config = replace(config, methods=tuple(m for m in config.methods if m != "layerskip"))
+            if not config.quiet:
+                print("bench: layerskip left out (no --skip-layers or --layerskip-config for this target)", file=sys.stderr)
+        heads_given = {"medusa": config.medusa_heads, "eagle": config.eagle_heads}
+        if config.methods == DEFAULT_METHODS:
+            untrained = [m for m, folder in heads_given.items() if folder is None]
+            config = replace(config, methods=tuple(m for m in config.methods if m not in untrained))
+            if untrained and not config.quiet:
+                print(f"bench: {', '.join(untrained)} left out (no --{untrained[0]}-heads given)", file=sys.stderr)
+        for name in config.methods:
+            base = parse_method(name).base
+            if base in heads_given and heads_given[base] is None:
+                raise InvalidRequestError(
+                    f"Method {name} needs trained heads: pass {base}_heads=FOLDER (from `specdecode train {base}`)."
+                )
+        self.config = config
+        labels = {name: parse_method(name) for name in config.methods}
+        # The torch decoder loads a draft model only for torch methods; llama.cpp's side has its own.
+        needs_draft = any(uses_draft_model(m) for m in config.methods if not labels[m].on_llamacpp)
+        self.decoder = SpecDecoder.from_pretrained(
+            config.target, config.draft, method="draft" if needs_draft else "none",
+            k=config.k, draft_confidence=config.draft_confidence,
+            ngram_max=config.ngram_max, ngram_min=config.ngram_min,
+            skip_layers=config.skip_layers, layerskip_config=config.layerskip_config,
+            dtype=config.dtype, device=config.device, kv_dtype=config.kv_dtype, backend="torch",
+            show_progress=not config.quiet, compile=config.compile,
+        )
+        if any(label.base == "layerskip" for label in labels.values()) and not self.decoder.spec.skip_layers:
+            # No layers given: the target's built-in tuned choice (the demo target has one).
+            target = self.decoder.target
+            skip = resolve_skip_layers(target.name, target.config.num_layers, None, None)
+            self.decoder = SpecDecoder(target, self.decoder.draft, replace(self.decoder.spec, skip_layers=skip),
+                                       kv_dtype=config.kv_dtype, compile=config.compile)
+        from specdecode.models.heads import load_heads
+
+        self.heads = {
+            kind: load_heads(folder, self.decoder.target.model.dtype, self.decoder.target.model.device)
+            for kind, folder in heads_given.items()
+            if folder is not None and any(parse_method(m).base == kind for m in config.methods)
+        }
+        for heads in self.heads.values():
+            self.decoder.attach_heads(heads, config.tree_size)
+        # Quantized variants share one loaded model per (role, quantization) and get a decoder
+        # per (target quant, draft quant) pair.
+        loaded = {("target", "none"): self.decoder.target, ("draft", "none"): self.decoder.draft}
+        decoders = {("none", "none", self.decoder.draft is not None): self.decoder}
+
+        def model(role: str, quant: str) -> Any:
+            if (role, quant) not in loaded:
+                from specdecode.models.loader import load_model
+
+                source = self.decoder.target if role == "target" else self.decoder.draft
+                loaded[role, quant] = load_model(source.name, source.model.dtype, source.model.device, not config.quiet, quant)
+            return loaded[role, quant]
+
+        def decoder_for(target_quant: str, draft_quant: str, with_draft: bool) -> Any:
+            key = (target_quant, draft_quant if with_draft else "none", with_draft)
+            if key not in decoders:
+                draft = model("draft", key[1]) if with_draft else None
+                spec = self.decoder.spec if with_draft else replace(self.decoder.spec, method="none")
+                decoders[key] = SpecDecoder(model("target", key[0]), draft, spec, kv_dtype=config.kv_dtype,
+                                            compile=config.compile)
+                for heads in self.heads.values():  # trained on the unquantized target's features
+                    decoders[key].attach_heads(heads, config.tree_size)
+            return decoders[key]
+
+        self.device = self.decoder.target.model.device
+        self.dtype = self.decoder.target.model.dtype
+        self.tokenizer = self.decoder.tokenizer
+        self.chat = bool(getattr(self.tokenizer, "chat_template", None)) if config.chat is None else config.chat
+        self.methods: dict[str, BenchMethod] = {}
+        hf_target = hf_draft = None
+        if any(m in HF_METHODS for m in config.methods):
+            hf_target = self._load_hf(self.decoder.target.folder)
+            if "hf-assisted" in config.methods:
+                hf_draft = self._load_hf(self.decoder.draft.folder)
+        self.llamacpp = self._load_llamacpp_side({n: label for n, label in labels.items() if label.on_llamacpp})
+        for name in config.methods:
+            if name in HF_METHODS:
+                self.methods[name] = HFMethod(name, hf_target, self.tokenizer, list(self.decoder.eos_token_ids), hf_draft, config.hf_lookup_tokens)
+            elif labels[name].on_llamacpp:
+                self.methods[name] = self._llamacpp_method(name)
+            else:
+                label = labels[name]
+                decoder = decoder_for(label.target_quant, label.draft_quant, uses_draft_model(label.base) and self.decoder.draft is not None)
+                self.methods[name] = SpecDecodeMethod(name, decoder, config.k)
+        draft = self.decoder.draft
+        # Compiled before measuring: every shape a method may run, so none compiles mid-run.
+        self.compile_logs = [d.warm_up(not config.quiet, all_shapes=True) for d in decoders.values()] if config.compile else []
+        self.target_bytes = weight_bytes_per_forward(self.decoder.target.config, self.dtype)
+        self.draft_bytes = weight_bytes_per_forward(draft.config, self.dtype) if draft is not None else 0
+        # (target, draft) bytes per forward pass of each method, as its weights are stored.
+        self.weight_bytes = {
+            name: (
+                weight_bytes_per_forward(self.decoder.target.config, self.dtype, labels[name].target_quant),
+                self._draft_bytes(labels[name], draft),
+            )
+            for name in config.methods
+            if not labels[name].on_llamacpp
+        }
+        if self.llamacpp is not None:  # llama.cpp reads the GGUF files' own (quantized) bytes
+            side = self.llamacpp
+            for name, label in labels.items():
+                if label.on_llamacpp:
+                    self.weight_bytes[name] = (side.target_bytes, side.draft_bytes if uses_draft_model(label.base) else 0)
+        self.weight_bytes = {name: self.weight_bytes[name] for name in config.methods}  # run order
+
+    def _load_llamacpp_side(self, labels: dict[str, MethodLabel]) -> LlamaCppSide | None:
+        """The llama.cpp side (GGUF files, our decoder there) when any label asks for it."""
+        if not labels:
+            return None
+        from specdecode.backends.llamacpp_sequence import DEFAULT_CONTEXT
+        from specdecode.models import demo
+
+        config = self.config
+        target = config.target or demo.DEFAULT_TARGET
+        draft = config.draft or (demo.DEFAULT_DRAFT if demo.is_demo_model_name(target) else None)
+        return load_llamacpp_side(
+            target, draft, labels, dtype=config.dtype, show_progress=not config.quiet,
+            # Our backend's context, capped at what the model was trained for.
+            context=min(DEFAULT_CONTEXT, self.decoder.target.config.max_position_embeddings),
+            k=config.k, draft_confidence=config.draft_confidence, ngram_max=config.ngram_max, ngram_min=config.ngram_min,
+        )
+
+    def _llamacpp_method(self, name: str) -> BenchMethod:
+        side, config = self.llamacpp, self.config
+        assert side is not None
+        eos = list(self.decoder.eos_token_ids)
+        if name in LLAMACPP_PY_METHODS:
+            return LlamaCppPyMethod(name, side.files.target, self.tokenizer, eos, exact=side.exact, context=side.context,
+                                    lookup_tokens=config.llamacpp_lookup_tokens)
+        if name in LLAMACPP_BIN_METHODS:
+            assert config.llamacpp_bin is not None  # BenchConfig checked it
+            return LlamaCppBinaryMethod(name, Path(config.llamacpp_bin), side.files.target, side.files.draft, self.tokenizer, eos,
+                                        threads=side.threads, context=side.context, exact=side.exact, k=config.k,
+                                        timeout=config.llamacpp_bin_timeout)
+        return SpecDecodeMethod(name, side.decoder, config.k)
+
+    def _draft_bytes(self, label: MethodLabel, draft: Any) -> int:
+        """Weight bytes one draft pass of the method reads, as stored."""
+        if label.base == "layerskip":  # the target's own weights, minus the skipped layers
+            target = self.decoder.target.config
+            kept = replace(target, num_layers=target.num_layers - len(self.decoder.spec.skip_layers))
+            return weight_bytes_per_forward(kept, self.dtype, label.target_quant)
+        if label.base in self.heads:  # every head weight (the reduced LM head included)
+            return sum(p.numel() * p.element_size() for p in self.heads[label.base].parameters())
+        if draft is None or not uses_draft_model(label.base):
+            return 0
+        return weight_bytes_per_forward(draft.config, self.dtype, label.draft_quant)
+
+    def _load_hf(self, folder: Path) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()

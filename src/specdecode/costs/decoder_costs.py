@@ -1,0 +1,80 @@
+"""The pass costs one decoder times, once, and the draft-length schedules built on them.
+
+The single-request engine times its target's verify passes (``SpecEngine.verify_costs``);
+``DecoderCosts`` adds the draft model's (one pass over one token, and a token's share of a
+long catch-up pass, for the auto method) and builds each request's ``KSchedule``;
+``batch_pass_costs`` times the shapes the batch engine will run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from specdecode.costs.batch_k import PassCosts, time_batch_costs
+from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, speculation_can_pay
+from specdecode.costs.timing import VERIFY_COST_REPEATS
+
+if TYPE_CHECKING:
+    from specdecode.backends.base import BatchModel
+    from specdecode.drafters.draft_model import DraftModelDrafter
+    from specdecode.engine.single import SpecEngine
+
+CATCH_UP_PROBE_ROWS = 64  # tokens in the timed draft pass that prices a catch-up per token
+BATCH_PROBE_MAX_ROWS = 64  # the largest pass timed for the batch engine's costs; larger ones extrapolate
+
+
+class DecoderCosts:
+    """The costs a decoder's policies read, each timed on first use and kept."""
+
+    def __init__(self, engine: SpecEngine, draft: DraftModelDrafter | None) -> None:
+        self.engine = engine
+        self.draft = draft
+        self._draft_costs: tuple[float, float] | None = None  # a draft pass, and a catch-up per token
+
+    @property
+    def live(self) -> bool:
+        """Whether step timings may update the costs: on an asynchronous device they are only
+        right with synchronising stopwatches."""
+        return self.engine.device.type == "cpu" or self.engine.sync_timing
+
+    def draft_model(self) -> tuple[float, float]:
+        """Seconds of one draft-model pass over one token, and per token of a long catch-up
+        pass (timed once per decoder): whether the draft model can pay at all on this machine,
+        and what reading the tokens it missed costs the auto method."""
+        if self._draft_costs is None:
+            assert self.draft is not None
+            rows = CATCH_UP_PROBE_ROWS
+            seconds = self.draft.model.pass_seconds([1, rows], VERIFY_COST_REPEATS, logits_last=1)
+            self._draft_costs = (seconds[1], seconds[rows] / rows)
+        return self._draft_costs
+
+    def schedule(self, policy: str, k: int, k_max: int, with_draft_model: bool) -> KSchedule | None:
+        """A fresh per-request draft-length schedule (None: fixed k); the cost-aware one never
+        drafts with a draft model whose measured pass cost rules out any gain."""
+        if policy == "threshold":
+            return ThresholdK(k=min(k, k_max), k_max=k_max)
+        if policy == "cost":
+            costs = self.engine.verify_costs(k_max + 1)
+            # A draft model whose pass costs too much next to the target's extra verify rows
+            # loses to plain decoding even when every token is accepted: never draft with it.
+            can_pay = not with_draft_model or speculation_can_pay(costs, self.draft_model()[0], k_max)
+            return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max) if can_pay else 0, live_costs=self.live)
+        return None
+
+
+def batch_pass_costs(
+    target: BatchModel, draft: BatchModel | None, max_batch: int, k_max: int, live: bool
+) -> tuple[PassCosts, PassCosts | None]:
+    """(target, draft) pass costs for a batch engine of ``max_batch`` rows drafting up to
+    ``k_max``: one sequence over 1..64 rows, and the batched shapes it will run often."""
+    most_rows = max_batch * (k_max + 1)
+    rows = sorted({1, 2, 4, 8, 16, 32, 64, most_rows} & set(range(1, min(most_rows, BATCH_PROBE_MAX_ROWS) + 1)))
+    # Batched shapes the engine will run often: plain steps and short drafts, at a middling and
+    # the largest batch.
+    shapes = sorted({(b, t) for b in {min(4, max_batch), max_batch} if b > 1 for t in (1, 3)})
+    verify_costs = time_batch_costs(target, rows, shapes, live, VERIFY_COST_REPEATS)
+    if draft is None:
+        return verify_costs, None
+    draft_rows = [r for r in rows if r <= 2 * max_batch] or [1]
+    draft_costs = time_batch_costs(draft, draft_rows, [(b, 1) for b, t in shapes if t == 1], live, VERIFY_COST_REPEATS)
+    return verify_costs, draft_costs

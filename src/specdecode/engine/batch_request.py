@@ -1,0 +1,60 @@
+"""What the batch engine keeps per request, what a step hands back for it, and the sampling
+generator snapshots a failed step is rerun from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.costs.k_policy import AcceptanceEstimate
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.sampling import LogitsProcessor
+from specdecode.engine.scheduler import ScheduledSequence
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    stats: GenerationStats
+    error: BaseException | None = None
+
+
+@dataclass(slots=True, eq=False)
+class BatchRequest:
+    """One request's state inside the batch engine (the scheduler's ``ScheduledSequence.state``)."""
+
+    request_id: str
+    params: SamplingParams
+    method: str
+    k: int  # the most tokens this request lets a step draft
+    processor: LogitsProcessor
+    generator: torch.Generator | None
+    tokens: list[int]  # committed, host
+    committed: torch.Tensor  # (capacity,) long, device: the same tokens
+    stats: GenerationStats
+    started: float
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    ngram: NgramDrafter | SuffixDrafter | None = None  # a host-side drafter: prompt lookup or suffix decoding
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - self.stats.new_tokens
+
+
+def generator_states(running: list[ScheduledSequence]) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """Each sampling row's generator and its state (a few KiB on the host), to rerun a step from."""
+    requests: list[BatchRequest] = [seq.state for seq in running]
+    return [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
+
+
+def restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    for generator, state in states:
+        generator.set_state(state)

@@ -1,0 +1,150 @@
+"""One request decoding in a worker thread, its text deltas handed to the event loop.
+
+A request the batch engine decodes is submitted to the ``BatchWorker``; any other waits for
+the single-sequence engine's lock, first come first served, checking every
+``LOCK_POLL_SECONDS`` whether its client left. However it ends (finished, cancelled, stopped by
+the server, failed), it counts once in the server's metrics and wakes its reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.stream import GenerationStream
+from specdecode.errors import SpecDecodeError
+from specdecode.serving.protocol import APIError, ParsedRequest, client_message
+
+if TYPE_CHECKING:
+    from specdecode.serving.state import ServerState
+
+LOCK_POLL_SECONDS = 0.1  # how often a request queued for the single-sequence engine checks it was cancelled
+
+
+class Generation:
+    """One request decoding in a worker thread; text deltas arrive on an asyncio queue."""
+
+    _DONE = object()
+
+    def __init__(self, state: ServerState, request: ParsedRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.state, self.request, self.loop = state, request, loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.stats: GenerationStats | None = None
+        self.error: BaseException | None = None
+        self.ended_by: APIError | None = None  # why the server ended it early (a timeout, a shutdown)
+        self.timer: asyncio.TimerHandle | None = None
+        self.batch_id = state.worker.new_request_id() if state.worker is not None and state.batched(request) else None
+        self._finished = False
+        self._lock = threading.Lock()  # orders stop() against the thread's end
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Generation:
+        self.thread.start()
+        return self
+
+    def stop(self, reason: APIError | None = None) -> None:
+        """End the generation early, from the event loop: the client left (no ``reason``) or the
+        server ended it (``reason`` is what the client is told). The reader wakes at once; the
+        request leaves the engine before its next step. A no-op once decoding has finished."""
+        with self._lock:
+            if self._finished or self.cancelled.is_set():
+                return
+            self.ended_by = reason
+            self.cancelled.set()
+        if self.batch_id is not None and self.state.worker is not None:
+            self.state.worker.abort(self.batch_id)  # also when it is still queued and emits nothing
+        self.queue.put_nowait(self._DONE)
+
+    def _put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _run(self) -> None:
+        metrics = self.state.metrics
+        status = "error"
+        try:
+            if self.state.batched(self.request):
+                status = self._decode()
+                return
+            with metrics.lock:
+                metrics.waiting += 1
+            try:
+                while not self.state.engine_lock.acquire(timeout=LOCK_POLL_SECONDS):
+                    if self.cancelled.is_set():
+                        status = "cancelled"
+                        return
+            finally:
+                with metrics.lock:
+                    metrics.waiting -= 1
+            try:
+                with metrics.lock:
+                    metrics.running += 1
+                status = self._decode()
+            finally:
+                self.state.engine_lock.release()
+                with metrics.lock:
+                    metrics.running -= 1
+                    metrics.kv_tokens = 0
+        except BaseException as err:  # reported to the client; the server goes on
+            self.error = err
+        finally:
+            with self._lock:
+                self._finished = True
+                if self.ended_by is not None:
+                    status = "timeout" if self.ended_by.code == "request_timeout" else "shutdown"
+                elif self.cancelled.is_set() and self.error is None:
+                    status = "cancelled"
+            if self.stats is not None:
+                metrics.record(self.stats, status)
+            else:
+                metrics.count("rejected" if isinstance(self.error, SpecDecodeError) else status)
+            self._put(self._DONE)
+
+    def _decode(self) -> str:
+        if self.cancelled.is_set():  # the client left while waiting
+            return "cancelled"
+        req, state = self.request, self.state
+        batched = state.batched(req)
+        stream: GenerationStream
+        if batched:
+            assert state.worker is not None and isinstance(req.prompt, list)
+            chunks, stats = state.worker.submit(req.prompt, req.params, state.method_of(req), state.k_of(req),
+                                                request_id=self.batch_id, suffix_group=req.suffix_group)
+            stream = state.decoder.token_stream(chunks, stats, req.params)
+        else:
+            stream = state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k,
+                                          suffix_group=req.suffix_group)
+        self.stats = stream.stats
+        deltas = iter(stream)
+        try:
+            for delta in deltas:
+                if not batched:
+                    with self.state.metrics.lock:
+                        self.state.metrics.kv_tokens = stream.stats.prompt_tokens + stream.stats.new_tokens
+                if self.cancelled.is_set():
+                    return "cancelled"
+                self._put(delta)
+        finally:
+            deltas.close()  # ends the engine's loop (and its timing) if we left early
+        return "cancelled" if self.cancelled.is_set() else "ok"
+
+    async def deltas(self) -> AsyncIterator[str]:
+        while True:
+            item = await self.queue.get()
+            if item is self._DONE:
+                return
+            yield item
+
+    def failure(self) -> APIError | None:
+        """What to tell the client when the generation did not finish normally, else None."""
+        if self.ended_by is not None:
+            return self.ended_by
+        err = self.error
+        if err is None:
+            return None
+        if isinstance(err, SpecDecodeError):
+            return APIError(400, client_message(err))
+        return APIError(500, f"The server failed on this request: {type(err).__name__}: {err}", kind="server_error")

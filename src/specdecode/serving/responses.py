@@ -1,0 +1,84 @@
+"""The OpenAI response bodies: a whole completion, and the server-sent events of a stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from specdecode.engine.metrics import GenerationStats
+
+if TYPE_CHECKING:
+    from specdecode.serving.generation import Generation
+
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length"}
+
+
+def _usage(stats: GenerationStats | None) -> dict[str, int]:
+    prompt = stats.prompt_tokens if stats else 0
+    completion = stats.new_tokens if stats else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _spec_metrics(stats: GenerationStats | None) -> dict[str, Any]:
+    if stats is None:
+        return {}
+    return {"method": stats.method, "tau": stats.tau, "acceptance_rate": stats.acceptance_rate,
+            "tokens_per_second": stats.tokens_per_second, "target_forward_passes": stats.target_forward_passes}
+
+
+def _finish(stats: GenerationStats | None) -> str | None:
+    return FINISH_REASONS.get(stats.stop_reason, "stop") if stats is not None else None
+
+
+def final_body(request_id: str, created: int, model: str, chat: bool, text: str, stats: GenerationStats | None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats), "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": _usage(stats), "specdecode": _spec_metrics(stats)}
+
+
+def _chunk(request_id: str, created: int, model: str, chat: bool, delta: str | None, finish: str | None,
+           first: bool = False) -> str:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if chat:
+        payload: dict[str, Any] = {"role": "assistant"} if first else {}
+        if delta:
+            payload["content"] = delta
+        choice["delta"] = payload
+    else:
+        choice["text"] = delta or ""
+    body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice]}
+    return sse(body)
+
+
+# Characters JSON leaves raw that Python's str.splitlines (and so httpx's iter_lines) reads as
+# line breaks: escaped, so that an event is one line for every client.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+
+
+async def events(generation: Generation, request_id: str, created: int, model: str, chat: bool) -> AsyncIterator[str]:
+    """Server-sent events, ending in ``data: [DONE]`` whether the generation finished or failed
+    (then the event before it is an OpenAI error body)."""
+    make: Callable[..., str] = lambda delta, finish, first=False: _chunk(request_id, created, model, chat, delta, finish, first)
+    if chat:
+        yield make(None, None, first=True)
+    async for delta in generation.deltas():
+        yield make(delta, None)
+    failure = generation.failure()
+    if failure is not None:
+        yield f"data: {failure.json()}\n\n"
+    else:
+        final = make(None, _finish(generation.stats))
+        body = json.loads(final[len("data: "):])
+        body["usage"], body["specdecode"] = _usage(generation.stats), _spec_metrics(generation.stats)
+        yield sse(body)
+    yield "data: [DONE]\n\n"

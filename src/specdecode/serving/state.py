@@ -1,0 +1,155 @@
+"""The server's state: its options, the decoder it serves, the requests in flight.
+
+``ServerState.prepare`` parses, validates and tokenizes a request body (off the event loop);
+``track``/``untrack`` keep the set of generations in flight, each with its timeout;
+``drain`` ends them on shutdown (``serving/shutdown.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from specdecode.api import SpecDecoder
+from specdecode.config import METHODS
+from specdecode.engine.batch import BATCH_METHODS
+from specdecode.errors import SpecDecodeError
+from specdecode.serving.guard import GuardOptions
+from specdecode.serving.metrics import ServerMetrics
+from specdecode.serving.protocol import APIError, ParsedRequest, client_message, parse_request
+from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE
+from specdecode.serving.worker import BatchWorker
+
+if TYPE_CHECKING:
+    from specdecode.serving.generation import Generation
+
+DEFAULT_DRAIN_TIMEOUT = 10.0
+
+
+@dataclass(slots=True, frozen=True)
+class ServerOptions:
+    guard: GuardOptions = field(default_factory=GuardOptions)
+    request_timeout: float | None = None  # seconds from admission; None: no limit
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT  # seconds in-flight requests get to finish on shutdown
+    suffix_share: str = DEFAULT_SUFFIX_SHARE  # whose earlier responses suffix decoding reads: tenant, global, none
+
+
+@dataclass(slots=True)
+class ServerState:
+    decoder: SpecDecoder
+    model_name: str
+    aliases: tuple[str, ...]
+    worker: BatchWorker | None = None
+    options: ServerOptions = field(default_factory=ServerOptions)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    engine_lock: threading.Lock = field(default_factory=threading.Lock)
+    started: int = field(default_factory=lambda: int(time.time()))
+    inflight: set[Generation] = field(default_factory=set)  # touched on the event loop only
+    draining: bool = False
+
+    def method_of(self, request: ParsedRequest) -> str:
+        return request.method or self.decoder.spec.method
+
+    def batched(self, request: ParsedRequest) -> bool:
+        """Whether the batch engine decodes this request (else the single-sequence engine)."""
+        return self.worker is not None and self.method_of(request) in BATCH_METHODS
+
+    def k_of(self, request: ParsedRequest) -> int | None:
+        if self.method_of(request) == "none":
+            return None
+        return request.k if request.k is not None else self.decoder.spec.k
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.aliases)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(m for m in METHODS if m in ("none", "auto", "suffix") or m in self.decoder.drafters)
+
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt and output) a request may hold, as ``SpecDecoder.check_request`` counts."""
+        context = self.decoder.target.config.max_position_embeddings
+        if self.decoder.draft is not None:
+            context = min(context, self.decoder.draft.config.max_position_embeddings)
+        return context
+
+    def prepare(self, raw: bytes, chat: bool) -> ParsedRequest:
+        """Parse, validate and tokenize a request body (CPU work: run it off the event loop).
+        The returned request's prompt is token ids."""
+        try:
+            req = parse_request(_load_json(raw), chat, self.served_names, self.methods, k_max=self.decoder.spec.k_max)
+            try:
+                # Tokenize and check the length here, so that a streaming request too gets a 4xx
+                # rather than an error event after a 200.
+                prompt = req.prompt
+                prompt_ids = prompt if prompt and isinstance(prompt[0], int) else self.decoder.encode(prompt, chat)
+                vocab = self.decoder.target.config.vocab_size
+                if any(not 0 <= t < vocab for t in prompt_ids):
+                    raise APIError(400, f"Prompt token ids must lie in [0, {vocab}).", "prompt")
+                room = self.context_length - len(prompt_ids)
+                if not req.max_tokens_given and 0 < room < req.params.max_new_tokens:
+                    # OpenAI's chat default is "up to the context": a default must not be a 400.
+                    req.params = dataclasses.replace(req.params, max_new_tokens=room)
+                self.decoder.check_request(prompt_ids, req.params)
+                if self.batched(req):
+                    assert self.worker is not None
+                    self.worker.engine.check_request(len(prompt_ids), req.params, self.method_of(req), self.k_of(req))
+            except SpecDecodeError as err:
+                raise APIError(400, client_message(err), "messages" if chat else "prompt") from err
+        except APIError:
+            self.metrics.count("rejected")
+            raise
+        req.prompt, req.chat = prompt_ids, False
+        return req
+
+    def track(self, generation: Generation) -> None:
+        self.inflight.add(generation)
+        timeout = self.options.request_timeout
+        if timeout is not None:
+            reason = APIError(504, f"The request ran past this server's limit of {timeout:g} s (--request-timeout) and "
+                                   "was stopped; ask for fewer tokens.", code="request_timeout", kind="server_error")
+            generation.timer = generation.loop.call_later(timeout, generation.stop, reason)
+
+    def untrack(self, generation: Generation) -> None:
+        generation.stop()  # a no-op when it finished; cancels it when its client left
+        if generation.timer is not None:
+            generation.timer.cancel()
+        self.inflight.discard(generation)
+
+    async def drain(self, timeout: float, poll: float = 0.05) -> None:
+        """Take no new requests (the guard answers 503), give those in flight ``timeout``
+        seconds, then end the rest: a stream gets a final error event and ``[DONE]``."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(poll)
+        reason = APIError(503, "The server is shutting down; the request was stopped before it finished. Retry it "
+                               "on another instance.", code="server_shutting_down", kind="server_error")
+        for generation in list(self.inflight):
+            generation.stop(reason)
+        # Their responses end at once (the readers are woken); let the last events go out.
+        flush_deadline = loop.time() + 2.0
+        while self.inflight and loop.time() < flush_deadline:
+            await asyncio.sleep(poll)
+
+
+def _load_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError as err:
+        raise APIError(400, "The request body is nested too deeply to parse; send a flat OpenAI request.") from err
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
+        raise APIError(400, f"The request body is not valid JSON: {err}.") from err
+
+
+def _refuse_constant(name: str) -> Any:
+    # Python's json reads NaN and Infinity, which JSON itself does not have.
+    raise ValueError(f"{name} is not a JSON value")
