@@ -9,6 +9,8 @@ import torch
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.engine.sampling import LogitsProcessor
+from specdecode.engine.tree import TokenTree
+from specdecode.engine.verify import TreeVerifyResult
 
 
 @cache
@@ -243,3 +245,33 @@ def llamacpp_decoder(target: Path, draft: Path | None, backend: str = "llama.cpp
         str(target), str(draft) if draft else None, method="draft" if draft else "none", draft_confidence=0.0,
         dtype="fp32", device="cpu", backend=backend, show_progress=False,
     )
+
+
+def broken_rejection_tree_verify(
+    tree: TokenTree, target_probs: torch.Tensor, gen: torch.Generator, broken_kind: str  # target_probs: (N, V)
+) -> TreeVerifyResult:
+    """Recursive rejection that forgets a rejected child of ``broken_kind``: after it, the
+    residual stays as it was (p, if untouched) instead of norm(max(0, r - q)) or r without c."""
+    children = tree.children()
+    tokens = tree.tokens.tolist()
+    node, residual = 0, target_probs[0]
+    descended = True
+    while descended:
+        descended = False
+        for child in children[node]:
+            token = tokens[child]
+            q_child = tree.draft_probs[node, token].item() if tree.sampled[child] else 1.0
+            if torch.rand((), generator=gen).item() * q_child < residual[token].item():
+                node, residual, descended = child, target_probs[child], True
+                break
+            if broken_kind == ("sampled" if tree.sampled[child] else "deterministic"):
+                continue
+            if tree.sampled[child]:
+                residual = (residual - tree.draft_probs[node]).clamp_min(0.0)
+            else:
+                residual = residual.clone()
+                residual[token] = 0.0
+            residual = residual / residual.sum()
+    final = int(torch.multinomial(residual, 1, generator=gen).item())
+    path = tree.path_to(node)
+    return TreeVerifyResult(path, [tokens[n] for n in path[1:]] + [final])

@@ -28,6 +28,8 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.from_heads import tree_drafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer, SuffixTreeDrafter, suffix_drafter
+from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.single import SpecEngine
@@ -66,6 +68,8 @@ class SpecDecoder:
         self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
         # One drafter per method this decoder can run; a call picks one by name.
         self.ngram_drafter = NgramDrafter(spec.ngram_max, spec.ngram_min)
+        # Earlier responses for suffix decoding, shared by this decoder's requests (by group).
+        self.suffix_cache = SuffixCache(spec.suffix_cache_tokens)
         self.backend = target.backend
         # compile=: the repeated passes compiled per shape (backends/compiled.py); None: eager.
         if compile:
@@ -155,6 +159,7 @@ class SpecDecoder:
         backend: str = "auto",
         show_progress: bool = True,
         compile: bool | str = False,
+        suffix_cache_tokens: int | None = None,
     ) -> SpecDecoder:
         """Load models by name: a demo model name, a .gguf file, a local HF folder or a hub id.
 
@@ -174,12 +179,14 @@ class SpecDecoder:
         ``compile=True`` compiles the torch backend's repeated passes per shape (CUDA graphs on a
         GPU; a mode name of ``torch.compile`` picks another mode); call ``warm_up()`` to compile
         them before the first request ([docs/compile.md](docs/compile.md)).
+        ``suffix_cache_tokens`` bounds the earlier responses method ``suffix`` (and ``auto``)
+        keeps for drafting, over all groups (0: none; the least recently used go first).
         """
         fixed_k, policy = resolve_k(k, k_policy)
         overrides = {
             "k": fixed_k, "draft_confidence": draft_confidence,
             "ngram_max": ngram_max, "ngram_min": ngram_min, "k_policy": policy, "k_max": k_max,
-            "tree_size": tree_size,
+            "tree_size": tree_size, "suffix_cache_tokens": suffix_cache_tokens,
         }
         spec = SpecConfig(method=method, acceptance=acceptance, **{key: v for key, v in overrides.items() if v is not None})
         loaded = load_models(
@@ -220,13 +227,16 @@ class SpecDecoder:
         k: int | str | None = None,
         k_policy: str | None = None,
         acceptance: str | None = None,
+        suffix_group: str | None = DEFAULT_GROUP,
     ) -> GenerationStream:
         """Start generating; iterate the returned stream for text, read ``.result`` after.
 
         ``prompt`` may be text, chat messages, or token ids. ``method``/``k`` override the
         decoder's defaults for this call (``method="none"`` is plain decoding of the target);
         ``k="auto"`` chooses the draft length per step (``k_policy`` "cost", the default, or
-        "threshold"; see ``costs/k_policy.py``).
+        "threshold"; see ``costs/k_policy.py``). ``suffix_group`` names whose earlier
+        responses method ``suffix`` (and ``auto``) drafts from and adds this one to (default:
+        every request of this decoder; None: only this request's own prompt and output).
         """
         params = params or SamplingParams()
         method = method or self.spec.method
@@ -259,9 +269,11 @@ class SpecDecoder:
         stats = GenerationStats(method=method)
         drafter: Drafter | None
         if method == "auto":
-            auto = self._auto_drafter(draft_k)
+            auto = self._auto_drafter(draft_k, suffix_group)
             stats.steps_by_source = auto.steps_by_source  # filled as it decodes
             drafter, schedule = auto, auto
+        elif method == "suffix":  # chooses its own draft per step
+            drafter, schedule = self._suffix_drafter(policy, draft_k, suffix_group), None
         else:
             drafter = self.drafters.get(method)
             tree = method in TREE_METHODS
@@ -271,6 +283,8 @@ class SpecDecoder:
         # The engine's k: the most a step drafts (a schedule chooses below it; a tree's shape
         # sets how much it drafts, so 1 only says "speculate").
         most_k = 1 if method in TREE_METHODS else self.spec.k_max if schedule is not None else draft_k
+        if method == "suffix":
+            most_k = self.spec.k_max if policy == "cost" else draft_k
         chunks = self.engine.decode(
             prompt_ids, params, drafter, most_k if drafter is not None else 0, stats, schedule, acceptance=acceptance
         )
@@ -285,7 +299,7 @@ class SpecDecoder:
         policy: str = "async",
         cost_aware: bool = True,
     ) -> BatchEngine:
-        """A continuous-batching engine over this decoder's models (methods none, ngram, draft),
+        """A continuous-batching engine over this decoder's models (methods none, ngram, draft, suffix),
         with KV pools of ``kv_cache_tokens`` slots per model: paged on torch; on llama.cpp a context
         per model with ``max_batch`` sequences of ``kv_cache_tokens // max_batch`` positions each.
 
@@ -306,15 +320,23 @@ class SpecDecoder:
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
             k_max=self.spec.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
             ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min, draft_confidence=self.spec.draft_confidence,
-            sync_timing=self.engine.sync_timing,
+            sync_timing=self.engine.sync_timing, suffix_cache=self.suffix_cache,
         )
 
     def token_stream(self, chunks: Iterator[list[int]], stats: GenerationStats, params: SamplingParams) -> GenerationStream:
         """Text deltas (stop strings applied) over token chunks from any engine, e.g. ``BatchWorker.submit``."""
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
 
-    def _auto_drafter(self, draft_k: int) -> AutoDrafter:
-        """A fresh per-request auto drafter over this decoder's lookup and draft model."""
+    def _suffix_drafter(self, policy: str, k: int, group: str | None) -> SuffixDrafter | SuffixTreeDrafter:
+        """A fresh per-request suffix drafter: token trees on torch, the best chain elsewhere;
+        cost-aware up to k_max deep with k "auto" (the table the other methods time), else at most k."""
+        cost_aware = policy == "cost"
+        return suffix_drafter(self.suffix_cache, group, tree=self.backend == TORCH,
+                              depth=self.spec.k_max if cost_aware else k, tree_size=self.spec.tree_size,
+                              verify_seconds=self.engine.verify_costs(self.spec.k_max + 1) if cost_aware else None)
+
+    def _auto_drafter(self, draft_k: int, suffix_group: str | None = DEFAULT_GROUP) -> AutoDrafter:
+        """A fresh per-request auto drafter over this decoder's lookup, suffix trees and draft model."""
         k_max = self.spec.k_max
         draft = self.draft_drafter
         pass_seconds, token_seconds = self.costs.draft_model() if draft is not None else (0.0, 0.0)
@@ -327,6 +349,7 @@ class SpecDecoder:
             draft_pass_seconds=pass_seconds,
             draft_token_seconds=token_seconds,
             live_costs=self.costs.live,
+            suffix=SuffixDrafter(SuffixProposer(self.suffix_cache, suffix_group, depth=k_max)),
         )
 
     def generate(
@@ -339,8 +362,10 @@ class SpecDecoder:
         k: int | str | None = None,
         k_policy: str | None = None,
         acceptance: str | None = None,
+        suffix_group: str | None = DEFAULT_GROUP,
     ) -> GenerationResult:
-        stream = self.stream(prompt, params, chat=chat, method=method, k=k, k_policy=k_policy, acceptance=acceptance)
+        stream = self.stream(prompt, params, chat=chat, method=method, k=k, k_policy=k_policy, acceptance=acceptance,
+                             suffix_group=suffix_group)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -355,8 +380,10 @@ class SpecDecoder:
         method: str | None = None,
         k: int | None = None,
         engine: BatchEngine | None = None,
+        suffix_group: str | None = DEFAULT_GROUP,
     ) -> list[GenerationResult]:
-        """Generate for many prompts at once with the batch engine (methods none, ngram, draft).
+        """Generate for many prompts at once with the batch engine (methods none, ngram, draft,
+        suffix: the prompts share this decoder's earlier responses, and each other's).
 
         ``params`` is one ``SamplingParams`` for all prompts or one per prompt. ``engine`` reuses
         a ``batch_engine()`` (its cost timing is paid once); without one, a cost-aware engine is
@@ -375,7 +402,7 @@ class SpecDecoder:
         decoders = [IncrementalDecoder(self.tokenizer, p.stop) for p in params_list]
         stats = [GenerationStats() for _ in prompts]
         ids_to_index = {
-            engine.add_request(ids, request_params, method, k, stats=request_stats): index
+            engine.add_request(ids, request_params, method, k, stats=request_stats, suffix_group=suffix_group): index
             for index, (ids, request_params, request_stats) in enumerate(zip(prompt_ids, params_list, stats, strict=True))
         }
         while engine.has_unfinished:

@@ -169,8 +169,9 @@ class SamplingParams:
 # per step, lookup, draft model or plain decoding, whichever pays best (drafters/auto.py);
 # layerskip: the target drafts with some of its layers skipped (drafters/layer_skip.py);
 # medusa, eagle: trained heads on the target's features draft token trees (drafters/medusa.py,
-# drafters/eagle.py; `specdecode train`).
-METHODS: tuple[str, ...] = ("draft", "none", "ngram", "auto", "layerskip", "medusa", "eagle")
+# drafters/eagle.py; `specdecode train`); suffix: token trees from the request's text and earlier
+# responses, ranked by frequency (drafters/suffix.py).
+METHODS: tuple[str, ...] = ("draft", "none", "ngram", "auto", "layerskip", "medusa", "eagle", "suffix")
 TREE_METHODS: tuple[str, ...] = ("medusa", "eagle")
 # lossless: greedy equality / rejection sampling; typical: Medusa's lossy typical acceptance,
 # tree methods only, opt-in.
@@ -191,6 +192,8 @@ DEFAULT_DRAFT_CONFIDENCE = 0.3
 # Prompt lookup tries the last 3 tokens, then 2, then 1 (see drafters/ngram.py).
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_MIN = 1
+# Earlier responses kept for suffix decoding, in tokens over all groups (drafters/suffix_cache.py).
+DEFAULT_SUFFIX_CACHE_TOKENS = 1 << 17
 
 
 @dataclass(slots=True)
@@ -213,6 +216,8 @@ class SpecConfig:
     # Tree methods: drafted nodes per tree (None: the method's default) and acceptance rule.
     tree_size: int | None = None
     acceptance: str = "lossless"
+    # Suffix decoding (method suffix, and auto's suffix source): earlier responses kept, in tokens.
+    suffix_cache_tokens: int = DEFAULT_SUFFIX_CACHE_TOKENS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -232,6 +237,10 @@ class SpecConfig:
         check_acceptance(self.acceptance, self.method)
         if self.tree_size is not None and not 1 <= self.tree_size <= MAX_TREE_SIZE:
             raise InvalidRequestError(f"tree_size={self.tree_size} is out of range: use 1..{MAX_TREE_SIZE}.")
+        if self.suffix_cache_tokens < 0:
+            raise InvalidRequestError(
+                f"suffix_cache_tokens={self.suffix_cache_tokens} is out of range: use >= 0 (0 keeps no earlier responses)."
+            )
 
     def call_k(self, k: int | str | None, k_policy: str | None) -> tuple[int, str]:
         """(draft_k, policy) for one call that may override ``k`` and ``k_policy``: draft_k is the

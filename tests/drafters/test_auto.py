@@ -98,10 +98,12 @@ def cycle_sources(pattern: list[tuple[str, int]]):
     """A plan that ignores costs and follows ``pattern`` by committed length: it depends only on
     the past, so decoding must stay lossless whatever the pattern is."""
 
-    def plan(self: AutoDrafter, length: int, num_tokens: int, lookup_tokens: int, match_size: int) -> tuple[str, int]:
+    def plan(self: AutoDrafter, length: int, num_tokens: int, lookup_tokens: int, match_size: int, suffix_tokens: int = 0,
+             suffix_bucket: int = 0) -> tuple[str, int]:
         source, k = pattern[length % len(pattern)]
-        if source == "ngram":
-            return ("ngram", min(k, lookup_tokens)) if lookup_tokens else ("none", 0)
+        found = {"ngram": lookup_tokens, "suffix": suffix_tokens}
+        if source in found:
+            return (source, min(k, found[source])) if found[source] else ("none", 0)
         return source, min(k, num_tokens)
 
     return plan
@@ -145,7 +147,7 @@ def test_auto_without_draft_model_uses_lookup(tiny_qwen2_dir: Path) -> None:
     result = dec.generate(prompt_ids, SamplingParams(max_new_tokens=16))
     assert result.token_ids == plain_tokens(tiny_qwen2_dir, prompt_ids, 16)
     assert result.stats.draft_forward_passes == 0
-    assert set(result.stats.steps_by_source) <= {"ngram", "none"}
+    assert set(result.stats.steps_by_source) <= {"ngram", "suffix", "none"}
 
 
 def test_mixed_sources_sample_the_target_distribution(

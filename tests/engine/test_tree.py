@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import broken_rejection_tree_verify
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdecode.engine.tree import TokenTree, tree_view
@@ -302,39 +303,9 @@ def test_rejection_tree_reproduces_target_distribution(case: str) -> None:
     assert max(tvs.values()) < TV_THRESHOLD, tvs
 
 
-def _broken_rejection_tree_verify(
-    tree: TokenTree, target_probs: torch.Tensor, gen: torch.Generator, broken_kind: str
-) -> TreeVerifyResult:
-    """Recursive rejection that forgets a rejected child of ``broken_kind``: after it, the
-    residual stays as it was (p, if untouched) instead of norm(max(0, r - q)) or r without c."""
-    children = tree.children()
-    tokens = tree.tokens.tolist()
-    node, residual = 0, target_probs[0]
-    descended = True
-    while descended:
-        descended = False
-        for child in children[node]:
-            token = tokens[child]
-            q_child = tree.draft_probs[node, token].item() if tree.sampled[child] else 1.0
-            if torch.rand((), generator=gen).item() * q_child < residual[token].item():
-                node, residual, descended = child, target_probs[child], True
-                break
-            if broken_kind == ("sampled" if tree.sampled[child] else "deterministic"):
-                continue
-            if tree.sampled[child]:
-                residual = (residual - tree.draft_probs[node]).clamp_min(0.0)
-            else:
-                residual = residual.clone()
-                residual[token] = 0.0
-            residual = residual / residual.sum()
-    final = int(torch.multinomial(residual, 1, generator=gen).item())
-    path = tree.path_to(node)
-    return TreeVerifyResult(path, [tokens[n] for n in path[1:]] + [final])
-
-
 @pytest.mark.parametrize(("broken_kind", "case"), [("sampled", "sampled"), ("deterministic", "top2")])
 def test_distribution_test_detects_wrong_residual(broken_kind: str, case: str) -> None:
-    broken = functools.partial(_broken_rejection_tree_verify, broken_kind=broken_kind)
+    broken = functools.partial(broken_rejection_tree_verify, broken_kind=broken_kind)
     tvs = _next_token_tv(broken, case)
     assert max(tvs.values()) > 2 * TV_THRESHOLD, tvs
 

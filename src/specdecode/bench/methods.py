@@ -197,6 +197,10 @@ class TurnResult:
     # memory the method itself needed: KV caches, activations, draft state).
     peak_rss_bytes: int | None = None
     run_rss_bytes: int | None = None
+    # Methods suffix and auto: the earlier responses kept after the turn (tokens) and the heap
+    # bytes of their suffix trees.
+    suffix_cache_tokens: int | None = None
+    suffix_cache_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -220,9 +224,15 @@ class SpecDecodeMethod:
         self.k: int | str | None = "auto" if label.k_policy else (label.k if label.k is not None else k)
         self.k_policy = label.k_policy
 
+    def start_conversation(self) -> None:
+        """A new prompt: forget earlier responses, so that suffix decoding drafts only from this
+        conversation (never from another method's, or an earlier repeat's, answer to it)."""
+        self.decoder.suffix_cache.clear()
+
     def run_turn(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
         result = self.decoder.generate(prompt_ids, params, method=self.base, k=self.k, k_policy=self.k_policy)
         stats = result.stats
+        suffix = self.decoder.suffix_cache.stats(measure_bytes=True) if self.base in ("suffix", "auto") else None
         return TurnResult(
             tokens=result.token_ids,
             text=result.text,
@@ -240,6 +250,8 @@ class SpecDecodeMethod:
             proposed_at_position=list(stats.proposed_at_position),
             accepted_at_position=list(stats.accepted_at_position),
             steps_by_source=dict(stats.steps_by_source),
+            suffix_cache_tokens=suffix.tokens if suffix else None,
+            suffix_cache_bytes=suffix.bytes if suffix else None,
         )
 
 

@@ -126,6 +126,13 @@ def limits_line(results: dict[str, Any]) -> str:
     )
 
 
+def suffix_line(summary: dict[str, dict[str, dict[str, Any]]]) -> str | None:
+    """The suffix trees' memory: for each method that keeps earlier responses, its largest cache."""
+    parts = [f"{m} {g[ALL]['suffix_cache_tokens']} tokens, {g[ALL]['suffix_cache_bytes_per_token']:.0f} bytes/token"
+             for m, g in summary.items() if g.get(ALL, {}).get("suffix_cache_tokens")]
+    return "Suffix-tree memory (largest cache of earlier responses): " + "; ".join(parts) + "." if parts else None
+
+
 def position_rows(summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]]:
     """Acceptance per draft position over all prompts, for the methods that report it."""
     per_method = {m: g.get(ALL, {}).get("acceptance_per_position") or [] for m, g in summary.items()}
@@ -150,6 +157,8 @@ def print_tables(results: dict[str, Any], console: Any) -> None:
     header, rows = position_rows(summary)
     if rows:
         console.print(_rich_table(POSITION_TITLE, header, rows))
+    if suffix_line(summary):
+        console.print(suffix_line(summary))
 
 
 def markdown_report(results: dict[str, Any]) -> str:
@@ -168,6 +177,8 @@ def markdown_report(results: dict[str, Any]) -> str:
     header, rows = position_rows(summary)
     if rows:
         parts.append(md(POSITION_TITLE, header, rows))
+    if suffix_line(summary):
+        parts.append(suffix_line(summary))
     return "\n\n".join(parts) + "\n"
 
 

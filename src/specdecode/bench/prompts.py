@@ -1,4 +1,4 @@
-"""Benchmark prompt sets: Spec-Bench rows, HumanEval problems, or a text file of prompts.
+"""Benchmark prompt sets: Spec-Bench rows, HumanEval problems, agentic sessions, or a text file of prompts.
 
 Every prompt becomes a ``BenchPrompt`` with a category and one or more user turns; a
 multi-turn prompt is run turn after turn with the model's own earlier answers in the chat.
@@ -17,6 +17,14 @@ subset still spans them. ``--max-prompts-per-category N`` keeps the first N of t
 with N = 3 the default set is Spec-Bench question ids 81, 91, 101 (mt_bench: writing, roleplay,
 reasoning), 161, 163, 165 (translation), 241, 243, 245 (summarization), 321, 323, 325 (qa),
 401, 403, 405 (math_reasoning), 481, 483, 485 (rag), and HumanEval/0, /1, /2.
+
+The agentic set (``--prompts agentic``, category ``agentic``, shipped in ``data/agentic.jsonl``
+and written for this project) is multi-turn code-editing sessions: the first turn asks for a
+function, class or query, and each later turn asks to change what the previous answer wrote
+(rename, add a parameter, add error handling, write its tests), replying with the complete
+updated code, so answers repeat earlier answers, as agent loops and code edits do. Sessions
+alternate languages (Python, SQL, JavaScript), so ``--max-prompts-per-category 2`` takes a
+Python and a SQL session.
 """
 
 from __future__ import annotations
@@ -33,10 +41,12 @@ from specdecode.errors import InvalidRequestError
 MT_BENCH_SUBCATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 MT_BENCH = "mt_bench"
 HUMANEVAL = "humaneval"
+AGENTIC = "agentic"
 TEXT = "text"
-CATEGORIES = (MT_BENCH, "translation", "summarization", "qa", "math_reasoning", "rag", HUMANEVAL)
+CATEGORIES = (MT_BENCH, "translation", "summarization", "qa", "math_reasoning", "rag", HUMANEVAL)  # of the default set
 DEFAULT_SOURCE = "default"
 SPEC_BENCH_FILE = "spec_bench_dev.jsonl"
+AGENTIC_FILE = "agentic.jsonl"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with code only.\n\n"
 
 
@@ -117,6 +127,13 @@ def load_humaneval() -> list[BenchPrompt]:
     ]
 
 
+def load_agentic() -> list[BenchPrompt]:
+    """The agentic code-editing sessions: one multi-turn prompt each (subcategory: the language)."""
+    text = resources.files("specdecode.bench").joinpath("data", AGENTIC_FILE).read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [BenchPrompt(f"{AGENTIC}:{row['id']}", AGENTIC, row["language"], tuple(row["turns"])) for row in rows]
+
+
 def load_text_prompts(path: Path) -> list[BenchPrompt]:
     """One prompt per non-empty line (a literal ``\\n`` in a line becomes a newline)."""
     if not path.exists():
@@ -133,8 +150,8 @@ def load_text_prompts(path: Path) -> list[BenchPrompt]:
 
 
 def load_prompts(sources: Sequence[str]) -> list[BenchPrompt]:
-    """``default`` (Spec-Bench dev + HumanEval), ``spec_bench``, ``humaneval``, or file paths
-    (``.jsonl``: Spec-Bench rows; anything else: one prompt per line)."""
+    """``default`` (Spec-Bench dev + HumanEval), ``spec_bench``, ``humaneval``, ``agentic``, or
+    file paths (``.jsonl``: Spec-Bench rows; anything else: one prompt per line)."""
     prompts: list[BenchPrompt] = []
     for source in sources:
         if source == DEFAULT_SOURCE:
@@ -143,6 +160,8 @@ def load_prompts(sources: Sequence[str]) -> list[BenchPrompt]:
             prompts += load_spec_bench()
         elif source == HUMANEVAL:
             prompts += load_humaneval()
+        elif source == AGENTIC:
+            prompts += load_agentic()
         else:
             path = Path(source)
             prompts += load_spec_bench(path) if path.suffix == ".jsonl" else load_text_prompts(path)

@@ -130,6 +130,7 @@ def aggregate(
     target_passes = sum(t["target_passes"] for t in turns)
     draft_passes = sum(t["draft_passes"] for t in turns)
     rss = [t["peak_rss_bytes"] for t in turns if t.get("peak_rss_bytes")]
+    suffix = max((t for t in turns if t.get("suffix_cache_tokens")), key=lambda t: t["suffix_cache_tokens"], default=None)
     run_rss = [t["run_rss_bytes"] for t in turns if t.get("run_rss_bytes") is not None]
     entry.update(
         tokens_per_second=_rate(turns),
@@ -144,6 +145,9 @@ def aggregate(
         time_split={name: value / seconds if seconds > 0 else 0.0 for name, value in split.items()},
         peak_rss_bytes=max(rss) if rss else None,
         run_rss_bytes=max(run_rss) if run_rss else None,
+        # The largest suffix cache of the group (one conversation's responses): its size and bytes per token.
+        suffix_cache_tokens=suffix["suffix_cache_tokens"] if suffix else None,
+        suffix_cache_bytes_per_token=suffix["suffix_cache_bytes"] / suffix["suffix_cache_tokens"] if suffix else None,
     )
     if bandwidth:
         ceiling = ceiling_tokens_per_second(new_tokens, target_passes, draft_passes, target_bytes, draft_bytes, bandwidth)

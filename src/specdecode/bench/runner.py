@@ -109,6 +109,8 @@ class Bench(BenchLineup):
         """All turns of one prompt, each answer going into the next turn's history."""
         messages: list[dict[str, str]] = []
         results = []
+        if hasattr(method, "start_conversation"):
+            method.start_conversation()
         for turn in turns:
             messages.append({"role": "user", "content": turn})
             prompt_ids = self.encode(messages)

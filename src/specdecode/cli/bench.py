@@ -49,11 +49,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--prompts", type=comma_list, default=("default",),
         help="comma-separated sources: default (Spec-Bench dev subset + HumanEval), spec_bench, humaneval, "
-        "a Spec-Bench .jsonl file, or a text file with one prompt per line",
+        "agentic (multi-turn code-editing sessions), a Spec-Bench .jsonl file, or a text file with one prompt per line",
     )
     bench.add_argument(
         "--categories", type=comma_list, default=("all",),
-        help=f"comma-separated categories or 'all' (default set: {', '.join(CATEGORIES)})",
+        help=f"comma-separated categories or 'all' (default set: {', '.join(CATEGORIES)}; agentic set: agentic)",
     )
     bench.add_argument("--max-prompts-per-category", type=_positive_int, default=3, help="first N of each category's fixed order")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per turn")

@@ -40,7 +40,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
             "draft: a draft model proposes; ngram: prompt lookup proposes (no draft model); auto: each "
             "step, lookup, draft model or plain decoding, whichever pays by measured cost and acceptance "
             "(up to --k-max tokens); layerskip: the target drafts with layers skipped; medusa, eagle: "
-            "trained heads (--heads) draft a token tree; none: plain decoding"
+            "trained heads (--heads) draft a token tree; suffix: token trees from the text so far, ranked by "
+            "how often each continuation followed (no model); none: plain decoding"
         ),
     )
     gen.add_argument(

@@ -37,12 +37,13 @@ def non_negative_float(text: str) -> float:
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from specdecode.cli.serve_ray import add_ray_arguments
     from specdecode.cli.train import non_negative_int, positive_int
-    from specdecode.config import DEFAULT_K, METHODS
+    from specdecode.config import DEFAULT_K, DEFAULT_SUFFIX_CACHE_TOKENS, METHODS
     from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
     from specdecode.kv.static import KV_DTYPES
     from specdecode.quant.apply import QUANT_CHOICES
     from specdecode.serving.guard import DEFAULT_MAX_BODY_BYTES
     from specdecode.serving.server import DEFAULT_DRAIN_TIMEOUT
+    from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE, SUFFIX_SHARES
 
     parser = sub.add_parser(
         "serve",
@@ -79,6 +80,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                              "llama.cpp: split evenly over --max-batch sequences)")
     parser.add_argument("--batch-policy", choices=BATCH_POLICIES, default="async",
                         help="async: each request keeps all it accepts; sync: a step keeps the batch's fewest")
+    parser.add_argument("--suffix-share", choices=SUFFIX_SHARES, default=DEFAULT_SUFFIX_SHARE,
+                        help="method suffix drafts from earlier responses of: the same API key (tenant), every "
+                             "request (global), or none; sharing across users leaks through timing (docs/server.md)")
+    parser.add_argument("--suffix-cache-tokens", type=non_negative_int, default=DEFAULT_SUFFIX_CACHE_TOKENS,
+                        help="response tokens kept for method suffix over all tenants, least recently used evicted "
+                             "first (0: none)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     limits = parser.add_argument_group("security and limits (docs/server.md#security-and-limits)")
     limits.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
@@ -139,6 +146,7 @@ def load_server(args: argparse.Namespace) -> ServerParts:
         args.target, args.draft, method=args.method, k=args.k, heads=args.heads, tree_size=args.tree_size,
         dtype=args.dtype, device=args.device, target_quant=args.target_quant, draft_quant=args.draft_quant,
         kv_dtype=args.kv_dtype, backend=args.backend, compile=compile_choice(args),
+        suffix_cache_tokens=args.suffix_cache_tokens,
     )
     if args.compile:
         # Batched requests run the batch engine's passes, which are not compiled; requests served
@@ -162,5 +170,6 @@ def load_server(args: argparse.Namespace) -> ServerParts:
     hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
     guard = GuardOptions(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
                          allowed_hosts=default_allowed_hosts(args.host, hosts))
-    options = ServerOptions(guard=guard, request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
+    options = ServerOptions(guard=guard, request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
+                            suffix_share=args.suffix_share)
     return ServerParts(decoder, name, worker, options)

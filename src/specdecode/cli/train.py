@@ -45,7 +45,8 @@ def add_tree_arguments(parser: argparse.ArgumentParser, bench: bool) -> None:
             "(the output no longer follows the target's distribution); default lossless",
         )
     parser.add_argument("--tree-size", type=positive_int, default=None,
-                        help="medusa/eagle: drafted tree nodes per step (default: Medusa sizes its tree from measured verify costs, EAGLE 4)")
+                        help="medusa/eagle/suffix: drafted tree nodes per step at most (default: Medusa sizes its tree "
+                             "from measured verify costs, EAGLE 4, suffix 16)")
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:

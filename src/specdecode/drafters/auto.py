@@ -1,16 +1,18 @@
 """The auto method: each step, whichever way of guessing pays best by measured goodput.
 
-Three sources compete every step: prompt lookup (n-gram, no model pass), the draft model, and
-plain decoding (no draft). The lookup runs first because it costs microseconds; then the source
-with the highest expected tokens per second steps:
+Four sources compete every step: prompt lookup (n-gram, no model pass), suffix decoding (the
+best chain of ``drafters/suffix.py``: the request's text and earlier responses, no model pass),
+the draft model, and plain decoding (no draft). The lookups run first because they cost
+microseconds; then the source with the highest expected tokens per second steps:
 
 - plain decoding: one token per target pass over one row (measured once per engine, kept
   current from live steps);
-- prompt lookup and the draft model: their goodput measured on their own recent steps,
+- prompt lookup, suffix decoding and the draft model: their goodput measured on their own recent steps,
   tokens emitted over seconds spent drafting and verifying, pooled with forgetting
   (``GoodputEstimate``, a window of ~30 steps: the choice is per request more than per
   step). Prompt lookup keeps one estimate per match length n (a 3-token match is accepted far
-  more often than a 1-token one). Each starts from a hopeful prior, so it gets tried (a
+  more often than a 1-token one), suffix decoding one per match-length bucket (1, 2-3, 4-7,
+  8-15, 16+). Each starts from a hopeful prior, so it gets tried (a
   lookup, which costs only extra verified rows, more hopefully than the draft model), and its
   own measurements take over. Measured, not modelled: acceptance comes in
   runs and the draft model stops early where it is unsure, which an i.i.d. model of
@@ -23,8 +25,9 @@ with the highest expected tokens per second steps:
   draft model never runs it.
 
 The draft model drafts up to ``draft_k`` tokens (its confidence cut-off ends drafts early);
-prompt lookup proposes as many found tokens as pay under ``k_policy.best_plan`` with its
-per-n acceptance. After ``DRAFT_RETRY_AFTER`` steps without the draft model and no lookup match, a
+prompt lookup and suffix decoding propose as many found tokens as pay under
+``k_policy.best_plan`` with their per-match acceptance. After ``DRAFT_RETRY_AFTER`` steps without
+the draft model and no lookup match, a
 draft model used earlier in the request drafts again, so a stale estimate can recover.
 Choosing only changes what is proposed, never the acceptance rule: output stays lossless.
 
@@ -39,6 +42,7 @@ from collections import Counter
 import torch
 
 from specdecode.backends.base import SequenceModel
+from specdecode.backends.device import host_to_device
 from specdecode.costs.k_policy import (
     AcceptanceEstimate,
     GoodputEstimate,
@@ -49,6 +53,7 @@ from specdecode.costs.k_policy import (
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.suffix import SuffixDrafter, match_bucket
 from specdecode.engine.sampling import LogitsProcessor
 
 CATCH_UP_HORIZON = 64  # most future tokens a draft catch-up is spread over
@@ -77,8 +82,10 @@ class AutoDrafter:
         draft_pass_seconds: float = 0.0,  # one draft-model pass over one token
         draft_token_seconds: float = 0.0,  # the draft model's cost per token of a long catch-up pass
         live_costs: bool = True,  # update verify costs from steps; False where timings are asynchronous
+        suffix: SuffixDrafter | None = None,
     ) -> None:
         self.ngram = ngram
+        self.suffix = suffix
         self.draft = draft
         self.verify_seconds = list(verify_seconds)
         self.k_max = k_max
@@ -88,12 +95,13 @@ class AutoDrafter:
         self.draft_can_pay = draft is not None and speculation_can_pay(self.verify_seconds, draft_pass_seconds, self.draft_k)
         self.live_costs = live_costs
         self.draft_goodput = self._prior()
-        self.ngram_goodput: dict[int, GoodputEstimate] = {}
-        self.ngram_acceptance: dict[int, AcceptanceEstimate] = {}
+        # Per lookup source ("ngram", "suffix") and match size: goodput and acceptance.
+        self.lookup_goodput: dict[tuple[str, int], GoodputEstimate] = {}
+        self.lookup_acceptance: dict[tuple[str, int], AcceptanceEstimate] = {}
         # Steps each source drafted (or decoded plainly): reported in GenerationStats.
         self.steps_by_source: Counter[str] = Counter()
         self.source = "none"  # of the last step
-        self._match_size = 0
+        self._match_size = 0  # of the last step's lookup (n, or the suffix match's bucket)
         self._catch_up = 0
         self._draft_used = False
         self._since_draft = 0
@@ -103,11 +111,12 @@ class AutoDrafter:
         plain = self.verify_seconds[0]
         return GoodputEstimate(prior_rate=gain / plain, prior_seconds=PRIOR_STEPS * plain)
 
-    def _ngram_estimates(self, match_size: int) -> tuple[GoodputEstimate, AcceptanceEstimate]:
-        if match_size not in self.ngram_goodput:
-            self.ngram_goodput[match_size] = self._prior(LOOKUP_PRIOR_GAIN)
-            self.ngram_acceptance[match_size] = AcceptanceEstimate()
-        return self.ngram_goodput[match_size], self.ngram_acceptance[match_size]
+    def _lookup_estimates(self, source: str, match_size: int) -> tuple[GoodputEstimate, AcceptanceEstimate]:
+        key = (source, match_size)
+        if key not in self.lookup_goodput:
+            self.lookup_goodput[key] = self._prior(LOOKUP_PRIOR_GAIN)
+            self.lookup_acceptance[key] = AcceptanceEstimate()
+        return self.lookup_goodput[key], self.lookup_acceptance[key]
 
     def _catch_up_seconds(self, missed: int) -> float:
         return max(0, missed - CATCH_UP_FREE_TOKENS) * self.draft_token_seconds
@@ -122,8 +131,8 @@ class AutoDrafter:
         source = self.source if proposed else "none"
         self.steps_by_source[source] += 1
         self._since_draft = 0 if source == "draft" else self._since_draft + 1
-        if source == "ngram":
-            goodput, acceptance = self._ngram_estimates(self._match_size)
+        if source in ("ngram", "suffix"):
+            goodput, acceptance = self._lookup_estimates(source, self._match_size)
             goodput.observe(accepted + 1, draft_seconds + verify_seconds)
             acceptance.observe(proposed, accepted)
         elif source == "draft":
@@ -134,29 +143,38 @@ class AutoDrafter:
     # -- drafter side --------------------------------------------------------------------------
     def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
         self.ngram.start(prompt_len, capacity, target)
+        if self.suffix is not None:
+            self.suffix.start(prompt_len, capacity, target)
         if self.draft is not None:
             self.draft.start(prompt_len, capacity, target)  # allocation only: it reads the prompt when first used
         self._capacity = capacity
 
     def on_committed(self, tokens: list[int]) -> None:
         self.ngram.on_committed(tokens)
+        if self.suffix is not None:
+            self.suffix.on_committed(tokens)
 
-    def plan(self, length: int, num_tokens: int, lookup_tokens: int, match_size: int) -> tuple[str, int]:
+    def plan(
+        self, length: int, num_tokens: int, lookup_tokens: int, match_size: int, suffix_tokens: int = 0,
+        suffix_bucket: int = 0,
+    ) -> tuple[str, int]:
         """(source, k) with the highest expected tokens per second for this step.
 
         ``length``: committed tokens; ``num_tokens``: the most the engine lets this step draft;
         ``lookup_tokens``: tokens the n-gram lookup found (0: no match) for a match of
-        ``match_size``.
+        ``match_size``; ``suffix_tokens``: the suffix chain's length (0: none) for a match in
+        ``suffix_bucket``.
         """
         best = ("none", 0, 1.0 / self.verify_seconds[0])
-        if lookup_tokens > 0:
-            goodput, acceptance = self._ngram_estimates(match_size)
-            k, _ = best_plan(acceptance.rate, self.verify_seconds, 0.0, lookup_tokens, k_min=1)
-            if goodput.rate > best[2]:
-                best = ("ngram", k, goodput.rate)
+        for source, found, size in (("ngram", lookup_tokens, match_size), ("suffix", suffix_tokens, suffix_bucket)):
+            if found > 0:
+                goodput, acceptance = self._lookup_estimates(source, size)
+                k, _ = best_plan(acceptance.rate, self.verify_seconds, 0.0, found, k_min=1)
+                if goodput.rate > best[2]:
+                    best = (source, k, goodput.rate)
         if self.draft is not None and self.draft_can_pay:
             k = min(self.draft_k, num_tokens)
-            if self._draft_used and self._since_draft >= DRAFT_RETRY_AFTER and lookup_tokens == 0:
+            if self._draft_used and self._since_draft >= DRAFT_RETRY_AFTER and lookup_tokens == 0 and suffix_tokens == 0:
                 return "draft", k
             rate = self.draft_goodput.rate
             catch_up = self._catch_up_seconds(length - self.draft.cached_len)
@@ -176,10 +194,17 @@ class AutoDrafter:
     ) -> DraftProposal:
         length = committed.shape[1]
         lookup = self.ngram.propose(committed, num_tokens, processor, generator)
-        self._match_size = self.ngram.last_match_size
-        self.source, k = self.plan(length, num_tokens, lookup.num_tokens, self._match_size)
+        chain = self.suffix.proposer.propose(num_tokens, tree=False, mark=False) if self.suffix is not None else None
+        suffix_tokens, suffix_bucket = (len(chain), match_bucket(chain.match_len)) if chain else (0, 0)
+        self.source, k = self.plan(length, num_tokens, lookup.num_tokens, self.ngram.last_match_size, suffix_tokens,
+                                   suffix_bucket)
+        self._match_size = suffix_bucket if self.source == "suffix" else self.ngram.last_match_size
         if self.source == "ngram":
             return DraftProposal(tokens=lookup.tokens[:, :k], probs=None)
+        if self.source == "suffix":
+            assert self.suffix is not None and chain is not None
+            kept = self.suffix.proposer.keep(chain, k)
+            return DraftProposal(tokens=host_to_device(kept.tokens, torch.long, committed.device)[None], probs=None)
         if self.source == "draft":
             assert self.draft is not None
             self._catch_up = length - self.draft.cached_len

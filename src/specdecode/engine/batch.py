@@ -20,7 +20,7 @@ distribution the target's; ``sync`` only emits less per step.
 
 Invariant per sequence between steps (as in ``engine/single.py``): L committed tokens, target KV
 valid for positions [0, L - 1); the next verify pass feeds the last committed token with the
-drafts. Methods: ``none``, ``ngram`` and ``draft`` batch; the tree methods, ``auto`` and
+drafts. Methods: ``none``, ``ngram``, ``draft`` and ``suffix`` (its best chain) batch; the tree methods, ``auto`` and
 ``layerskip`` keep their single-sequence engine.
 """
 
@@ -41,6 +41,8 @@ from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import BatchDraftModel
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer
+from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch_proposals import max_draft, may_draft, plan_row, propose
 from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
 from specdecode.engine.batch_verify import verify_rows
@@ -53,7 +55,7 @@ from specdecode.errors import InvalidRequestError
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
 from specdecode.models.llama import Transformer
 
-BATCH_METHODS = ("none", "ngram", "draft")
+BATCH_METHODS = ("none", "ngram", "draft", "suffix")
 BATCH_POLICIES = ("async", "sync")
 DEFAULT_MAX_BATCH = 8
 POOLED_ACCEPTANCE_DECAY = 0.98  # the engine-wide estimate forgets over ~50 steps
@@ -82,6 +84,7 @@ class BatchEngine:
         ngram_min: int = DEFAULT_NGRAM_MIN,
         draft_confidence: float = 0.0,
         sync_timing: bool = False,
+        suffix_cache: SuffixCache | None = None,
     ) -> None:
         if policy not in BATCH_POLICIES:
             raise InvalidRequestError(f"policy must be one of {', '.join(BATCH_POLICIES)}, got {policy!r}.")
@@ -99,6 +102,7 @@ class BatchEngine:
         self.ngram_sizes = (ngram_max, ngram_min)
         self.draft_confidence = draft_confidence  # the draft model's per-row cut-off (batch_draft.DraftRow)
         self.sync_timing = sync_timing
+        self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()  # earlier responses, by group
         self._ids = itertools.count()
         # Acceptance pooled over every request of a method: a new request starts from it (the
         # model pair and the workload decide acceptance more than any one request does).
@@ -122,9 +126,11 @@ class BatchEngine:
         k: int | None = None,
         request_id: str | None = None,
         stats: GenerationStats | None = None,
+        suffix_group: str | None = DEFAULT_GROUP,
     ) -> str:
         """Queue a request; it joins the batch at a coming step. Returns its id. ``stats`` (a
-        fresh ``GenerationStats``) is filled as it decodes; one is made when not given."""
+        fresh ``GenerationStats``) is filled as it decodes; one is made when not given. Method
+        suffix drafts from (and adds to) ``suffix_group``'s earlier responses (None: its own text only)."""
         k = self.check_request(len(prompt_ids), params, method, k)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -139,7 +145,7 @@ class BatchEngine:
             generator=None if processor.greedy else make_generator(params.seed, self.device),
             tokens=list(prompt_ids), committed=committed,
             stats=stats or GenerationStats(), started=time.perf_counter(),
-            ngram=NgramDrafter(*self.ngram_sizes) if method == "ngram" else None,
+            ngram=self._host_drafter(method, k, suffix_group),
         )
         request.stats.method, request.stats.prompt_tokens = method, prompt_len
         pooled = self._pooled_acceptance[method]
@@ -152,6 +158,13 @@ class BatchEngine:
         self.scheduler.add(seq)
         self._requests[request_id] = seq
         return request_id
+
+    def _host_drafter(self, method: str, k: int, suffix_group: str | None) -> NgramDrafter | SuffixDrafter | None:
+        if method == "ngram":
+            return NgramDrafter(*self.ngram_sizes)
+        if method == "suffix":
+            return SuffixDrafter(SuffixProposer(self.suffix_cache, suffix_group, depth=max(k, 1)))
+        return None
 
     def check_request(self, prompt_len: int, params: SamplingParams, method: str, k: int | None) -> int:
         """Raise InvalidRequestError for a request this engine cannot take; the k cap it would use.
@@ -390,6 +403,8 @@ class BatchEngine:
             length = len(request.tokens)
             request.committed[length : length + count] = host_to_device(new_tokens, torch.long, self.device)
             request.tokens.extend(new_tokens)
+            if request.ngram is not None:  # as tokens commit, so other requests draft from them too
+                request.ngram.extend(request.tokens[len(request.ngram.history):])
             seq.num_tokens = len(request.tokens)
             self.target.commit(seq.seq_id, length + min(accepted_len, count - 1))
             if request.method == "draft" and proposal.num_tokens > 0:

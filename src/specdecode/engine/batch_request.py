@@ -10,6 +10,7 @@ import torch
 from specdecode.config import SamplingParams
 from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.sampling import LogitsProcessor
 from specdecode.engine.scheduler import ScheduledSequence
@@ -41,7 +42,7 @@ class BatchRequest:
     stats: GenerationStats
     started: float
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    ngram: NgramDrafter | None = None
+    ngram: NgramDrafter | SuffixDrafter | None = None  # a host-side drafter: prompt lookup or suffix decoding
 
     @property
     def remaining(self) -> int:

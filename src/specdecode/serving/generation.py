@@ -112,10 +112,11 @@ class Generation:
         if batched:
             assert state.worker is not None and isinstance(req.prompt, list)
             chunks, stats = state.worker.submit(req.prompt, req.params, state.method_of(req), state.k_of(req),
-                                                request_id=self.batch_id)
+                                                request_id=self.batch_id, suffix_group=req.suffix_group)
             stream = state.decoder.token_stream(chunks, stats, req.params)
         else:
-            stream = state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k)
+            stream = state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k,
+                                          suffix_group=req.suffix_group)
         self.stats = stream.stats
         deltas = iter(stream)
         try:

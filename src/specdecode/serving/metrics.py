@@ -6,6 +6,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from specdecode.drafters.suffix_cache import SuffixCache
 from specdecode.engine.metrics import GenerationStats
 from specdecode.serving.worker import BatchWorker
 
@@ -38,6 +39,7 @@ class ServerMetrics:
     waiting: int = 0
     kv_tokens: int = 0  # tokens in the running single-sequence request's target KV cache
     worker: BatchWorker | None = None
+    suffix_cache: SuffixCache | None = None  # earlier responses for suffix decoding
     # Labels on every series, e.g. {"replica": ...} under Ray Serve, where replicas' series meet.
     labels: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -85,6 +87,16 @@ class ServerMetrics:
                  engine.scheduler.preemptions if engine is not None else 0),
                 ("kv_cache_tokens", "gauge", "Tokens in the single-sequence engine's target KV cache.", self.kv_tokens),
             ]
+            if self.suffix_cache is not None:
+                suffix = self.suffix_cache.stats()
+                rows += [
+                    ("suffix_cache_tokens", "gauge", "Response tokens kept for suffix decoding (all tenants).", suffix.tokens),
+                    ("suffix_cache_max_tokens", "gauge", "The suffix cache's token budget (--suffix-cache-tokens).",
+                     suffix.max_tokens),
+                    ("suffix_cache_responses", "gauge", "Responses kept for suffix decoding.", suffix.responses),
+                    ("suffix_cache_groups", "gauge", "Tenants (or one global group) with responses kept.", suffix.groups),
+                    ("suffix_cache_nodes", "gauge", "Suffix-tree nodes over the kept responses.", suffix.nodes),
+                ]
             rss = resident_bytes()
             if rss is not None:
                 rows.append(("process_resident_memory_bytes", "gauge", "The server process's resident memory.", rss))

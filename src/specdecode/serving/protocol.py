@@ -78,6 +78,8 @@ class ParsedRequest:
     k: int | None
     # False: max_tokens is the default, which the server may lower to what the context leaves.
     max_tokens_given: bool = True
+    # Whose earlier responses suffix decoding reads (serving/suffix_share.py); set from the headers.
+    suffix_group: str | None = ""
 
 
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:

@@ -4,7 +4,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``
 as server-sent events), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus
 text format).
 
-Requests with methods ``none``, ``ngram`` and ``draft`` are decoded together by a
+Requests with methods ``none``, ``ngram``, ``draft`` and ``suffix`` are decoded together by a
 continuous-batching engine (``engine/batch.py``) stepping in one worker thread
 (``serving/worker.py``): they join and leave the batch between steps, share each target pass,
 and hold paged KV blocks only while they run. The other methods (``auto``, ``layerskip``,
@@ -22,7 +22,8 @@ event). On SIGTERM or SIGINT the server drains (``serving/shutdown.py``).
 
 Extension fields a request may carry besides OpenAI's: ``top_k`` (int), ``method`` (one of
 the loaded decoder's methods) and ``k`` (tokens drafted per step). Each response carries the
-request's decoding metrics under ``specdecode``.
+request's decoding metrics under ``specdecode``. Method ``suffix`` drafts from earlier
+responses of the same tenant only, by default (``serving/suffix_share.py``).
 
 This module is the application: its routes and how a response ends. A request's way through
 it: ``serving/state.py`` (``ServerState.prepare``: parse, validate, tokenize; the requests in
@@ -46,6 +47,7 @@ from specdecode.serving.health import engine_problem
 from specdecode.serving.protocol import APIError, parse_request
 from specdecode.serving.responses import events, final_body
 from specdecode.serving.state import DEFAULT_DRAIN_TIMEOUT, ServerOptions, ServerState
+from specdecode.serving.suffix_share import suffix_group
 from specdecode.serving.worker import BatchWorker
 
 __all__ = ["DEFAULT_DRAIN_TIMEOUT", "APIError", "ServerOptions", "create_app", "parse_request", "serve"]
@@ -63,6 +65,7 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
     options = options or ServerOptions()
     state = ServerState(decoder, model_name, aliases, worker, options)
     state.metrics.worker = worker
+    state.metrics.suffix_cache = decoder.suffix_cache
     app = FastAPI(title="specdecode", version="1")
     app.state.specdecode = state
 
@@ -119,6 +122,7 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
     async def respond(request: Request, chat: bool) -> Any:
         raw = await request.body()  # the guard has read it, within the size limit
         req = await asyncio.to_thread(state.prepare, raw, chat)
+        req.suffix_group = suffix_group(options.suffix_share, request.headers.get("authorization"))
         generation = Generation(state, req, asyncio.get_running_loop())
         state.track(generation)
         generation.start()

@@ -22,6 +22,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.serving.guard import GuardOptions
 from specdecode.serving.metrics import ServerMetrics
 from specdecode.serving.protocol import APIError, ParsedRequest, client_message, parse_request
+from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE
 from specdecode.serving.worker import BatchWorker
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class ServerOptions:
     guard: GuardOptions = field(default_factory=GuardOptions)
     request_timeout: float | None = None  # seconds from admission; None: no limit
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT  # seconds in-flight requests get to finish on shutdown
+    suffix_share: str = DEFAULT_SUFFIX_SHARE  # whose earlier responses suffix decoding reads: tenant, global, none
 
 
 @dataclass(slots=True)
@@ -68,7 +70,7 @@ class ServerState:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return tuple(m for m in METHODS if m == "none" or m == "auto" or m in self.decoder.drafters)
+        return tuple(m for m in METHODS if m in ("none", "auto", "suffix") or m in self.decoder.drafters)
 
     @property
     def context_length(self) -> int:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from specdecode.config import SamplingParams
+from specdecode.drafters.suffix_cache import DEFAULT_GROUP
 from specdecode.engine.batch import BatchEngine, RequestOutput
 from specdecode.engine.metrics import GenerationStats
 
@@ -38,6 +39,7 @@ class _Add:
     k: int | None
     stats: GenerationStats
     outbox: queue.Queue[RequestOutput | BaseException]
+    suffix_group: str | None = DEFAULT_GROUP
 
 
 @dataclass(slots=True)
@@ -67,15 +69,16 @@ class BatchWorker:
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, method: str, k: int | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, suffix_group: str | None = DEFAULT_GROUP,
     ) -> tuple[Iterator[list[int]], GenerationStats]:
         """Queue a request (validated now: InvalidRequestError is raised here, not later).
-        ``request_id`` (from ``new_request_id``) lets the caller ``abort`` it later."""
+        ``request_id`` (from ``new_request_id``) lets the caller ``abort`` it later;
+        ``suffix_group`` is whose earlier responses method suffix drafts from."""
         self.engine.check_request(len(prompt_ids), params, method, k)
         request_id = request_id or self.new_request_id()
         stats = GenerationStats(method=method, prompt_tokens=len(prompt_ids))
         outbox: queue.Queue[RequestOutput | BaseException] = queue.Queue()
-        self._inbox.put(_Add(request_id, list(prompt_ids), params, method, k, stats, outbox))
+        self._inbox.put(_Add(request_id, list(prompt_ids), params, method, k, stats, outbox, suffix_group))
         return self._chunks(request_id, outbox), stats
 
     def _chunks(self, request_id: str, outbox: queue.Queue[RequestOutput | BaseException]) -> Iterator[list[int]]:
@@ -125,7 +128,7 @@ class BatchWorker:
                 try:
                     self.engine.add_request(
                         command.prompt_ids, command.params, command.method, command.k,
-                        request_id=command.request_id, stats=command.stats,
+                        request_id=command.request_id, stats=command.stats, suffix_group=command.suffix_group,
                     )
                 except Exception as err:  # refused (e.g. no room): tell that caller only
                     self._outboxes.pop(command.request_id).put(err)
