@@ -185,6 +185,7 @@ def test_binary_methods_run_with_greedy_arguments_and_a_timeout(tmp_path: Path) 
     pairs = {args[i]: args[i + 1] for i in range(len(args) - 1)}
     assert pairs["--temp"] == "0" and pairs["-t"] == "3" and pairs["-md"] == "d.gguf" and pairs["-m"] == "t.gguf"
     assert pairs["-n"] == "7" and pairs["--spec-draft-n-max"] == "4" and "--no-escape" in args  # it decodes one past -n
+    assert pairs["--spec-type"] == "draft-simple"  # without it this llama.cpp refuses a plain draft file
     lookup = LlamaCppBinaryMethod("llamacpp-bin-lookup", tmp_path, Path("t.gguf"), None, **common, timeout=0.5)
     with pytest.raises(InvalidRequestError, match="took more than"):
         lookup.run_turn([72], SamplingParams(max_new_tokens=4))

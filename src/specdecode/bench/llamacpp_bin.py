@@ -164,7 +164,9 @@ class LlamaCppBinaryMethod:
         if k is not None:
             self.fixed_args += ["--spec-draft-n-max", str(k)]
         if name == "llamacpp-bin-draft":
-            self.fixed_args += ["-md", str(draft), "-ngld", "0"]
+            # --spec-type: this llama.cpp infers the speculation type from the draft GGUF's metadata
+            # only, and a plain model file carries none, so without it the binary refuses to start.
+            self.fixed_args += ["-md", str(draft), "-ngld", "0", "--spec-type", "draft-simple"]
 
     def command(self, prompt: str, max_new_tokens: int) -> list[str]:
         # speculative-simple stops once it has decoded more than -n tokens: one more than asked.
