@@ -22,7 +22,7 @@ from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import METHODS, TREE_METHODS, SamplingParams, SpecConfig, check_acceptance, resolve_k
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
-from specdecode.drafters.auto import AutoDrafter
+from specdecode.drafters.auto import AutoDrafter, LookupMemory
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.from_heads import tree_drafter
@@ -70,6 +70,7 @@ class SpecDecoder:
         self.ngram_drafter = NgramDrafter(spec.ngram_max, spec.ngram_min)
         # Earlier responses for suffix decoding, shared by this decoder's requests (by group).
         self.suffix_cache = SuffixCache(spec.suffix_cache_tokens)
+        self.lookup_memory = LookupMemory()  # what lookups earned in earlier auto requests
         self.backend = target.backend
         # compile=: the repeated passes compiled per shape (backends/compiled.py); None: eager.
         if compile:
@@ -350,6 +351,7 @@ class SpecDecoder:
             draft_token_seconds=token_seconds,
             live_costs=self.costs.live,
             suffix=SuffixDrafter(SuffixProposer(self.suffix_cache, suffix_group, depth=k_max)),
+            memory=self.lookup_memory,
         )
 
     def generate(

@@ -8,7 +8,7 @@ import pytest
 from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square, copyable_prompt, decoder, plain_tokens
 
 from specdecode import SamplingParams
-from specdecode.drafters.auto import CATCH_UP_HORIZON, DRAFT_RETRY_AFTER, PRIOR_GAIN, AutoDrafter
+from specdecode.drafters.auto import CATCH_UP_HORIZON, DRAFT_RETRY_AFTER, PRIOR_GAIN, AutoDrafter, LookupMemory
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.errors import InvalidRequestError
 
@@ -65,6 +65,40 @@ def test_lookup_that_is_always_rejected_gives_way() -> None:
     assert auto.plan(100, 8, lookup_tokens=1, match_size=1) == ("none", 0)
     # Another match length has its own estimate (still the prior).
     assert auto.plan(100, 8, lookup_tokens=1, match_size=3)[0] == "ngram"
+
+
+def test_a_lookup_that_lost_in_earlier_requests_is_not_relearnt_in_each() -> None:
+    # Extra verify rows cost whole passes (llama.cpp on 2 cores): a rejected 1-token lookup
+    # costs 2 units for 1 token. The first request learns that by losing steps; the next
+    # requests of the same decoder (one memory) do not try that match size, until the old
+    # evidence fades and it is measured once more. A match size that paid keeps the hopeful prior.
+    compute_bound = [float(rows) for rows in range(1, 10)]
+    memory = LookupMemory()
+
+    def request() -> AutoDrafter:
+        auto = AutoDrafter(NgramDrafter(), None, compute_bound, k_max=8, memory=memory)
+        auto._capacity = 1000
+        memory.start_request()  # what start() does for each request
+        return auto
+
+    first = request()
+    losses = 0
+    while first.plan(100, 8, lookup_tokens=1, match_size=1) == ("ngram", 1):
+        observe(first, "ngram", 1, 0, match_size=1)
+        observe(first, "ngram", 4, 4, match_size=3)  # another match size pays
+        losses += 1
+    assert losses >= 2  # learnt by losing, as without memory
+    tried_later = []
+    for _ in range(8):
+        auto = request()
+        tried_later.append(auto.plan(100, 8, lookup_tokens=1, match_size=1)[0] == "ngram")
+        if tried_later[-1]:
+            observe(auto, "ngram", 1, 0, match_size=1)  # and loses again
+        assert auto.plan(100, 8, lookup_tokens=4, match_size=3)[0] == "ngram"
+    assert not tried_later[0] and 1 <= sum(tried_later) <= 3, tried_later
+    # Without the memory every request starts hopeful and pays the losses again.
+    fresh = AutoDrafter(NgramDrafter(), None, compute_bound, k_max=8)
+    assert fresh.plan(100, 8, lookup_tokens=1, match_size=1) == ("ngram", 1)
 
 
 def test_draft_catch_up_must_pay_within_the_horizon() -> None:

@@ -17,6 +17,12 @@ microseconds; then the source with the highest expected tokens per second steps:
   own measurements take over. Measured, not modelled: acceptance comes in
   runs and the draft model stops early where it is unsure, which an i.i.d. model of
   E(a, k) misprices;
+- lookup memory: what each (source, match size) earned in this decoder's earlier requests
+  (``LookupMemory``, faded at every new request) caps that hopeful prior, so a match size that
+  lost recently is not re-learnt by three losing steps in every request: short answers paid
+  that most (17-step translations on llama.cpp, where an extra verify row costs 0.7 of a pass,
+  lost ~20% to it). One that paid starts from the hopeful prior as before; one that lost is
+  tried again once its old evidence has faded (``MEMORY_DECAY``);
 - catch-up: the draft model reads the sequence only when it drafts, so its first use in a
   request, or its first after a run of lookup or plain steps, first feeds every token it
   missed. That one-off cost (per token, measured once per decoder) is spread over the tokens
@@ -38,6 +44,7 @@ and k is one decision, and it needs the step times that only the schedule hears 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,6 +78,42 @@ LOOKUP_PRIOR_GAIN = 2.0
 DRAFT_RETRY_AFTER = 6
 
 
+# Weight kept by what earlier requests measured, per request that starts: old evidence fades
+# over a few requests, so a match size that lost is tried again (its rate drifts back to the
+# hopeful prior: after losing in one request, about four requests later where extra verify
+# rows are dear) and the memory follows a change of workload.
+MEMORY_DECAY = 0.8
+MEMORY_PRIOR_STEPS = 1.0  # plain steps' weight of the hopeful prior inside the memory
+
+LookupKey = tuple[str, int]  # (source "ngram" or "suffix", match size or bucket)
+
+
+@dataclass(slots=True)
+class LookupMemory:
+    """Tokens emitted and seconds spent by lookup steps in a decoder's earlier requests, per
+    (source, match size): shared by the per-request auto drafters of one decoder (one at a time)."""
+
+    tokens: dict[LookupKey, float] = field(default_factory=dict)
+    seconds: dict[LookupKey, float] = field(default_factory=dict)
+
+    def start_request(self) -> None:
+        for key in list(self.tokens):  # a copy: another thread's request may add a key meanwhile
+            self.tokens[key] *= MEMORY_DECAY
+            self.seconds[key] *= MEMORY_DECAY
+
+    def observe(self, key: LookupKey, tokens: int, seconds: float) -> None:
+        self.tokens[key] = self.tokens.get(key, 0.0) + tokens
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+
+    def prior_rate(self, key: LookupKey, hopeful_rate: float, plain_seconds: float) -> float:
+        """The hopeful prior pooled with what this key earned before, never above the hopeful
+        rate: memory only holds back a key that lost, it never makes a new request less willing
+        to measure a key that paid."""
+        tokens = hopeful_rate * MEMORY_PRIOR_STEPS * plain_seconds + self.tokens.get(key, 0.0)
+        seconds = MEMORY_PRIOR_STEPS * plain_seconds + self.seconds.get(key, 0.0)
+        return min(hopeful_rate, tokens / seconds)
+
+
 class AutoDrafter:
     def __init__(
         self,
@@ -83,6 +126,7 @@ class AutoDrafter:
         draft_token_seconds: float = 0.0,  # the draft model's cost per token of a long catch-up pass
         live_costs: bool = True,  # update verify costs from steps; False where timings are asynchronous
         suffix: SuffixDrafter | None = None,
+        memory: LookupMemory | None = None,  # the decoder's, across requests; None: this request only
     ) -> None:
         self.ngram = ngram
         self.suffix = suffix
@@ -98,6 +142,7 @@ class AutoDrafter:
         # Per lookup source ("ngram", "suffix") and match size: goodput and acceptance.
         self.lookup_goodput: dict[tuple[str, int], GoodputEstimate] = {}
         self.lookup_acceptance: dict[tuple[str, int], AcceptanceEstimate] = {}
+        self.memory = memory if memory is not None else LookupMemory()
         # Steps each source drafted (or decoded plainly): reported in GenerationStats.
         self.steps_by_source: Counter[str] = Counter()
         self.source = "none"  # of the last step
@@ -114,7 +159,9 @@ class AutoDrafter:
     def _lookup_estimates(self, source: str, match_size: int) -> tuple[GoodputEstimate, AcceptanceEstimate]:
         key = (source, match_size)
         if key not in self.lookup_goodput:
-            self.lookup_goodput[key] = self._prior(LOOKUP_PRIOR_GAIN)
+            plain = self.verify_seconds[0]
+            rate = self.memory.prior_rate(key, LOOKUP_PRIOR_GAIN / plain, plain)
+            self.lookup_goodput[key] = GoodputEstimate(prior_rate=rate, prior_seconds=PRIOR_STEPS * plain)
             self.lookup_acceptance[key] = AcceptanceEstimate()
         return self.lookup_goodput[key], self.lookup_acceptance[key]
 
@@ -135,6 +182,7 @@ class AutoDrafter:
             goodput, acceptance = self._lookup_estimates(source, self._match_size)
             goodput.observe(accepted + 1, draft_seconds + verify_seconds)
             acceptance.observe(proposed, accepted)
+            self.memory.observe((source, self._match_size), accepted + 1, draft_seconds + verify_seconds)
         elif source == "draft":
             # A catch-up is a one-off cost, priced separately: keep it out of the step's rate.
             drafting = max(0.0, draft_seconds - self._catch_up_seconds(self._catch_up))
@@ -148,6 +196,7 @@ class AutoDrafter:
         if self.draft is not None:
             self.draft.start(prompt_len, capacity, target)  # allocation only: it reads the prompt when first used
         self._capacity = capacity
+        self.memory.start_request()
 
     def on_committed(self, tokens: list[int]) -> None:
         self.ngram.on_committed(tokens)
