@@ -280,7 +280,8 @@ class SpecDecoder:
             tree = method in TREE_METHODS
             schedule = None
             if drafter is not None and not tree:
-                schedule = self.costs.schedule(policy, draft_k, self.spec.k_max, drafter is self.draft_drafter)
+                schedule = self.costs.schedule(policy, draft_k, self.spec.k_max, drafter is self.draft_drafter,
+                                               model_free=drafter is self.ngram_drafter)
         # The engine's k: the most a step drafts (a schedule chooses below it; a tree's shape
         # sets how much it drafts, so 1 only says "speculate").
         most_k = 1 if method in TREE_METHODS else self.spec.k_max if schedule is not None else draft_k

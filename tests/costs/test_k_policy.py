@@ -182,3 +182,19 @@ def test_cost_aware_k_waits_twice_as_long_after_each_probe_that_fails() -> None:
     for _ in range(6):
         schedule.observe(PROBE_K, PROBE_K, 0.5 * PROBE_K, PROBE_K, 1.1)
     assert schedule.probe_after == PROBE_AFTER and schedule.next_k() > 0
+
+
+@pytest.mark.parametrize(("verify", "drafts"), [([float(r) for r in range(1, 10)], False),
+                                                ([1.0 + 0.05 * r for r in range(9)], True)])
+def test_prompt_lookup_is_priced_from_its_first_step(verify: list[float], drafts: bool) -> None:
+    # A lookup costs no model pass, so its first match is priced at the prior acceptance: where
+    # a verify row costs a whole pass (llama.cpp on 2 cores) it starts plain (and probes later),
+    # where rows are nearly free it drafts; a draft model's schedule drafts its k until timed.
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(verify_costs=lambda rows: verify[:rows], device=SimpleNamespace(type="cpu"))
+    costs = specdecode.costs.decoder_costs.DecoderCosts(engine, None)  # type: ignore[arg-type]
+    lookup = costs.schedule("cost", 5, 8, with_draft_model=False, model_free=True)
+    assert lookup is not None and (lookup.next_k() > 0) == drafts
+    layer_skip = costs.schedule("cost", 5, 8, with_draft_model=False)  # model passes, not yet timed
+    assert layer_skip is not None and layer_skip.next_k() == 5

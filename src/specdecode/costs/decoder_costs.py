@@ -48,16 +48,23 @@ class DecoderCosts:
             self._draft_costs = (seconds[1], seconds[rows] / rows)
         return self._draft_costs
 
-    def schedule(self, policy: str, k: int, k_max: int, with_draft_model: bool) -> KSchedule | None:
+    def schedule(self, policy: str, k: int, k_max: int, with_draft_model: bool, model_free: bool = False) -> KSchedule | None:
         """A fresh per-request draft-length schedule (None: fixed k); the cost-aware one never
-        drafts with a draft model whose measured pass cost rules out any gain."""
+        drafts with a draft model whose measured pass cost rules out any gain, and prices a
+        model-free drafter's (prompt lookup's) drafts from its first step."""
         if policy == "threshold":
             return ThresholdK(k=min(k, k_max), k_max=k_max)
         if policy == "cost":
             costs = self.engine.verify_costs(k_max + 1)
             # A draft model whose pass costs too much next to the target's extra verify rows
             # loses to plain decoding even when every token is accepted: never draft with it.
-            can_pay = not with_draft_model or speculation_can_pay(costs, self.draft_model()[0], k_max)
+            if model_free:
+                # A lookup costs no model pass: its draft cost is known (nil) from the first step,
+                # so the first match is priced like any other. Drafting k blindly there put a
+                # (k + 1)-row verify on every request's first matches: about 3 passes lost per
+                # failed match where rows cost 0.6-0.7 of a pass (llama.cpp on 2 cores).
+                return CostAwareK(costs, k_max=k_max, draft_pass_seconds=0.0, live_costs=self.live)
+            can_pay = speculation_can_pay(costs, self.draft_model()[0], k_max)
             return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max) if can_pay else 0, live_costs=self.live)
         return None
 
