@@ -64,7 +64,7 @@ class DecoderCosts:
                 # (k + 1)-row verify on every request's first matches: about 3 passes lost per
                 # failed match where rows cost 0.6-0.7 of a pass (llama.cpp on 2 cores).
                 return CostAwareK(costs, k_max=k_max, draft_pass_seconds=0.0, live_costs=self.live)
-            can_pay = speculation_can_pay(costs, self.draft_model()[0], k_max)
+            can_pay = not with_draft_model or speculation_can_pay(costs, self.draft_model()[0], k_max)
             return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max) if can_pay else 0, live_costs=self.live)
         return None
 

@@ -19,7 +19,7 @@ microseconds; then the source with the highest expected tokens per second steps:
   E(a, k) misprices;
 - lookup memory: what each (source, match size) earned in this decoder's earlier requests
   (``LookupMemory``, faded at every new request) caps that hopeful prior, so a match size that
-  lost recently is not re-learnt by three losing steps in every request: short answers paid
+  lost recently is not re-learnt by two or three losing steps in every request: short answers paid
   that most (17-step translations on llama.cpp, where an extra verify row costs 0.7 of a pass,
   lost ~20% to it). One that paid starts from the hopeful prior as before; one that lost is
   tried again once its old evidence has faded (``MEMORY_DECAY``);
