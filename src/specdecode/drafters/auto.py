@@ -105,13 +105,13 @@ class LookupMemory:
         self.tokens[key] = self.tokens.get(key, 0.0) + tokens
         self.seconds[key] = self.seconds.get(key, 0.0) + seconds
 
-    def prior_rate(self, key: LookupKey, hopeful_rate: float, plain_seconds: float) -> float:
-        """The hopeful prior pooled with what this key earned before, never above the hopeful
-        rate: memory only holds back a key that lost, it never makes a new request less willing
-        to measure a key that paid."""
-        tokens = hopeful_rate * MEMORY_PRIOR_STEPS * plain_seconds + self.tokens.get(key, 0.0)
+    def prior_gain(self, key: LookupKey, hopeful_gain: float, plain_seconds: float) -> float:
+        """The hopeful prior (a gain over plain decoding) pooled with what this key earned before,
+        never above the hopeful gain: memory only holds back a key that lost, it never makes a
+        new request less willing to measure a key that paid."""
+        tokens = hopeful_gain * MEMORY_PRIOR_STEPS + self.tokens.get(key, 0.0)
         seconds = MEMORY_PRIOR_STEPS * plain_seconds + self.seconds.get(key, 0.0)
-        return min(hopeful_rate, tokens / seconds)
+        return min(hopeful_gain, tokens / seconds * plain_seconds)
 
 
 class AutoDrafter:
@@ -159,9 +159,7 @@ class AutoDrafter:
     def _lookup_estimates(self, source: str, match_size: int) -> tuple[GoodputEstimate, AcceptanceEstimate]:
         key = (source, match_size)
         if key not in self.lookup_goodput:
-            plain = self.verify_seconds[0]
-            rate = self.memory.prior_rate(key, LOOKUP_PRIOR_GAIN / plain, plain)
-            self.lookup_goodput[key] = GoodputEstimate(prior_rate=rate, prior_seconds=PRIOR_STEPS * plain)
+            self.lookup_goodput[key] = self._prior(self.memory.prior_gain(key, LOOKUP_PRIOR_GAIN, self.verify_seconds[0]))
             self.lookup_acceptance[key] = AcceptanceEstimate()
         return self.lookup_goodput[key], self.lookup_acceptance[key]
 
