@@ -28,6 +28,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.from_heads import tree_drafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.suffix import AUTO_DEPTH as SUFFIX_AUTO_DEPTH
 from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer, SuffixTreeDrafter, suffix_drafter
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
@@ -286,7 +287,7 @@ class SpecDecoder:
         # sets how much it drafts, so 1 only says "speculate").
         most_k = 1 if method in TREE_METHODS else self.spec.k_max if schedule is not None else draft_k
         if method == "suffix":
-            most_k = self.spec.k_max if policy == "cost" else draft_k
+            most_k = self._suffix_depth(policy, draft_k)
         chunks = self.engine.decode(
             prompt_ids, params, drafter, most_k if drafter is not None else 0, stats, schedule, acceptance=acceptance
         )
@@ -331,11 +332,15 @@ class SpecDecoder:
 
     def _suffix_drafter(self, policy: str, k: int, group: str | None) -> SuffixDrafter | SuffixTreeDrafter:
         """A fresh per-request suffix drafter: token trees on torch, the best chain elsewhere;
-        cost-aware up to k_max deep with k "auto" (the table the other methods time), else at most k."""
-        cost_aware = policy == "cost"
-        return suffix_drafter(self.suffix_cache, group, tree=self.backend == TORCH,
-                              depth=self.spec.k_max if cost_aware else k, tree_size=self.spec.tree_size,
-                              verify_seconds=self.engine.verify_costs(self.spec.k_max + 1) if cost_aware else None)
+        cost-aware with k "auto" (verify rows priced from the measured pass costs), else at most k deep."""
+        depth = self._suffix_depth(policy, k)
+        return suffix_drafter(self.suffix_cache, group, tree=self.backend == TORCH, depth=depth, tree_size=self.spec.tree_size,
+                              verify_seconds=self.engine.verify_costs(depth + 1) if policy == "cost" else None)
+
+    def _suffix_depth(self, policy: str, k: int) -> int:
+        """How deep suffix decoding may draft: k, or with k "auto" beyond k_max (``AUTO_DEPTH``:
+        no draft pass per token, so the match and the verify costs bound it)."""
+        return max(self.spec.k_max, SUFFIX_AUTO_DEPTH) if policy == "cost" else k
 
     def _auto_drafter(self, draft_k: int, suffix_group: str | None = DEFAULT_GROUP) -> AutoDrafter:
         """A fresh per-request auto drafter over this decoder's lookup, suffix trees and draft model."""

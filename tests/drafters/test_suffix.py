@@ -170,3 +170,32 @@ def test_cli_generate_with_suffix(capsys, tiny_qwen2_dir: Path) -> None:
     assert "method=suffix" in err
     assert cli.main(base + ["--method", "none", "--quiet"]) == 0
     assert capsys.readouterr().out == out
+
+
+def test_auto_drafts_beyond_k_max_when_a_long_match_makes_it_pay(tiny_qwen2_dir: Path) -> None:
+    # The same prompt twice: the second answer repeats the first, which is in the shared tree, so
+    # the match grows with every step and, with k "auto", so does the draft, past k_max (model-
+    # free: no draft pass per token) up to suffix.AUTO_DEPTH; output still equal to plain decoding.
+    dec = fresh(tiny_qwen2_dir, k_max=4)
+    prompt = PROMPTS[0]
+    params = SamplingParams(max_new_tokens=48)
+    want = plain_tokens(tiny_qwen2_dir, prompt, 48)
+    assert dec.generate(prompt, params, k="auto").token_ids == want
+    again = dec.generate(prompt, params, k="auto")
+    assert again.token_ids == want
+    accepted = again.stats.accepted_at_position
+    assert len(accepted) > 4 and sum(accepted[4:]) > 0, accepted  # tokens accepted past k_max deep
+    assert again.stats.verify_steps < 48 / 4
+
+
+def test_deep_drafts_need_a_long_match_and_cheap_rows() -> None:
+    from specdecode.drafters.suffix import AUTO_DEPTH
+
+    history = list(range(100, 140)) + list(range(100, 120))  # a 40-token run, its first 20 repeated
+    for costs, most in (([1.0] * (AUTO_DEPTH + 1), AUTO_DEPTH), ([1.0 + 10.0 * r for r in range(AUTO_DEPTH + 1)], 0)):
+        proposer = SuffixProposer(SuffixCache(max_tokens=0), None, depth=AUTO_DEPTH, verify_seconds=costs)
+        proposer.start(prompt_len=len(history))
+        proposer.extend(history)
+        drafted = proposer.propose(AUTO_DEPTH, tree=False).tokens
+        # at most the match length deep (20 tokens matched: 120..139 follow), none where rows are dear
+        assert drafted == (list(range(120, 140)) if most else []), drafted

@@ -47,7 +47,12 @@ from specdecode.errors import InvalidRequestError
 MIN_PROB = 0.1  # with a fixed k: the least calibrated path probability a drafted node may have
 COST_FLOOR_PROB = 0.02  # cost-aware: nodes below this are never worth a verify row
 SPEC_FACTOR = 1.0  # draft at most this x the match length deep
-DEFAULT_TREE_SIZE = 16  # drafted nodes per tree at most (--tree-size)
+DEFAULT_TREE_SIZE = 16  # drafted nodes per tree at most with a fixed k (--tree-size)
+# With k "auto": drafts up to this deep (and as many nodes), beyond k_max. A model-free draft
+# costs no pass per token, so its depth is bounded by the match (SPEC_FACTOR) and by what a
+# verify row costs, not by a draft model's passes; a long match inside repeated text (an
+# agent's earlier output) is accepted 20-30 tokens deep.
+AUTO_DEPTH = 32
 CALIBRATION_DECAY = 0.9  # weight an older step keeps in the calibration: a window of ~10 steps
 CALIBRATION_PRIOR = 1.0  # pseudo-tokens behind the prior "counts are calibrated"
 CALIBRATION_RANGE = (0.05, 2.0)  # counts are trusted at most this much less or more than measured
@@ -304,8 +309,9 @@ def suffix_drafter(
 ) -> SuffixDrafter | SuffixTreeDrafter:
     """A fresh per-request suffix drafter: token trees (``tree``) or the best chain.
     ``verify_seconds`` (index r - 1: a verify pass over r rows) is extended along its last slope
-    to as many rows as a draft may take, rather than timed again."""
-    tree_size = tree_size or DEFAULT_TREE_SIZE
+    to as many rows as a draft may take, rather than timed again. Cost-aware trees default to
+    ``depth`` nodes, so that one sure chain can fill the depth."""
+    tree_size = tree_size or (max(DEFAULT_TREE_SIZE, depth) if verify_seconds is not None else DEFAULT_TREE_SIZE)
     if verify_seconds is not None:
         measured = dict(enumerate(verify_seconds, start=1))
         verify_seconds = [interpolate(measured, rows) for rows in range(1, (tree_size if tree else depth) + 2)]

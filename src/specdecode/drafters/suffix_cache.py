@@ -29,7 +29,7 @@ from specdecode.drafters.suffix_tree import Draft, SuffixTree
 from specdecode.errors import InvalidRequestError
 
 DEFAULT_GROUP = ""  # the one group of a library decoder (and the server's --suffix-share global)
-DEFAULT_MAX_DEPTH = 32  # tokens of match plus draft a tree path may hold
+DEFAULT_MAX_DEPTH = 64  # tokens of match plus draft a tree path may hold: a 32-token match, 32 drafted
 MAX_OPEN_RESPONSES = 256  # responses still taking tokens; past it the least recently written are closed
 
 
