@@ -7,7 +7,7 @@ count (``SuffixTree.memory_bytes``, checked against tracemalloc in the tests). W
 ``arctic_inference`` importable (``pip install arctic-inference``, a C++ build) its suffix tree
 is measured on the same tokens, bytes by its own ``estimate_memory``.
 
-    python benchmarks/bench_suffix_tree.py                 # 20,000 tokens, depth bounds 24 and 32
+    python benchmarks/bench_suffix_tree.py                 # 20,000 tokens, depth bounds 32 and 64
     python benchmarks/bench_suffix_tree.py --tokens 40000 --depths 16,32,64
 """
 
@@ -82,7 +82,7 @@ def arctic(tokens: list[int], depth: int) -> dict[str, float] | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=20_000)
-    parser.add_argument("--depths", default="24,32")
+    parser.add_argument("--depths", default="32,64")
     args = parser.parse_args()
     tokens = stdlib_tokens(args.tokens)
     print(f"{len(tokens)} tokens of stdlib source; drafts of {DRAFT_NODES} nodes, {DRAFT_DEPTH} deep")

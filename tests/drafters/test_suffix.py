@@ -199,3 +199,29 @@ def test_deep_drafts_need_a_long_match_and_cheap_rows() -> None:
         drafted = proposer.propose(AUTO_DEPTH, tree=False).tokens
         # at most the match length deep (20 tokens matched: 120..139 follow), none where rows are dear
         assert drafted == (list(range(120, 140)) if most else []), drafted
+
+
+def test_a_new_request_starts_from_its_groups_calibration() -> None:
+    # Requests of group "a" keep drafting 3 after "1 2" and the target keeps writing something
+    # else. On llama.cpp-like costs (a 2-row verify costs 1.65 passes) a new request of that
+    # group does not pay for the same failed draft again; one of another group, or a private
+    # one (group None), still starts from the hopeful prior and drafts.
+    cache = SuffixCache(max_tokens=0)  # no responses kept: the calibration memory still is
+    costs = [1.0, 1.65, 2.3, 2.9, 3.5]
+    history = [7, 1, 2, 3, 8, 1, 2, 3, 9, 1, 2]
+
+    def request(group: str | None) -> SuffixProposer:
+        proposer = SuffixProposer(cache, group, depth=4, verify_seconds=costs)
+        proposer.start(prompt_len=len(history))
+        proposer.extend(history)
+        return proposer
+
+    for _ in range(3):
+        proposer = request("a")
+        for rounds in range(10):
+            if not proposer.propose(4, tree=False).tokens:
+                break
+            proposer.extend([1000 + rounds, 1, 2])  # rejected at once
+    assert request("a").propose(4, tree=False).tokens == []
+    assert request("b").propose(4, tree=False).tokens == [3]
+    assert request(None).propose(4, tree=False).tokens == [3]

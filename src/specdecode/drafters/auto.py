@@ -60,7 +60,8 @@ from specdecode.costs.k_policy import (
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.suffix import SuffixDrafter, match_bucket
+from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.drafters.suffix_cache import match_bucket
 from specdecode.engine.sampling import LogitsProcessor
 
 CATCH_UP_HORIZON = 64  # most future tokens a draft catch-up is spread over

@@ -13,9 +13,10 @@ How much it proposes:
 
 - at most ``SPEC_FACTOR`` x the match length deep (the paper's rule: a short match says little
   about what follows), at most ``depth`` (``k``) deep, at most ``tree_size`` nodes;
-- probabilities calibrated by this request's measured acceptance: per match-length bucket, the
-  drafted edges accepted over the edges the counts predicted (pooled with forgetting), which
-  scales every edge's count ratio, so a path's probability decays with its depth;
+- probabilities calibrated by the measured acceptance: per match-length bucket, the drafted
+  edges accepted over the edges the counts predicted (pooled with forgetting; a request starts
+  from its group's earlier requests, ``suffix_cache.CalibrationMemory``), which scales every
+  edge's count ratio, so a path's probability decays with its depth;
 - with a fixed k: every node whose calibrated path probability is at least ``MIN_PROB``;
 - cost-aware (``k="auto"``): the best-first prefix of nodes that maximises expected tokens
   (1 + the sum of calibrated probabilities) per second of a verify pass over that many rows,
@@ -38,7 +39,15 @@ from specdecode.backends.base import SequenceModel
 from specdecode.backends.device import host_to_device
 from specdecode.costs.k_policy import interpolate
 from specdecode.drafters.base import DraftProposal
-from specdecode.drafters.suffix_cache import DEFAULT_MAX_DEPTH, ResponseHandle, SuffixCache
+from specdecode.drafters.suffix_cache import (
+    CALIBRATION_DECAY,
+    DEFAULT_MAX_DEPTH,
+    MATCH_BUCKETS,
+    CalibrationMemory,
+    ResponseHandle,
+    SuffixCache,
+    match_bucket,
+)
 from specdecode.drafters.suffix_tree import Draft, SuffixTree
 from specdecode.engine.sampling import LogitsProcessor
 from specdecode.engine.tree import NO_PARENT, TokenTree
@@ -53,16 +62,9 @@ DEFAULT_TREE_SIZE = 16  # drafted nodes per tree at most with a fixed k (--tree-
 # verify row costs, not by a draft model's passes; a long match inside repeated text (an
 # agent's earlier output) is accepted 20-30 tokens deep.
 AUTO_DEPTH = 32
-CALIBRATION_DECAY = 0.9  # weight an older step keeps in the calibration: a window of ~10 steps
 CALIBRATION_PRIOR = 1.0  # pseudo-tokens behind the prior "counts are calibrated"
 CALIBRATION_RANGE = (0.05, 2.0)  # counts are trusted at most this much less or more than measured
-MATCH_BUCKETS = 5  # match lengths 1, 2-3, 4-7, 8-15, 16+: a longer match predicts better
 _REJECTED = -2  # no proposed child was the target's token
-
-
-def match_bucket(match_len: int) -> int:
-    """Match lengths 1, 2-3, 4-7, 8-15, 16+ -> 1..5 (0: no match)."""
-    return min(match_len.bit_length(), MATCH_BUCKETS)
 
 
 class SuffixProposer:
@@ -82,6 +84,8 @@ class SuffixProposer:
         if depth < 1 or tree_size < 1:
             raise InvalidRequestError(f"suffix decoding needs k >= 1 and tree_size >= 1, got {depth} and {tree_size}.")
         self.cache = cache if cache is not None and cache.enabled and group is not None else None
+        # A group's calibration is kept even where its responses are not (a cache of 0 tokens).
+        self.memory: CalibrationMemory | None = cache.calibration if cache is not None and group is not None else None
         self.group = group
         self.tree_depth = cache.max_depth if cache is not None else DEFAULT_MAX_DEPTH
         self.depth = min(depth, self.tree_depth - 1)
@@ -104,6 +108,8 @@ class SuffixProposer:
         self._local = SuffixTree(self.tree_depth)
         self._local_seq = self._local.add_sequence()
         self.history, self._prompt_len, self._pending = [], prompt_len, None
+        if self.memory is not None:
+            self._accepted, self._predicted = self.memory.seed(self.group)  # type: ignore[arg-type]
         if self.cache is not None:
             self.cache.close(self._handle)
             self._handle = self.cache.open(self.group)  # type: ignore[arg-type]  # a cache means a group
@@ -211,6 +217,8 @@ class SuffixProposer:
         b = match_bucket(draft.match_len)
         self._accepted[b] = self._accepted[b] * CALIBRATION_DECAY + accepted
         self._predicted[b] = self._predicted[b] * CALIBRATION_DECAY + predicted
+        if self.memory is not None:
+            self.memory.record(self.group, b, accepted, predicted)  # type: ignore[arg-type]
 
 
 def _subset(draft: Draft, nodes: list[int]) -> Draft:
