@@ -22,14 +22,13 @@ from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import METHODS, TREE_METHODS, SamplingParams, SpecConfig, check_acceptance, resolve_k
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
-from specdecode.drafters.auto import AutoDrafter, LookupMemory
+from specdecode.drafters.auto import LookupMemory
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.from_heads import tree_drafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.suffix import AUTO_DEPTH as SUFFIX_AUTO_DEPTH
-from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer, SuffixTreeDrafter, suffix_drafter
+from specdecode.drafters.per_request import plan_request
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
 from specdecode.engine.metrics import GenerationStats
@@ -269,27 +268,12 @@ class SpecDecoder:
             raise InvalidRequestError("The prompt is empty.")
         self.check_request(prompt_ids, params)
         stats = GenerationStats(method=method)
-        drafter: Drafter | None
-        if method == "auto":
-            auto = self._auto_drafter(draft_k, suffix_group)
-            stats.steps_by_source = auto.steps_by_source  # filled as it decodes
-            drafter, schedule = auto, auto
-        elif method == "suffix":  # chooses its own draft per step
-            drafter, schedule = self._suffix_drafter(policy, draft_k, suffix_group), None
-        else:
-            drafter = self.drafters.get(method)
-            tree = method in TREE_METHODS
-            schedule = None
-            if drafter is not None and not tree:
-                schedule = self.costs.schedule(policy, draft_k, self.spec.k_max, drafter is self.draft_drafter,
-                                               model_free=drafter is self.ngram_drafter)
-        # The engine's k: the most a step drafts (a schedule chooses below it; a tree's shape
-        # sets how much it drafts, so 1 only says "speculate").
-        most_k = 1 if method in TREE_METHODS else self.spec.k_max if schedule is not None else draft_k
-        if method == "suffix":
-            most_k = self._suffix_depth(policy, draft_k)
+        plan = plan_request(self, method, draft_k, policy, suffix_group)
+        if plan.auto is not None:
+            stats.steps_by_source = plan.auto.steps_by_source  # filled as it decodes
         chunks = self.engine.decode(
-            prompt_ids, params, drafter, most_k if drafter is not None else 0, stats, schedule, acceptance=acceptance
+            prompt_ids, params, plan.drafter, plan.most_k if plan.drafter is not None else 0, stats, plan.schedule,
+            acceptance=acceptance,
         )
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
 
@@ -329,36 +313,6 @@ class SpecDecoder:
     def token_stream(self, chunks: Iterator[list[int]], stats: GenerationStats, params: SamplingParams) -> GenerationStream:
         """Text deltas (stop strings applied) over token chunks from any engine, e.g. ``BatchWorker.submit``."""
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
-
-    def _suffix_drafter(self, policy: str, k: int, group: str | None) -> SuffixDrafter | SuffixTreeDrafter:
-        """A fresh per-request suffix drafter: token trees on torch, the best chain elsewhere;
-        cost-aware with k "auto" (verify rows priced from the measured pass costs), else at most k deep."""
-        depth = self._suffix_depth(policy, k)
-        return suffix_drafter(self.suffix_cache, group, tree=self.backend == TORCH, depth=depth, tree_size=self.spec.tree_size,
-                              verify_seconds=self.engine.verify_costs(depth + 1) if policy == "cost" else None)
-
-    def _suffix_depth(self, policy: str, k: int) -> int:
-        """How deep suffix decoding may draft: k, or with k "auto" beyond k_max (``AUTO_DEPTH``:
-        no draft pass per token, so the match and the verify costs bound it)."""
-        return max(self.spec.k_max, SUFFIX_AUTO_DEPTH) if policy == "cost" else k
-
-    def _auto_drafter(self, draft_k: int, suffix_group: str | None = DEFAULT_GROUP) -> AutoDrafter:
-        """A fresh per-request auto drafter over this decoder's lookup, suffix trees and draft model."""
-        k_max = self.spec.k_max
-        draft = self.draft_drafter
-        pass_seconds, token_seconds = self.costs.draft_model() if draft is not None else (0.0, 0.0)
-        return AutoDrafter(
-            self.ngram_drafter,
-            draft,
-            self.engine.verify_costs(k_max + 1),
-            k_max,
-            draft_k=draft_k,
-            draft_pass_seconds=pass_seconds,
-            draft_token_seconds=token_seconds,
-            live_costs=self.costs.live,
-            suffix=SuffixDrafter(SuffixProposer(self.suffix_cache, suffix_group, depth=k_max)),
-            memory=self.lookup_memory,
-        )
 
     def generate(
         self,

@@ -14,6 +14,7 @@ pytest.importorskip("llama_cpp")
 from helpers import PROMPTS, assert_greedy_equal_up_to_near_tie, copyable_prompt, greedy_margins, llamacpp_decoder
 
 from specdecode import SamplingParams
+from specdecode.drafters.per_request import plan_request
 from specdecode.drafters.suffix import SuffixDrafter
 
 NEW_TOKENS = 24
@@ -23,7 +24,7 @@ NEW_TOKENS = 24
 def test_greedy_suffix_chain_equals_plain_on_llamacpp(tiny_ggufs: dict[str, Path], k: int | str) -> None:
     dec = llamacpp_decoder(tiny_ggufs["target"], None)
     dec.suffix_cache.clear()
-    assert dec.backend == "llama.cpp" and isinstance(dec._suffix_drafter("fixed", 4, ""), SuffixDrafter)
+    assert dec.backend == "llama.cpp" and isinstance(plan_request(dec, "suffix", 4, "fixed", "").drafter, SuffixDrafter)
     proposed = accepted = compared = total = 0
     for prompt in [copyable_prompt(dec), *PROMPTS[:3]]:
         params = SamplingParams(max_new_tokens=NEW_TOKENS)

@@ -21,6 +21,7 @@ from helpers import (
 
 import specdecode.engine.single
 from specdecode import SamplingParams, SpecDecoder, cli
+from specdecode.drafters.per_request import plan_request
 from specdecode.drafters.suffix import SuffixProposer, SuffixTreeDrafter
 from specdecode.drafters.suffix_cache import SuffixCache
 
@@ -59,7 +60,7 @@ def test_greedy_suffix_equals_plain(k: int | str, tree_size: int, tiny_qwen2_dir
 
 def test_suffix_proposes_token_trees_on_torch(tiny_qwen2_dir: Path) -> None:
     dec = fresh(tiny_qwen2_dir)
-    drafter = dec._suffix_drafter("fixed", 5, "")
+    drafter = plan_request(dec, "suffix", 5, "fixed", "").drafter
     assert isinstance(drafter, SuffixTreeDrafter) and drafter.max_tree_nodes == 17
 
 
