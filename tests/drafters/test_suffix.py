@@ -226,3 +226,19 @@ def test_a_new_request_starts_from_its_groups_calibration() -> None:
     assert request("a").propose(4, tree=False).tokens == []
     assert request("b").propose(4, tree=False).tokens == [3]
     assert request(None).propose(4, tree=False).tokens == [3]
+
+
+def test_auto_drafts_suffix_chains_beyond_k_max(tiny_qwen2_dir: Path) -> None:
+    # As above, with the auto method: its suffix source may draft past k_max (prompt lookup and
+    # the draft model stay within it), and output stays plain decoding's.
+    base = decoder(tiny_qwen2_dir, None, "none")
+    dec = SpecDecoder(base.target, None, replace(base.spec, method="auto", k_max=4))
+    prompt = PROMPTS[0]
+    params = SamplingParams(max_new_tokens=48)
+    want = plain_tokens(tiny_qwen2_dir, prompt, 48)
+    assert dec.generate(prompt, params).token_ids == want
+    again = dec.generate(prompt, params)
+    assert again.token_ids == want
+    accepted = again.stats.accepted_at_position
+    assert again.stats.steps_by_source.get("suffix", 0) > 0
+    assert len(accepted) > 4 and sum(accepted[4:]) > 0, (accepted, again.stats.steps_by_source)

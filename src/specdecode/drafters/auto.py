@@ -31,7 +31,8 @@ microseconds; then the source with the highest expected tokens per second steps:
   draft model never runs it.
 
 The draft model drafts up to ``draft_k`` tokens (its confidence cut-off ends drafts early);
-prompt lookup and suffix decoding propose as many found tokens as pay under
+prompt lookup (up to ``k_max``) and suffix decoding (up to ``suffix_depth``, past ``k_max``:
+its match length says when a long copy is coming) propose as many found tokens as pay under
 ``k_policy.best_plan`` with their per-match acceptance. After ``DRAFT_RETRY_AFTER`` steps without
 the draft model and no lookup match, a
 draft model used earlier in the request drafts again, so a stale estimate can recover.
@@ -120,7 +121,7 @@ class AutoDrafter:
         self,
         ngram: NgramDrafter,
         draft: DraftModelDrafter | None,
-        verify_seconds: list[float],  # index r - 1: a target pass over r rows; >= k_max + 1 entries
+        verify_seconds: list[float],  # index r - 1: a target pass over r rows; >= max(k_max, suffix_depth) + 1 entries
         k_max: int,
         draft_k: int = 5,
         draft_pass_seconds: float = 0.0,  # one draft-model pass over one token
@@ -128,12 +129,16 @@ class AutoDrafter:
         live_costs: bool = True,  # update verify costs from steps; False where timings are asynchronous
         suffix: SuffixDrafter | None = None,
         memory: LookupMemory | None = None,  # the decoder's, across requests; None: this request only
+        suffix_depth: int | None = None,  # the most a suffix chain drafts (None: k_max)
     ) -> None:
         self.ngram = ngram
         self.suffix = suffix
         self.draft = draft
         self.verify_seconds = list(verify_seconds)
         self.k_max = k_max
+        self.most_k = max(k_max, suffix_depth or 0) if suffix is not None else k_max
+        if len(self.verify_seconds) < self.most_k + 1:
+            raise ValueError(f"verify_seconds has {len(self.verify_seconds)} row counts; drafting {self.most_k} needs {self.most_k + 1}.")
         self.draft_k = min(draft_k, k_max)
         self.draft_token_seconds = draft_token_seconds
         # A draft model that loses to plain decoding even at full acceptance is never tried.
@@ -169,7 +174,7 @@ class AutoDrafter:
 
     # -- schedule side -------------------------------------------------------------------------
     def next_k(self) -> int:
-        return self.k_max  # the real choice is made in propose, once the lookup has run
+        return self.most_k  # the real choice is made in propose, once the lookup has run
 
     def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
         if self.live_costs:
@@ -241,7 +246,7 @@ class AutoDrafter:
         generator: torch.Generator | None,
     ) -> DraftProposal:
         length = committed.shape[1]
-        lookup = self.ngram.propose(committed, num_tokens, processor, generator)
+        lookup = self.ngram.propose(committed, min(num_tokens, self.k_max), processor, generator)
         chain = self.suffix.proposer.propose(num_tokens, tree=False, mark=False) if self.suffix is not None else None
         suffix_tokens, suffix_bucket = (len(chain), match_bucket(chain.match_len)) if chain else (0, 0)
         self.source, k = self.plan(length, num_tokens, lookup.num_tokens, self.ngram.last_match_size, suffix_tokens,

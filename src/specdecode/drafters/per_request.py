@@ -42,7 +42,7 @@ def plan_request(decoder: SpecDecoder, method: str, draft_k: int, policy: str, s
     spec = decoder.spec
     if method == "auto":
         auto = fresh_auto(decoder, draft_k, suffix_group)
-        return RequestPlan(auto, auto, spec.k_max, auto)
+        return RequestPlan(auto, auto, auto.most_k, auto)
     if method == "suffix":  # chooses its own draft per step
         depth = suffix_depth(spec, policy, draft_k)
         drafter = suffix_drafter(decoder.suffix_cache, suffix_group, tree=decoder.backend == TORCH, depth=depth,
@@ -60,19 +60,22 @@ def plan_request(decoder: SpecDecoder, method: str, draft_k: int, policy: str, s
 
 
 def fresh_auto(decoder: SpecDecoder, draft_k: int, suffix_group: str | None) -> AutoDrafter:
-    """A per-request auto drafter over the decoder's lookup, suffix trees and draft model."""
+    """A per-request auto drafter over the decoder's lookup, suffix trees (up to ``AUTO_DEPTH``
+    deep, as ``--method suffix --k auto``) and draft model."""
     k_max = decoder.spec.k_max
+    depth = suffix_depth(decoder.spec, "cost", draft_k)
     draft = decoder.draft_drafter
     pass_seconds, token_seconds = decoder.costs.draft_model() if draft is not None else (0.0, 0.0)
     return AutoDrafter(
         decoder.ngram_drafter,
         draft,
-        decoder.engine.verify_costs(k_max + 1),
+        decoder.engine.verify_costs(depth + 1),
         k_max,
         draft_k=draft_k,
         draft_pass_seconds=pass_seconds,
         draft_token_seconds=token_seconds,
         live_costs=decoder.costs.live,
-        suffix=SuffixDrafter(SuffixProposer(decoder.suffix_cache, suffix_group, depth=k_max)),
+        suffix=SuffixDrafter(SuffixProposer(decoder.suffix_cache, suffix_group, depth=depth)),
         memory=decoder.lookup_memory,
+        suffix_depth=depth,
     )
