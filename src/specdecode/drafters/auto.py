@@ -31,9 +31,10 @@ microseconds; then the source with the highest expected tokens per second steps:
   draft model never runs it.
 
 The draft model drafts up to ``draft_k`` tokens (its confidence cut-off ends drafts early);
-prompt lookup (up to ``k_max``) and suffix decoding (up to ``suffix_depth``, past ``k_max``:
-its match length says when a long copy is coming) propose as many found tokens as pay under
-``k_policy.best_plan`` with their per-match acceptance. After ``DRAFT_RETRY_AFTER`` steps without
+prompt lookup proposes as many found tokens (up to ``k_max``) as pay under
+``k_policy.best_plan`` with its per-match acceptance; suffix decoding its cost-aware chain
+(``SuffixProposer`` with the verify costs: up to ``suffix_depth``, past ``k_max``, where its
+match and calibrated path probabilities say a long copy is coming). After ``DRAFT_RETRY_AFTER`` steps without
 the draft model and no lookup match, a
 draft model used earlier in the request drafts again, so a stale estimate can recover.
 Choosing only changes what is proposed, never the acceptance rule: output stays lossless.
@@ -222,7 +223,10 @@ class AutoDrafter:
         for source, found, size in (("ngram", lookup_tokens, match_size), ("suffix", suffix_tokens, suffix_bucket)):
             if found > 0:
                 goodput, acceptance = self._lookup_estimates(source, size)
-                k, _ = best_plan(acceptance.rate, self.verify_seconds, 0.0, found, k_min=1)
+                # A suffix chain already holds what pays by its own calibrated path probabilities
+                # (it decays along the chain, where one acceptance rate for every depth cannot
+                # tell a 30-token copy from a guess); a lookup's length is priced here.
+                k = found if source == "suffix" else best_plan(acceptance.rate, self.verify_seconds, 0.0, found, k_min=1)[0]
                 if goodput.rate > best[2]:
                     best = (source, k, goodput.rate)
         if self.draft is not None and self.draft_can_pay:

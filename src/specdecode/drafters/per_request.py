@@ -66,16 +66,17 @@ def fresh_auto(decoder: SpecDecoder, draft_k: int, suffix_group: str | None) -> 
     depth = suffix_depth(decoder.spec, "cost", draft_k)
     draft = decoder.draft_drafter
     pass_seconds, token_seconds = decoder.costs.draft_model() if draft is not None else (0.0, 0.0)
+    verify_seconds = decoder.engine.verify_costs(depth + 1)
     return AutoDrafter(
         decoder.ngram_drafter,
         draft,
-        decoder.engine.verify_costs(depth + 1),
+        verify_seconds,
         k_max,
         draft_k=draft_k,
         draft_pass_seconds=pass_seconds,
         draft_token_seconds=token_seconds,
         live_costs=decoder.costs.live,
-        suffix=SuffixDrafter(SuffixProposer(decoder.suffix_cache, suffix_group, depth=depth)),
+        suffix=SuffixDrafter(SuffixProposer(decoder.suffix_cache, suffix_group, depth=depth, verify_seconds=verify_seconds)),
         memory=decoder.lookup_memory,
         suffix_depth=depth,
     )
