@@ -25,7 +25,7 @@ from specdecode.backends.device import host_to_device
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import ACCEPTANCE_RULES, SamplingParams
 from specdecode.costs.k_policy import KSchedule, interpolate
-from specdecode.costs.timing import VERIFY_COST_REPEATS
+from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 from specdecode.drafters.base import Drafter, TreeDrafter, is_tree_drafter
 from specdecode.engine.metrics import GenerationStats, Stopwatch
 from specdecode.engine.sampling import LogitsProcessor, make_generator
@@ -71,7 +71,7 @@ class SpecEngine:
         # Compiled passes (backends/compiled.py) log their compile time here: a request reports
         # the share it paid for shapes compiled during it.
         self.compile_log = compile_log
-        self._verify_costs: dict[int, list[float]] = {}
+        self._pass_seconds: dict[int, float] = {}  # target pass seconds by row count, as timed
 
     @property
     def device(self) -> torch.device:
@@ -80,17 +80,18 @@ class SpecEngine:
     def verify_costs(self, max_rows: int, repeats: int = VERIFY_COST_REPEATS) -> list[float]:
         """Seconds of a target pass over 1..max_rows rows on this machine (best of ``repeats``).
 
-        Measured once per engine on a scratch sequence at a short context, for the cost-aware
-        draft length (``costs.k_policy.CostAwareK``) and the auto method; cached per ``max_rows``.
+        Measured on a scratch sequence at a short context, for the cost-aware draft length
+        (``costs.k_policy.CostAwareK``), suffix decoding and the auto method. Row counts in
+        ``COST_PROBE_ROWS`` (and ``max_rows``) are timed once per engine and kept, so tables of
+        different sizes (k_max + 1 rows for lookups and the draft model, more for suffix
+        decoding) share their timings; the rest are interpolated between them.
         """
-        if max_rows in self._verify_costs:
-            return list(self._verify_costs[max_rows])
-        # Time a few row counts and interpolate the rest: each timing costs full target passes.
-        probed = sorted({1, 2, 3, 4, (max_rows + 1) // 2 + 1, max_rows} & set(range(1, max_rows + 1)))
-        measured = self.target.pass_seconds(probed, repeats)
-        costs = [interpolate(measured, rows) for rows in range(1, max_rows + 1)]
-        self._verify_costs[max_rows] = costs
-        return list(costs)
+        probes = sorted({r for r in COST_PROBE_ROWS if r <= max_rows} | {max_rows})
+        missing = [r for r in probes if r not in self._pass_seconds]
+        if missing:
+            self._pass_seconds.update(self.target.pass_seconds(missing, repeats))
+        measured = {r: self._pass_seconds[r] for r in probes}
+        return [interpolate(measured, rows) for rows in range(1, max_rows + 1)]
 
     @torch.inference_mode()
     def decode(
