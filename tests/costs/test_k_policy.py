@@ -1,9 +1,11 @@
 """The draft-length schedules: the k chooser on synthetic costs, the threshold rule, and that
 an adaptive k never changes the output."""
 
+import itertools
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import PROMPTS, decoder, plain_tokens
 
 import specdecode.costs.decoder_costs
@@ -119,6 +121,33 @@ def test_verify_costs_are_measured_once(tiny_qwen2_dir: Path) -> None:
     costs = dec.engine.verify_costs(9)
     assert len(costs) == 9 and all(c > 0 for c in costs)
     assert dec.engine.verify_costs(9) == costs  # cached: no second measurement
+
+
+def test_verify_cost_tables_share_their_timings() -> None:
+    # A 9-row table, then a 33-row one (suffix decoding's): the second times only the probes the
+    # first did not, and both read the same timing for the same row count. Interpolated rows lie
+    # between their probes' costs, and the probes are dense enough that 5-8 rows are not a line
+    # drawn from 4 rows to 17 (a step in the cost, as ggml's kernels have, stays visible).
+    from specdecode.engine.single import SpecEngine
+
+    class Steps:  # a pass's cost steps up at 5 rows and again at 9
+        device = torch.device("cpu")
+
+        def __init__(self) -> None:
+            self.timed: list[int] = []
+
+        def pass_seconds(self, rows: list[int], repeats: int) -> dict[int, float]:
+            self.timed += rows
+            return {r: 1.0 if r <= 4 else 2.5 if r <= 8 else 3.0 + 0.05 * r for r in rows}
+
+    target = Steps()
+    engine = SpecEngine(target, [0])  # type: ignore[arg-type]
+    small = engine.verify_costs(9)
+    first = list(target.timed)
+    large = engine.verify_costs(33)
+    assert large[:8] == small[:8] and not set(first) & set(target.timed[len(first):])
+    assert len(large) == 33 and all(a <= b for a, b in itertools.pairwise(large))
+    assert large[5] == 2.5 and large[7] == 2.5  # 6 and 8 rows: timed, not a line from 4 to 17 rows
 
 
 def test_k_arguments() -> None:
