@@ -34,6 +34,7 @@ SEQUENCE = 0  # the one llama.cpp sequence id a single-request engine decodes in
 # ratio of a few of them (costs.k_policy.speculation_can_pay): time each shape a few more
 # times than the torch default, so one disturbed sample does not decide it.
 COST_REPEATS = 4
+LONG_PASS_ROWS = 12  # from this many rows a pass is long enough to time with the caller's repeats
 
 
 class PassLogits:
@@ -95,9 +96,10 @@ class LlamaCppSequence:
         self.model.clear(SEQUENCE)
         self.model.forward(SEQUENCE, [0] * COST_PROBE_CONTEXT, 0, "none")
         mode = "last" if logits_last == 1 else "all"
+        # Short passes take the best of more tries: a thread waking late is a larger share of them.
         measured = {
             rows: best_seconds(lambda: self.model.forward(SEQUENCE, [0] * rows, COST_PROBE_CONTEXT, mode), self.device,
-                               max(repeats, COST_REPEATS))
+                               max(repeats, COST_REPEATS) if rows < LONG_PASS_ROWS else repeats)
             for rows in row_counts
         }
         self.model.clear(SEQUENCE)

@@ -21,7 +21,7 @@ VERIFY_COST_REPEATS = 2
 # Row counts a single-sequence verify cost table times (the rest interpolated): dense where a
 # pass's cost steps as the kernels change with the row count (ggml's CPU kernels change at a
 # few row counts, so a line from 4 to 17 rows would price 6-8 rows well below their cost).
-COST_PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+COST_PROBE_ROWS = (1, 2, 4, 6, 8, 12, 16, 24)
 COST_PROBE_CONTEXT = 64  # cache slots before the timed rows, so attention has something to read
 
 
