@@ -105,7 +105,7 @@ def add_k_policy_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --k auto: cost (maximise expected tokens per measured second; may choose plain steps) "
         "or threshold (k+1 above 80%% acceptance, minimum below 40%%, starting at 5)",
     )
-    parser.add_argument("--k-max", type=_positive_int, default=DEFAULT_K_MAX, help="with --k auto: the most tokens drafted per step")
+    parser.add_argument("--k-max", type=_positive_int, default=DEFAULT_K_MAX, help="with --k auto: the most tokens drafted per step (suffix decoding may draft up to 32 on long matches)")
 
 
 def add_ngram_arguments(parser: argparse.ArgumentParser) -> None:

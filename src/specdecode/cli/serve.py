@@ -61,7 +61,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--k", type=int, default=None,
                         help=f"tokens drafted per step (default {DEFAULT_K}; chosen per step from measured costs on llama.cpp)")
     parser.add_argument("--heads", help="medusa/eagle heads folder (from `specdecode train`)")
-    parser.add_argument("--tree-size", type=int, default=None, help="medusa/eagle: drafted tree nodes per step")
+    parser.add_argument("--tree-size", type=int, default=None, help="medusa/eagle/suffix: drafted tree nodes per step")
     parser.add_argument("--model-name", help="the name clients pass as 'model' (default: the target's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

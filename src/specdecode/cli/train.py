@@ -46,7 +46,7 @@ def add_tree_arguments(parser: argparse.ArgumentParser, bench: bool) -> None:
         )
     parser.add_argument("--tree-size", type=positive_int, default=None,
                         help="medusa/eagle/suffix: drafted tree nodes per step at most (default: Medusa sizes its tree "
-                             "from measured verify costs, EAGLE 4, suffix 16)")
+                             "from measured verify costs, EAGLE 4, suffix 16, or 32 with --k auto)")
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
