@@ -5,6 +5,7 @@ earlier responses shared, and the cost-aware choice."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ pytest.importorskip("llama_cpp")
 
 from helpers import PROMPTS, assert_greedy_equal_up_to_near_tie, copyable_prompt, greedy_margins, llamacpp_decoder
 
-from specdecode import SamplingParams
+from specdecode import SamplingParams, SpecDecoder
 from specdecode.drafters.per_request import plan_request
 from specdecode.drafters.suffix import SuffixDrafter
 
@@ -60,3 +61,18 @@ def test_suffix_rows_in_a_llamacpp_batch_share_the_tree_and_keep_greedy_output(t
     assert compared >= total * 3 // 4
     steps = [sum(r.stats.verify_steps for r in run) for run in runs]
     assert steps[1] < steps[0] and sum(r.stats.draft_tokens_accepted for r in runs[1]) > 0
+
+
+def test_suffix_chains_go_past_k_max_on_llamacpp(tiny_ggufs: dict[str, Path]) -> None:
+    # The same prompt twice with k "auto": the second answer repeats the first, in the shared
+    # tree, so its chains grow past k_max (4 here) and are accepted there, output still plain's.
+    base = llamacpp_decoder(tiny_ggufs["target"], None)
+    dec = SpecDecoder(base.target, None, replace(base.spec, k_max=4))
+    prompt, params = PROMPTS[0], SamplingParams(max_new_tokens=48)
+    plain = dec.generate(prompt, params, method="none").token_ids
+    margins = greedy_margins(dec, dec.encode(prompt), plain)
+    dec.generate(prompt, params, method="suffix", k="auto")
+    again = dec.generate(prompt, params, method="suffix", k="auto")
+    assert assert_greedy_equal_up_to_near_tie(again.token_ids, plain, margins, "second answer") >= len(plain) * 3 // 4
+    accepted = again.stats.accepted_at_position
+    assert len(accepted) > 4 and sum(accepted[4:]) > 0, accepted
