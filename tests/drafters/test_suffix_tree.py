@@ -105,6 +105,33 @@ def test_longest_match_with_a_continuation(sequences: list[list[int]], context: 
     assert (found[1] if found else 0) == expected
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_longest_match_equals_a_brute_force_search(seed: int) -> None:
+    # The match is binary-searched over lengths; a brute-force scan of every suffix against every
+    # stored run (with a token after it, within the depth bound) must agree on random histories
+    # with repeats, sequences removed, and a growing sequence whose own end matches nothing.
+    rng = random.Random(seed)
+    for _ in range(60):
+        depth, vocab = rng.randint(2, 12), rng.choice([2, 3, 5])
+        tree = SuffixTree(depth)
+        live: dict[int, list[int]] = {}
+        for _ in range(rng.randint(1, 5)):
+            tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+            live[tree.add_sequence(tokens)] = tokens
+        if len(live) > 1 and rng.random() < 0.5:
+            gone = rng.choice(list(live))
+            tree.remove(gone)
+            del live[gone]
+        runs = brute_counts(list(live.values()), depth)
+        for _ in range(10):
+            context = [rng.randrange(vocab) for _ in range(rng.randint(1, 15))]
+            max_len = rng.randint(1, depth)
+            want = max((n for n in range(1, min(max_len, len(context)) + 1)
+                        if any(tuple(context[-n:]) + (t,) in runs for t in range(vocab))), default=0)
+            found = tree.match(context, max_len)
+            assert (found[1] if found else 0) == want, (context, max_len, live)
+
+
 def test_children_ranked_by_frequency_and_path_probabilities() -> None:
     # After "1 2": 3 twice, 4 once; after "1 2 3": 7 then 8 (once each).
     tree = SuffixTree(8)
