@@ -381,10 +381,16 @@ class SuffixTree:
 
         Having occurred with a continuation is monotone in the suffix's length: every occurrence
         of a suffix holds the next shorter suffix, followed by the same token, and a stored run
-        holds its own tails (within the depth bound). So the longest is binary-searched: log(n)
-        walks rather than one per length, every step of every request."""
+        holds its own tails (within the depth bound). So the longest is binary-searched, after
+        trying the whole tail first (inside a copy, the common case, that one walk settles it):
+        log(n) walks rather than one per length, every step of every request."""
         tail = list(context[-max_len:]) if max_len > 0 else []
-        low, high, found = 1, len(tail), None
+        if not tail:
+            return None
+        cursor = self._walk(tail, 0)
+        if cursor is not None and self._children(cursor):
+            return cursor, len(tail)
+        low, high, found = 1, len(tail) - 1, None
         while low <= high:
             length = (low + high) // 2
             cursor = self._walk(tail, len(tail) - length)
