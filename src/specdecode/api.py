@@ -272,7 +272,7 @@ class SpecDecoder:
         if plan.auto is not None:
             stats.steps_by_source = plan.auto.steps_by_source  # filled as it decodes
         chunks = self.engine.decode(
-            prompt_ids, params, plan.drafter, plan.most_k if plan.drafter is not None else 0, stats, plan.schedule,
+            prompt_ids, params, plan.drafter, plan.most_k, stats, plan.schedule,
             acceptance=acceptance,
         )
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)

@@ -40,9 +40,8 @@ from specdecode.backends.device import host_to_device
 from specdecode.costs.k_policy import interpolate
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.suffix_cache import (
-    CALIBRATION_DECAY,
     DEFAULT_MAX_DEPTH,
-    MATCH_BUCKETS,
+    BucketCalibration,
     CalibrationMemory,
     ResponseHandle,
     SuffixCache,
@@ -100,8 +99,7 @@ class SuffixProposer:
         self._local_seq = self._local.add_sequence()
         self._handle: ResponseHandle | None = None
         self._pending: Draft | None = None
-        self._accepted = [0.0] * (MATCH_BUCKETS + 1)
-        self._predicted = [0.0] * (MATCH_BUCKETS + 1)
+        self._calibration = BucketCalibration()
 
     def start(self, prompt_len: int) -> None:
         """A new request whose first ``prompt_len`` committed tokens are its prompt."""
@@ -109,7 +107,7 @@ class SuffixProposer:
         self._local_seq = self._local.add_sequence()
         self.history, self._prompt_len, self._pending = [], prompt_len, None
         if self.memory is not None:
-            self._accepted, self._predicted = self.memory.seed(self.group)  # type: ignore[arg-type]
+            self._calibration = self.memory.seed(self.group)  # type: ignore[arg-type]
         if self.cache is not None:
             self.cache.close(self._handle)
             self._handle = self.cache.open(self.group)  # type: ignore[arg-type]  # a cache means a group
@@ -133,7 +131,8 @@ class SuffixProposer:
     def _gamma(self, match_len: int) -> float:
         b = match_bucket(match_len)
         low, high = CALIBRATION_RANGE
-        return min(high, max(low, (self._accepted[b] + CALIBRATION_PRIOR) / (self._predicted[b] + CALIBRATION_PRIOR)))
+        cal = self._calibration
+        return min(high, max(low, (cal.accepted[b] + CALIBRATION_PRIOR) / (cal.predicted[b] + CALIBRATION_PRIOR)))
 
     def _draft(self, depth: int, nodes: int, branching: int | None) -> Draft:
         """The better (higher-score) draft of the request's own tree and its group's tree."""
@@ -215,8 +214,7 @@ class SuffixProposer:
                 break
             accepted += 1
         b = match_bucket(draft.match_len)
-        self._accepted[b] = self._accepted[b] * CALIBRATION_DECAY + accepted
-        self._predicted[b] = self._predicted[b] * CALIBRATION_DECAY + predicted
+        self._calibration.record(b, accepted, predicted)
         if self.memory is not None:
             self.memory.record(self.group, b, accepted, predicted)  # type: ignore[arg-type]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdecode.config import DEFAULT_SUFFIX_CACHE_TOKENS
 from specdecode.drafters.suffix_tree import Draft, SuffixTree
@@ -45,9 +45,24 @@ def match_bucket(match_len: int) -> int:
     return min(match_len.bit_length(), MATCH_BUCKETS)
 
 
+@dataclass(slots=True)
+class BucketCalibration:
+    """Per match-length bucket, the drafted edges accepted and the edges the counts predicted,
+    each step's weight fading by ``CALIBRATION_DECAY`` per later step of the same bucket."""
+
+    accepted: list[float] = field(default_factory=lambda: [0.0] * (MATCH_BUCKETS + 1))
+    predicted: list[float] = field(default_factory=lambda: [0.0] * (MATCH_BUCKETS + 1))
+
+    def record(self, bucket: int, accepted: float, predicted: float) -> None:
+        self.accepted[bucket] = self.accepted[bucket] * CALIBRATION_DECAY + accepted
+        self.predicted[bucket] = self.predicted[bucket] * CALIBRATION_DECAY + predicted
+
+    def scaled(self, weight: float) -> BucketCalibration:
+        return BucketCalibration([a * weight for a in self.accepted], [p * weight for p in self.predicted])
+
+
 class CalibrationMemory:
-    """Per group and match-length bucket, the drafted edges accepted and the edges the counts
-    predicted over the group's recent steps (faded per step like a request's own calibration).
+    """Per group, the calibration of the group's recent steps (``BucketCalibration``).
 
     A request used to start every bucket from the hopeful prior (counts are right), so each one
     paid for a failed draft per bucket before its own measurements stopped it: on llama.cpp, where
@@ -59,21 +74,16 @@ class CalibrationMemory:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._groups: dict[str, tuple[list[float], list[float]]] = {}
+        self._groups: dict[str, BucketCalibration] = {}
 
-    def seed(self, group: str) -> tuple[list[float], list[float]]:
-        """(accepted, predicted) per bucket for a new request of ``group``: its memory, faded."""
+    def seed(self, group: str) -> BucketCalibration:
+        """A new request's starting calibration: its group's memory, faded."""
         with self._lock:
-            accepted, predicted = self._groups.get(group, ([0.0] * (MATCH_BUCKETS + 1), [0.0] * (MATCH_BUCKETS + 1)))
-            return [a * MEMORY_CARRY for a in accepted], [p * MEMORY_CARRY for p in predicted]
+            return self._groups.get(group, BucketCalibration()).scaled(MEMORY_CARRY)
 
     def record(self, group: str, bucket: int, accepted: float, predicted: float) -> None:
         with self._lock:
-            if group not in self._groups:
-                self._groups[group] = ([0.0] * (MATCH_BUCKETS + 1), [0.0] * (MATCH_BUCKETS + 1))
-            acc, pred = self._groups[group]
-            acc[bucket] = acc[bucket] * CALIBRATION_DECAY + accepted
-            pred[bucket] = pred[bucket] * CALIBRATION_DECAY + predicted
+            self._groups.setdefault(group, BucketCalibration()).record(bucket, accepted, predicted)
 
 
 @dataclass(frozen=True, slots=True)
