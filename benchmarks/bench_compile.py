@@ -27,13 +27,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.bench.prompts import load_prompts, select_prompts
-from specdecode.config import SpecConfig
+from specdecode.config import DecoderConfig
 from specdecode.models import demo
 from specdecode.models.loader import load_model
 
@@ -150,8 +151,8 @@ def main() -> None:
     device = torch.device("cpu")
     target = load_model(args.target, dtype, device, show_progress=False)
     draft = load_model(args.draft, dtype, device, show_progress=False)
-    spec = SpecConfig(method="draft", k=args.k)
-    compiled = SpecDecoder(target, draft, spec, compile=args.mode)
+    config = DecoderConfig(method="draft", k=args.k, k_policy="fixed")
+    compiled = SpecDecoder(target, draft, replace(config, compile=args.mode))
     started = time.perf_counter()
     log = compiled.warm_up(show_progress=not args.compile_only)
     results["compile"] = {"seconds": round(time.perf_counter() - started, 1), "passes": len(log.passes),
@@ -169,7 +170,7 @@ def main() -> None:
         rerun = subprocess.run(command, capture_output=True, text=True, check=True, env=os.environ.copy())
         results["compile_cached_rerun"] = json.loads(rerun.stdout.strip().splitlines()[-1])
         print(json.dumps(results["compile_cached_rerun"]), file=sys.stderr, flush=True)
-    eager = SpecDecoder(target, draft, spec)
+    eager = SpecDecoder(target, draft, config)
     rows = [int(r) for r in args.rows.split(",")]
     results["passes"] = pass_costs(eager, compiled, rows, args.rounds)
     print(json.dumps(results["passes"], indent=1), file=sys.stderr, flush=True)

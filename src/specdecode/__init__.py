@@ -7,17 +7,17 @@
 """
 
 from specdecode.api import SpecDecoder
-from specdecode.config import SamplingParams, SpecConfig
+from specdecode.config import DecoderConfig, SamplingParams
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.stream import GenerationResult, GenerationStream
 from specdecode.errors import SpecDecodeError
 
 __all__ = [
+    "DecoderConfig",
     "GenerationResult",
     "GenerationStats",
     "GenerationStream",
     "SamplingParams",
-    "SpecConfig",
     "SpecDecodeError",
     "SpecDecoder",
 ]

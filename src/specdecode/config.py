@@ -6,8 +6,9 @@ to that form by ``models.gguf_loader``), so there is one source of truth for mod
 
 from __future__ import annotations
 
+import difflib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from specdecode.errors import InvalidRequestError, UnsupportedModelError
@@ -196,63 +197,155 @@ DEFAULT_NGRAM_MIN = 1
 DEFAULT_SUFFIX_CACHE_TOKENS = 1 << 17
 
 
-@dataclass(slots=True)
-class SpecConfig:
-    """Which speculative method to use and how many tokens to draft per step."""
+# Choices of the loading options, validated here once (each is also the flag's choices).
+DTYPES: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # or "cuda:N"
+BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "llama.cpp")
+QUANTS: tuple[str, ...] = ("none", "int8", "int4")
+KV_DTYPES: tuple[str, ...] = ("auto", "int8")  # auto: the model's dtype
+COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 
+
+@dataclass(slots=True, frozen=True)
+class DecoderConfig:
+    """Everything a ``SpecDecoder`` is built from: which models, how they run, how they speculate.
+
+    One config serves every entry point: ``SpecDecoder.from_pretrained(**kwargs)`` builds it from
+    keyword arguments (``from_kwargs``: an unknown name is an error that suggests the closest
+    one), and every command builds it from one shared group of flags (``cli/args.py:
+    add_decoder_arguments``, then ``from_args``). It is validated once, here; loading
+    (``specdecode/loading.py``) returns a resolved copy: the backend it chose, the demo models
+    it filled in, the layers layer skip skips and the k policy the backend defaults to.
+
+    ``k`` is the draft length: the tokens a step drafts under the fixed policy, the first
+    length the threshold policy tries, and the cost policy's guess before it has measured
+    anything (``draft_k``: ``k``, or ``DEFAULT_K`` where none was given). ``k="auto"`` stands for
+    the cost policy (or ``k_policy="threshold"``), and is stored as that policy with ``k`` None.
+    ``k_policy``: a given ``k`` alone means ``fixed``; with neither given it stays None, the
+    backend's default, which loading resolves: ``fixed`` on torch, ``cost`` on llama.cpp, whose
+    compute-bound CPU passes make a fixed k lose to plain decoding (docs/design.md#backends).
+    """
+
+    target: str | None = None  # a demo name, a .gguf file, an HF folder or hub id (None: the demo target)
+    draft: str | None = None  # the draft model (None: the demo draft with a demo target, else none)
     method: str = "draft"
-    k: int = DEFAULT_K
+    k: int | str | None = None
+    k_policy: str | None = None
+    k_max: int = DEFAULT_K_MAX
     # The draft model stops proposing once its probability for a drafted token is below this.
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
     # Prompt lookup (method ngram): the longest and shortest n-gram it matches.
     ngram_max: int = DEFAULT_NGRAM_MAX
     ngram_min: int = DEFAULT_NGRAM_MIN
-    # fixed: always draft k; cost / threshold: choose k per step up to
-    # k_max (``costs/k_policy.py``; the threshold rule starts at k).
-    k_policy: str = "fixed"
-    k_max: int = DEFAULT_K_MAX
-    # Layer skip (method layerskip): the target's layers its drafts skip (empty: not set up).
+    # Layer skip: the target's layers its drafts skip (empty: from layerskip_config or the
+    # target's tuned file, resolved at load), or the file `specdecode tune-layerskip` writes.
     skip_layers: tuple[int, ...] = ()
-    # Tree methods: drafted nodes per tree (None: the method's default) and acceptance rule.
+    layerskip_config: str | None = None
+    # Tree methods: heads from `specdecode train`, drafted nodes per tree (None: the method's
+    # default) and the acceptance rule (typical: Medusa's lossy rule, opt-in).
+    heads: str | None = None
     tree_size: int | None = None
     acceptance: str = "lossless"
     # Suffix decoding (method suffix, and auto's suffix source): earlier responses kept, in tokens.
     suffix_cache_tokens: int = DEFAULT_SUFFIX_CACHE_TOKENS
+    # A request reuses the K/V of the prompt prefix it shares with the previous one (engine/prefix.py).
+    prefix_cache: bool = True
+    # Where and how the passes run.
+    backend: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    target_quant: str = "none"
+    draft_quant: str = "none"
+    kv_dtype: str = "auto"
+    compile: bool | str = False  # True, or a torch.compile mode (COMPILE_MODES)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise InvalidRequestError(
-                f"Unknown method {self.method!r}; choose one of: {', '.join(METHODS)}."
-            )
-        if self.k < 1:
-            raise InvalidRequestError(
-                f"k (tokens drafted per step) must be >= 1, got {self.k}."
-            )
+            raise InvalidRequestError(f"Unknown method {self.method!r}; choose one of: {', '.join(METHODS)}.")
+        k, k_policy = resolve_k(self.k, self.k_policy)
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise InvalidRequestError(f"k (tokens drafted per step) must be a positive integer or 'auto', got {k!r}.")
+        object.__setattr__(self, "k", k)
+        object.__setattr__(self, "k_policy", "fixed" if k is not None and k_policy is None else k_policy)
+        if k_policy is not None:
+            check_k_policy(k_policy, self.k_max)
+        elif not 1 <= self.k_max <= MAX_K_MAX:
+            raise InvalidRequestError(f"k_max={self.k_max} is out of range: use 1..{MAX_K_MAX}.")
         if not 0.0 <= self.draft_confidence < 1.0:
-            raise InvalidRequestError(
-                f"draft confidence threshold must be in [0, 1), got {self.draft_confidence}."
-            )
+            raise InvalidRequestError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}.")
         check_ngram_sizes(self.ngram_max, self.ngram_min)
-        check_k_policy(self.k_policy, self.k_max)
         check_acceptance(self.acceptance, self.method)
+        object.__setattr__(self, "skip_layers", tuple(int(layer) for layer in self.skip_layers or ()))
+        if any(layer < 0 for layer in self.skip_layers):
+            raise InvalidRequestError(f"skip_layers must be layer indices >= 0, got {list(self.skip_layers)}.")
         if self.tree_size is not None and not 1 <= self.tree_size <= MAX_TREE_SIZE:
             raise InvalidRequestError(f"tree_size={self.tree_size} is out of range: use 1..{MAX_TREE_SIZE}.")
         if self.suffix_cache_tokens < 0:
             raise InvalidRequestError(
                 f"suffix_cache_tokens={self.suffix_cache_tokens} is out of range: use >= 0 (0 keeps no earlier responses)."
             )
+        for name, choices in (("backend", BACKEND_CHOICES), ("dtype", DTYPES), ("target_quant", QUANTS),
+                              ("draft_quant", QUANTS), ("kv_dtype", KV_DTYPES)):
+            if getattr(self, name) not in choices:
+                raise InvalidRequestError(f"{name}={getattr(self, name)!r} is not one of: {', '.join(choices)}.")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise InvalidRequestError(f"device={self.device!r} is not one of: {', '.join(DEVICES)} (or cuda:N).")
+        if self.compile is None:
+            object.__setattr__(self, "compile", False)
+        if not isinstance(self.compile, bool) and self.compile not in COMPILE_MODES:
+            raise InvalidRequestError(f"compile must be True, False or one of {', '.join(COMPILE_MODES)}, got {self.compile!r}.")
+        for name in ("target", "draft", "heads", "layerskip_config"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                object.__setattr__(self, name, str(value))  # a Path is welcome; stored as text
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> DecoderConfig:
+        """A config from keyword arguments (None: the option's default); an unknown name is an
+        error that names the closest field."""
+        names = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else f" Options: {', '.join(names)}."
+                raise InvalidRequestError(f"Unknown decoder option {key!r}.{hint}")
+        return cls(**{key: value for key, value in kwargs.items() if value is not None})
+
+    @classmethod
+    def from_args(cls, args: Any, **overrides: Any) -> DecoderConfig:
+        """A config from parsed flags (``cli/args.py: add_decoder_arguments``): each field whose
+        attribute is present and not None, then ``overrides``; absent flags keep the defaults here."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
+        mode = getattr(args, "compile_mode", None)
+        if mode is not None:
+            if not values.get("compile"):
+                raise InvalidRequestError("compile_mode needs compile.")
+            values["compile"] = mode
+        return cls(**{**values, **overrides})
+
+    @property
+    def draft_k(self) -> int:
+        """The draft length in force: ``k``, or ``DEFAULT_K`` where none was given."""
+        return self.k if self.k is not None else DEFAULT_K
+
+    @property
+    def policy(self) -> str:
+        """The k policy in force: ``k_policy``, or ``fixed`` before loading resolved the backend's default."""
+        return self.k_policy or "fixed"
 
     def call_k(self, k: int | str | None, k_policy: str | None) -> tuple[int, str]:
-        """(draft_k, policy) for one call that may override ``k`` and ``k_policy``: draft_k is the
-        fixed draft length, or the first one a policy tries."""
+        """(k, policy) for one call that may override ``k`` and ``k_policy``: k is the fixed draft
+        length, or the first one a policy tries."""
         if k is None and k_policy is None:
-            return self.k, self.k_policy
+            return self.draft_k, self.policy
         fixed_k, policy = resolve_k(k, k_policy)
-        draft_k = fixed_k if fixed_k is not None else self.k
+        if fixed_k is not None and (isinstance(fixed_k, bool) or fixed_k < 1):
+            raise InvalidRequestError(f"k (tokens drafted per step) must be >= 1, got {fixed_k}.")
+        call_k = fixed_k if fixed_k is not None else self.draft_k
         if policy is None:
-            policy = "fixed" if k is not None else self.k_policy
+            policy = "fixed" if k is not None else self.policy
         check_k_policy(policy, self.k_max)
-        return draft_k, policy
+        return call_k, policy
 
 
 def check_acceptance(acceptance: str, method: str) -> None:
@@ -279,7 +372,8 @@ def check_ngram_sizes(ngram_max: int, ngram_min: int) -> None:
 
 
 def resolve_k(k: int | str | None, k_policy: str | None) -> tuple[int | None, str | None]:
-    """(fixed k or None, policy or None) from ``k`` (an int, "auto" or None) and ``k_policy``."""
+    """(fixed k or None, policy or None) from ``k`` (an int, "auto" or None) and ``k_policy``:
+    "auto" is the cost policy (or the threshold one)."""
     if isinstance(k, str):
         if k != "auto":
             raise InvalidRequestError(f"k must be a positive integer or 'auto', got {k!r}.")

@@ -37,7 +37,7 @@ def pair(target: Path, draft: Path) -> tuple[SpecDecoder, SpecDecoder]:
     options = {"method": "draft", "k": K, "k_max": K_MAX, "draft_confidence": 0.0, "dtype": "fp32", "device": "cpu",
                "show_progress": False}
     eager = SpecDecoder.from_pretrained(str(target), str(draft), **options)
-    compiled = SpecDecoder(eager.target, eager.draft, eager.spec, compile=True)
+    compiled = SpecDecoder(eager.target, eager.draft, replace(eager.config, compile=True))
     compiled.warm_up()
     return eager, compiled
 
@@ -121,7 +121,7 @@ def test_a_second_decoder_compiles_from_the_disk_cache(tiny_qwen2_dir: Path, tin
     # The shared decoder compiled this graph already (into the cache folder of this machine:
     # a fresh folder would also rebuild inductor's precompiled headers, minutes on 2 cores).
     eager, _ = pair(tiny_qwen2_dir, tiny_close_draft_dir)
-    log = SpecDecoder(eager.target, None, replace(eager.spec, method="none"), compile=True).warm_up()
+    log = SpecDecoder(eager.target, None, replace(eager.config, method="none", compile=True)).warm_up()
     assert log.passes == ["target 1 rows"]
     assert log.cache_hits == 1 and log.cache_misses == 0
     assert any(configure_compile_cache().rglob("*.py"))  # inductor's generated code, on disk

@@ -15,7 +15,6 @@ pytest.importorskip("llama_cpp")
 from helpers import PROMPTS, assert_greedy_equal_up_to_near_tie, copyable_prompt, greedy_margins, llamacpp_decoder
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.drafters.per_request import plan_request
 from specdecode.drafters.suffix import SuffixDrafter
 
 NEW_TOKENS = 24
@@ -25,7 +24,7 @@ NEW_TOKENS = 24
 def test_greedy_suffix_chain_equals_plain_on_llamacpp(tiny_ggufs: dict[str, Path], k: int | str) -> None:
     dec = llamacpp_decoder(tiny_ggufs["target"], None)
     dec.suffix_cache.clear()
-    assert dec.backend == "llama.cpp" and isinstance(plan_request(dec, "suffix", 4, "fixed", "").drafter, SuffixDrafter)
+    assert dec.backend == "llama.cpp" and isinstance(dec.plan("suffix", 4, suffix_group="").drafter, SuffixDrafter)
     proposed = accepted = compared = total = 0
     for prompt in [copyable_prompt(dec), *PROMPTS[:3]]:
         params = SamplingParams(max_new_tokens=NEW_TOKENS)
@@ -67,7 +66,7 @@ def test_suffix_chains_go_past_k_max_on_llamacpp(tiny_ggufs: dict[str, Path]) ->
     # The same prompt twice with k "auto": the second answer repeats the first, in the shared
     # tree, so its chains grow past k_max (4 here) and are accepted there, output still plain's.
     base = llamacpp_decoder(tiny_ggufs["target"], None)
-    dec = SpecDecoder(base.target, None, replace(base.spec, k_max=4))
+    dec = SpecDecoder(base.target, None, replace(base.config, k_max=4))
     prompt, params = PROMPTS[0], SamplingParams(max_new_tokens=48)
     plain = dec.generate(prompt, params, method="none").token_ids
     margins = greedy_margins(dec, dec.encode(prompt), plain)

@@ -25,7 +25,7 @@ from specdecode.config import ModelConfig, SamplingParams
 from specdecode.engine.metrics import GenerationStats
 from specdecode.errors import InvalidRequestError
 
-ALL_METHODS = ("none", "draft", "ngram", "hf", "hf-assisted", "hf-lookup")
+ALL_METHODS = ("none", "draft", "ngram", "hf", "hf-assisted", "hf-lookup", "draft+nocache")
 MAX_NEW = 10
 
 # ---------------------------------------------------------------- prompt sets
@@ -264,6 +264,7 @@ def test_greedy_outputs_equal_their_plain_decoding(bench_run: tuple[dict, Path])
     summary = bench_run[0]["summary"]
     assert summary["draft"][ALL]["equality"]["equal_fraction"] == 1.0  # lossless
     assert summary["ngram"][ALL]["equality"]["equal_fraction"] == 1.0
+    assert summary["draft+nocache"][ALL]["equality"]["equal_fraction"] == 1.0  # the same outputs as with the cache
     assert summary["none"][ALL]["equality"]["reference"] == "hf"
     assert summary["none"][ALL]["equality"]["equal_fraction"] == 1.0  # same model code as transformers
 
@@ -274,6 +275,12 @@ def test_multi_turn_history_holds_the_models_own_answer(bench_run: tuple[dict, P
         if r["prompt_id"] == "mini:1" and not r["error"]:
             first, second = r["repeats"][0]
             assert second["prompt_tokens"] > first["prompt_tokens"] + len(first["tokens"]) - 1
+            if r["method"] in ("none", "draft", "ngram"):
+                # The second turn reuses the first's K/V (the prefix cache); the first starts cold,
+                # though another method just answered the same prompt.
+                assert first["cached_tokens"] == 0 and second["cached_tokens"] >= first["prompt_tokens"]
+            elif r["method"] == "draft+nocache":
+                assert first["cached_tokens"] == second["cached_tokens"] == 0
 
 
 def test_a_failing_prompt_is_recorded_and_the_run_goes_on(bench_run: tuple[dict, Path]) -> None:

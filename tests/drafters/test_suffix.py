@@ -21,7 +21,6 @@ from helpers import (
 
 import specdecode.engine.single
 from specdecode import SamplingParams, SpecDecoder, cli
-from specdecode.drafters.per_request import plan_request
 from specdecode.drafters.suffix import SuffixProposer, SuffixTreeDrafter
 from specdecode.drafters.suffix_cache import SuffixCache
 
@@ -36,7 +35,7 @@ def expected(target_dir: Path, prompt: str) -> list[int]:
 def fresh(target_dir: Path, **spec) -> SpecDecoder:
     """A suffix decoder over the cached tiny target with its own (empty) cache of responses."""
     base = decoder(target_dir, None, "none")
-    return SpecDecoder(base.target, None, replace(base.spec, method="suffix", **spec))
+    return SpecDecoder(base.target, None, replace(base.config, method="suffix", **spec))
 
 
 @pytest.mark.parametrize(("k", "tree_size"), [(1, 1), (4, 16), ("auto", 16)])
@@ -60,7 +59,7 @@ def test_greedy_suffix_equals_plain(k: int | str, tree_size: int, tiny_qwen2_dir
 
 def test_suffix_proposes_token_trees_on_torch(tiny_qwen2_dir: Path) -> None:
     dec = fresh(tiny_qwen2_dir)
-    drafter = plan_request(dec, "suffix", 5, "fixed", "").drafter
+    drafter = dec.plan("suffix", 5, suffix_group="").drafter
     assert isinstance(drafter, SuffixTreeDrafter) and drafter.max_tree_nodes == 17
 
 
@@ -232,7 +231,7 @@ def test_auto_drafts_suffix_chains_beyond_k_max(tiny_qwen2_dir: Path) -> None:
     # As above, with the auto method: its suffix source may draft past k_max (prompt lookup and
     # the draft model stay within it), and output stays plain decoding's.
     base = decoder(tiny_qwen2_dir, None, "none")
-    dec = SpecDecoder(base.target, None, replace(base.spec, method="auto", k_max=4))
+    dec = SpecDecoder(base.target, None, replace(base.config, method="auto", k_max=4))
     prompt = PROMPTS[0]
     params = SamplingParams(max_new_tokens=48)
     want = plain_tokens(tiny_qwen2_dir, prompt, 48)

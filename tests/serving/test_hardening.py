@@ -12,9 +12,9 @@ import pytest
 from server_helpers import MESSAGES, MODEL, PROMPT, client, metric, sse_data, wait_for
 
 import specdecode.api
-import specdecode.backends.load
 import specdecode.engine.batch
 import specdecode.engine.sampling
+import specdecode.loading
 import specdecode.models.loader
 from specdecode import SamplingParams
 from specdecode.serving.guard import GuardOptions, default_allowed_hosts
@@ -292,7 +292,7 @@ def test_model_names_are_never_resolved_at_request_time(served, monkeypatch, tin
     import transformers
 
     monkeypatch.setattr(specdecode.models.loader, "load_model", no_loading)
-    monkeypatch.setattr(specdecode.backends.load, "load_model", no_loading)
+    monkeypatch.setattr(specdecode.loading, "load_model", no_loading)
     monkeypatch.setattr(specdecode.api.SpecDecoder, "from_pretrained", no_loading)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)

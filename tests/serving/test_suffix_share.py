@@ -27,7 +27,7 @@ TOKENS = 32
 def suffix_server(target_dir: Path, share: str, batched: bool = True) -> Iterator[tuple[str, SpecDecoder]]:
     """A server whose default method is suffix, over a decoder with its own empty cache."""
     base = decoder(target_dir, None, "none")
-    dec = SpecDecoder(base.target, None, replace(base.spec, method="suffix"))
+    dec = SpecDecoder(base.target, None, replace(base.config, method="suffix"))
     worker = BatchWorker(dec.batch_engine(max_batch=4, kv_cache_tokens=1024, cost_aware=False)) if batched else None
     app = create_app(dec, MODEL, worker=worker, options=ServerOptions(suffix_share=share))
     try:

@@ -66,7 +66,7 @@ def test_ce_loss_trains_too(tiny_qwen2_dir: Path, tiny_far_draft_dir: Path, tmp_
 def test_distilled_draft_is_accepted_more(distilled, tiny_qwen2_dir: Path) -> None:
     base, out, *_ = distilled
     tuned_draft = load_model(str(out), torch.float32, torch.device("cpu"), show_progress=False)
-    tuned = SpecDecoder(base.target, tuned_draft, base.spec)
+    tuned = SpecDecoder(base.target, tuned_draft, base.config)
     reports = compare_drafts({"before": base, "after": tuned}, PROMPTS, chat=False, max_new_tokens=TOKENS)
     assert reports["after"].acceptance > reports["before"].acceptance + 0.2
     assert reports["after"].prompts == len(PROMPTS)

@@ -11,6 +11,7 @@ import specdecode.training.features
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.drafters.medusa import build_static_tree
 from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.plan import RequestPlan
 from specdecode.engine.tree import TokenTree
 from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.kv.static import Int8KVCache, KVCache
@@ -112,7 +113,7 @@ class OracleTreeDrafter:
         self.prompt_len, self.reference, self.vocab = prompt_len, reference, vocab
         self.compacted_steps = 0
 
-    def start(self, prompt_len: int, capacity: int, target_cache: KVCache) -> None:
+    def start(self, prompt_len: int, capacity: int, target_cache: KVCache, shared_prefix: int = 0) -> None:
         pass
 
     def observe(self, features: torch.Tensor, start: int) -> None:
@@ -137,7 +138,7 @@ def test_tree_kv_compaction_matches_recomputed_cache(tiny_qwen2_dir: Path) -> No
     reference = dec.generate(prompt, params).token_ids
     oracle = OracleTreeDrafter(len(prompt), reference, dec.target.config.vocab_size)
     stats = GenerationStats()
-    emitted = [t for chunk in dec.engine.decode(prompt, params, oracle, 1, stats) for t in chunk]
+    emitted = [t for chunk in dec.engine.decode(prompt, params, RequestPlan("medusa", oracle, tree=True), stats) for t in chunk]
     assert emitted == reference
     assert oracle.compacted_steps >= 5 and stats.tau > 3.5  # paths 0 -> 2 -> 4 -> 5 accepted
     assert_cache_equals_fresh_prefill(dec, prompt + reference)

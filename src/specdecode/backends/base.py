@@ -4,7 +4,12 @@ A backend runs forward passes of one model over one sequence at a time and keeps
 sequence's KV cache. The engine and the drafters never see the cache itself; they say which
 tokens to feed at which positions and how much of the sequence is still valid:
 
-- ``begin(capacity)`` starts a new sequence of at most ``capacity`` positions (empty cache);
+- ``begin(capacity, keep)`` starts a new sequence of at most ``capacity`` positions whose first
+  ``keep`` positions are the previous sequence's, still valid in the cache (a cached prefix the
+  caller knows the new sequence shares; 0: an empty cache). ``epoch`` counts the sequences begun
+  and the scratch passes run (``pass_seconds``, a compile warm-up): a caller that recorded a
+  prefix may keep it only while the epoch is the one its own ``begin`` left, since anyone else's
+  use of the model overwrites it;
 - ``extend(tokens, start)`` feeds tokens at positions ``start .. start + T - 1`` and returns
   the logits of the rows asked for. The cache must hold exactly positions ``[0, start)`` of
   the sequence that is valid: ``extend`` writes past the valid length freely (rejected draft
@@ -28,7 +33,9 @@ from typing import Protocol
 
 import torch
 
-BACKENDS = ("auto", "torch", "llama.cpp")
+from specdecode.config import BACKEND_CHOICES
+
+BACKENDS = BACKEND_CHOICES
 
 
 class PassOutput(Protocol):
@@ -40,6 +47,7 @@ class SequenceModel(Protocol):
     """A model decoding one sequence, with that sequence's KV cache (see the module docstring)."""
 
     backend: str  # "torch" or "llama.cpp"
+    epoch: int  # sequences begun and scratch passes run: a recorded prefix is stale once it moves
 
     @property
     def device(self) -> torch.device: ...
@@ -47,8 +55,9 @@ class SequenceModel(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def begin(self, capacity: int) -> None:
-        """A new sequence of at most ``capacity`` positions; the cache starts empty."""
+    def begin(self, capacity: int, keep: int = 0) -> None:
+        """A new sequence of at most ``capacity`` positions whose first ``keep`` are the previous
+        sequence's (valid in the cache, at most its committed length); the rest starts empty."""
 
     def extend(
         self,

@@ -48,14 +48,13 @@ from pathlib import Path
 import torch
 
 from specdecode.backends.torch_backend import TorchSequence
-from specdecode.config import DRAFT_MODEL_METHODS, SpecConfig
+from specdecode.config import COMPILE_MODES, DRAFT_MODEL_METHODS, DecoderConfig
 from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.static import KVCache, fixed_view
 from specdecode.models.llama import ModelOutput, Transformer
 from specdecode.models.paths import cache_dir
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
 # Every compiled cache holds at least this many slots, so that requests of different lengths
 # share one set of graphs (a longer request compiles its own set, at the next power of two).
@@ -173,9 +172,9 @@ class CompiledSequence(TorchSequence):
         self._warm: set[PassShape] = set()
         configure_compile_cache()
 
-    def begin(self, capacity: int) -> None:
+    def begin(self, capacity: int, keep: int = 0) -> None:
         previous = self.cache
-        super().begin(compiled_capacity(capacity))
+        super().begin(compiled_capacity(capacity), keep)
         assert self.cache is not None
         if self._width.shape[0] < self.cache.capacity:
             self._width = torch.empty(self.cache.capacity, dtype=torch.uint8)
@@ -269,6 +268,7 @@ class CompiledSequence(TorchSequence):
         if self.cache is None:
             self.begin(1)
         assert self.cache is not None
+        self.epoch += 1  # writes over whatever the cache held
         tokens = torch.zeros((1, max(rows for rows, _ in shapes)), dtype=torch.long, device=self.device)
         for rows, logits_last in shapes:
             if show_progress:
@@ -281,6 +281,7 @@ class CompiledSequence(TorchSequence):
         them first if need be), on this sequence's own cache so that CUDA graphs keep their
         addresses; the rest eagerly."""
         compiled = [rows for rows in row_counts if self.compiles(rows)]
+        self.epoch += 1  # may time on this sequence's own cache
         measured = super().pass_seconds([r for r in row_counts if r not in compiled], repeats, logits_last) if (
             len(compiled) < len(row_counts)) else {}
         if not compiled:
@@ -299,21 +300,21 @@ class CompiledSequence(TorchSequence):
         return dict(sorted(measured.items()))
 
 
-def compiled_rows(role: str, spec: SpecConfig) -> int:
-    """The most rows a compiled pass of ``role`` ("target" or "draft") takes under ``spec``: the
+def compiled_rows(role: str, config: DecoderConfig) -> int:
+    """The most rows a compiled pass of ``role`` ("target" or "draft") takes under ``config``: the
     draft model's passes feed one token, or two when catching up; the target's verify k + 1 (a
     per-call k above these runs its passes eagerly)."""
-    return CATCH_UP_COMPILED_ROWS if role == "draft" else max(spec.k, spec.k_max) + 1
+    return CATCH_UP_COMPILED_ROWS if role == "draft" else max(config.draft_k, config.k_max) + 1
 
 
 def warm_up_passes(
-    target: CompiledSequence, draft: CompiledSequence | None, spec: SpecConfig, show_progress: bool, all_shapes: bool
+    target: CompiledSequence, draft: CompiledSequence | None, config: DecoderConfig, show_progress: bool, all_shapes: bool
 ) -> None:
-    """Compile now the passes ``spec``'s method and k will run, or with ``all_shapes`` every
+    """Compile now the passes ``config``'s method and k will run, or with ``all_shapes`` every
     pass any chain method can run compiled (k up to max(k, k_max))."""
-    adaptive = spec.k_policy != "fixed" or spec.method == "auto"
-    verify_rows = 1 if spec.method == "none" else (spec.k_max if adaptive else spec.k) + 1
+    adaptive = config.policy != "fixed" or config.method == "auto"
+    verify_rows = 1 if config.method == "none" else (config.k_max if adaptive else config.draft_k) + 1
     verify_rows = target.max_rows if all_shapes else verify_rows
     target.warm_up([(rows, None) for rows in range(1, verify_rows + 1)], show_progress)
-    if draft is not None and (all_shapes or spec.method in DRAFT_MODEL_METHODS):
+    if draft is not None and (all_shapes or config.method in DRAFT_MODEL_METHODS):
         draft.warm_up([(1, None), (2, 1)], show_progress)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.config import DEVICES
 from specdecode.errors import InvalidRequestError
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DEVICE_CHOICES = DEVICES
 DTYPE_CHOICES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

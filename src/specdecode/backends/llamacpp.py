@@ -94,6 +94,9 @@ class LlamaCppModel:
         self.n_batch = n_batch
         self.n_threads = n_threads if n_threads is not None else physical_core_count()
         self.kv_type, self.flash_attn, self.verbose = kv_type, flash_attn, verbose
+        # Bumped by every LlamaCppSequence that begins or times a sequence of this context: held
+        # here, not in the wrapper, since two wrappers over one model share llama.cpp's memory.
+        self.sequence_epoch = 0
 
         self._model = self._load_model(llama_cpp)
         self.vocab_size: int = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))

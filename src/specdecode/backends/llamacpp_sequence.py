@@ -54,6 +54,12 @@ class LlamaCppSequence:
         self.model = model
 
     @property
+    def epoch(self) -> int:
+        """Sequences begun and scratch passes run on this context (backends/base.py), by any
+        wrapper of the same model."""
+        return self.model.sequence_epoch
+
+    @property
     def device(self) -> torch.device:
         return torch.device("cpu")
 
@@ -61,13 +67,17 @@ class LlamaCppSequence:
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
-    def begin(self, capacity: int) -> None:
+    def begin(self, capacity: int, keep: int = 0) -> None:
         if capacity > self.model.n_ctx:
             raise InvalidRequestError(
                 f"This request needs {capacity} positions but the llama.cpp context holds {self.model.n_ctx}; "
                 "shorten the prompt or lower max_new_tokens."
             )
-        self.model.clear(SEQUENCE)
+        self.model.sequence_epoch += 1
+        if keep:
+            self.model.truncate(SEQUENCE, keep)  # the cached prefix stays in llama.cpp's memory
+        else:
+            self.model.clear(SEQUENCE)
 
     def extend(
         self,
@@ -93,6 +103,7 @@ class LlamaCppSequence:
         # On the request's own sequence id, before the request starts (the engine begins it
         # afresh): llama.cpp gives each sequence its own memory, so a scratch one would cost a
         # second KV cache.
+        self.model.sequence_epoch += 1
         self.model.clear(SEQUENCE)
         self.model.forward(SEQUENCE, [0] * COST_PROBE_CONTEXT, 0, "none")
         mode = "last" if logits_last == 1 else "all"

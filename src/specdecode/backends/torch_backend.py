@@ -24,6 +24,7 @@ class TorchSequence:
         self.model = model
         self.kv_dtype = kv_dtype  # "int8" stores the cache quantized (kv.static.Int8KVCache)
         self.cache: KVCache | None = None
+        self.epoch = 0  # sequences begun and scratch passes run (backends/base.py)
 
     @property
     def device(self) -> torch.device:
@@ -33,9 +34,10 @@ class TorchSequence:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def begin(self, capacity: int) -> None:
+    def begin(self, capacity: int, keep: int = 0) -> None:
         cfg = self.model.config
-        self.cache = reusable_cache(self.cache, cfg, capacity, self.model.dtype, self.model.device, self.kv_dtype)
+        self.cache = reusable_cache(self.cache, cfg, capacity, self.model.dtype, self.model.device, self.kv_dtype, keep)
+        self.epoch += 1
 
     def extend(
         self,
@@ -53,4 +55,5 @@ class TorchSequence:
         self.cache.commit(0, length)
 
     def pass_seconds(self, row_counts: Sequence[int], repeats: int, logits_last: int | None = None) -> dict[int, float]:
+        self.epoch += 1  # timed on a scratch cache; counted all the same, as the protocol says
         return time_passes(self.model, row_counts, self.kv_dtype, repeats, logits_last=logits_last)

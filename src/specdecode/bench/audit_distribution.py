@@ -14,8 +14,7 @@ import torch
 
 from specdecode.bench.chi_square import cell_vectors, critical_value, pearson_statistic, pooled_cells, simulated_power
 from specdecode.bench.near_tie import near_tie_threshold, row_logits
-from specdecode.config import SamplingParams
-from specdecode.drafters.base import is_tree_drafter
+from specdecode.config import TREE_METHODS, SamplingParams
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 
 if TYPE_CHECKING:
@@ -91,7 +90,7 @@ def drafter_distribution(
     deterministic drafter, the target's own row where it proposes nothing: that step decodes
     plainly). None where the method has no single chain drafter (auto, trees, none)."""
     drafter = decoder.drafters.get(method)
-    if drafter is None or is_tree_drafter(drafter):
+    if drafter is None or method in TREE_METHODS:
         return None
     seq = decoder.engine.target
     generator = make_generator(0, seq.device)

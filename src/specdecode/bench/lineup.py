@@ -74,12 +74,11 @@ class BenchLineup:
             dtype=config.dtype, device=config.device, kv_dtype=config.kv_dtype, backend="torch",
             show_progress=not config.quiet, compile=config.compile,
         )
-        if any(label.base == "layerskip" for label in labels.values()) and not self.decoder.spec.skip_layers:
+        if any(label.base == "layerskip" for label in labels.values()) and not self.decoder.config.skip_layers:
             # No layers given: the target's built-in tuned choice (the demo target has one).
             target = self.decoder.target
             skip = resolve_skip_layers(target.name, target.config.num_layers, None, None)
-            self.decoder = SpecDecoder(target, self.decoder.draft, replace(self.decoder.spec, skip_layers=skip),
-                                       kv_dtype=config.kv_dtype, compile=config.compile)
+            self.decoder = SpecDecoder(target, self.decoder.draft, replace(self.decoder.config, skip_layers=skip))
         from specdecode.models.heads import load_heads
 
         self.heads = {
@@ -106,9 +105,8 @@ class BenchLineup:
             key = (target_quant, draft_quant if with_draft else "none", with_draft)
             if key not in decoders:
                 draft = model("draft", key[1]) if with_draft else None
-                spec = self.decoder.spec if with_draft else replace(self.decoder.spec, method="none")
-                decoders[key] = SpecDecoder(model("target", key[0]), draft, spec, kv_dtype=config.kv_dtype,
-                                            compile=config.compile)
+                decoder_config = self.decoder.config if with_draft else replace(self.decoder.config, method="none")
+                decoders[key] = SpecDecoder(model("target", key[0]), draft, decoder_config)
                 for heads in self.heads.values():  # trained on the unquantized target's features
                     decoders[key].attach_heads(heads, config.tree_size)
             return decoders[key]
@@ -136,7 +134,7 @@ class BenchLineup:
         draft = self.decoder.draft
         # Compiled before measuring: every shape a method may run, so none compiles mid-run (a
         # decoder made for plain decoding only needs its one-row pass).
-        self.compile_logs = [d.warm_up(not config.quiet, all_shapes=d.spec.method != "none")
+        self.compile_logs = [d.warm_up(not config.quiet, all_shapes=d.config.method != "none")
                              for d in decoders.values()] if config.compile else []
         self.target_bytes = weight_bytes_per_forward(self.decoder.target.config, self.dtype)
         self.draft_bytes = weight_bytes_per_forward(draft.config, self.dtype) if draft is not None else 0
@@ -191,7 +189,7 @@ class BenchLineup:
         """Weight bytes one draft pass of the method reads, as stored."""
         if label.base == "layerskip":  # the target's own weights, minus the skipped layers
             target = self.decoder.target.config
-            kept = replace(target, num_layers=target.num_layers - len(self.decoder.spec.skip_layers))
+            kept = replace(target, num_layers=target.num_layers - len(self.decoder.config.skip_layers))
             return weight_bytes_per_forward(kept, self.dtype, label.target_quant)
         if label.base in self.heads:  # every head weight (the reduced LM head included)
             return sum(p.numel() * p.element_size() for p in self.heads[label.base].parameters())

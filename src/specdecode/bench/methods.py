@@ -34,7 +34,7 @@ rate is left empty rather than guessed.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -78,6 +78,9 @@ def available_methods() -> tuple[str, ...]:
     return default_methods() + LLAMACPP_PEERS
 
 
+NO_CACHE_MARK = "+nocache"  # a method label without the prefix cache: draft:auto@llama.cpp+nocache
+
+
 @dataclass(frozen=True, slots=True)
 class MethodLabel:
     """A benchmark method name taken apart: ``draft@int8/int4`` -> draft, int8 target, int4 draft."""
@@ -88,6 +91,9 @@ class MethodLabel:
     k: int | None = None  # fixed draft length for this method (None: the run's --k)
     k_policy: str | None = None  # "cost" or "threshold" for an adaptive draft length
     backend: str = TORCH  # where the method's passes run: "torch" or "llama.cpp" (the llama.cpp peers too)
+    # "+nocache": every turn prefills its whole prompt, as before the prefix cache (the
+    # comparison it is measured by, in the same run).
+    prefix_cache: bool = True
 
     @property
     def plain(self) -> str:
@@ -108,6 +114,11 @@ class MethodLabel:
 
 
 def parse_method(label: str) -> MethodLabel:
+    if label.endswith(NO_CACHE_MARK):
+        parsed = parse_method(label[: -len(NO_CACHE_MARK)])
+        if parsed.base in PEERS:
+            raise InvalidRequestError(f"{label}: {NO_CACHE_MARK} applies to specdecode's methods only.")
+        return replace(parsed, prefix_cache=False)
     head, marked, quants = label.partition(QUANT_MARK)
     base, k_marked, k_text = head.partition(K_MARK)
     known = available_methods()
@@ -201,6 +212,10 @@ class TurnResult:
     # bytes of their suffix trees.
     suffix_cache_tokens: int | None = None
     suffix_cache_bytes: int | None = None
+    # Prompt tokens served from specdecode's prefix cache (a conversation's earlier turns); None:
+    # the method does not say.
+    cached_tokens: int | None = None
+    first_token_seconds: float | None = None  # from the request's start to its first token (None: not measured)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,13 +238,19 @@ class SpecDecodeMethod:
         self.decoder = decoder  # loaded with the label's quantizations
         self.k: int | str | None = "auto" if label.k_policy else (label.k if label.k is not None else k)
         self.k_policy = label.k_policy
+        self.prefix_cache = label.prefix_cache
 
     def start_conversation(self) -> None:
         """A new prompt: forget earlier responses, so that suffix decoding drafts only from this
-        conversation (never from another method's, or an earlier repeat's, answer to it)."""
+        conversation (never from another method's, or an earlier repeat's, answer to it), and
+        the cached prefix, so that its first turn prefills its prompt as a fresh request does
+        (its later turns reuse the earlier ones, as a chat's do)."""
         self.decoder.suffix_cache.clear()
+        self.decoder.forget_prefix()
 
     def run_turn(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
+        if not self.prefix_cache:
+            self.decoder.forget_prefix()
         result = self.decoder.generate(prompt_ids, params, method=self.base, k=self.k, k_policy=self.k_policy)
         stats = result.stats
         suffix = self.decoder.suffix_cache.stats(measure_bytes=True) if self.base in ("suffix", "auto") else None
@@ -252,6 +273,8 @@ class SpecDecodeMethod:
             steps_by_source=dict(stats.steps_by_source),
             suffix_cache_tokens=suffix.tokens if suffix else None,
             suffix_cache_bytes=suffix.bytes if suffix else None,
+            cached_tokens=stats.cached_tokens,
+            first_token_seconds=stats.first_token_seconds,
         )
 
 

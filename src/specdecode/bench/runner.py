@@ -198,8 +198,8 @@ class Bench(BenchLineup):
             "env": env,
             "config": {key: (str(v) if isinstance(v, Path) else v) for key, v in asdict(config).items()},
             "chat_template": self.chat,
-            "num_speculative_tokens": self.decoder.spec.k,
-            "draft_confidence": self.decoder.spec.draft_confidence,
+            "num_speculative_tokens": self.decoder.config.draft_k,
+            "draft_confidence": self.decoder.config.draft_confidence,
             "models": {
                 "target": {"name": self.decoder.target.name, "weight_bytes_per_forward": self.target_bytes},
                 "draft": {"name": self.decoder.draft.name, "weight_bytes_per_forward": self.draft_bytes} if self.decoder.draft else None,

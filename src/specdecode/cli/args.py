@@ -6,10 +6,21 @@ import argparse
 import shlex
 from pathlib import Path
 
+from specdecode.cli.train import non_negative_int as _non_negative_int
 from specdecode.cli.train import positive_int as _positive_int
-from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+from specdecode.config import (
+    ACCEPTANCE_RULES,
+    BACKEND_CHOICES,
+    COMPILE_MODES,
+    DEFAULT_K,
+    DEVICES,
+    DTYPES,
+    KV_DTYPES,
+    METHODS,
+    QUANTS,
+    DecoderConfig,
+)
 from specdecode.errors import InvalidRequestError, reword_params
-from specdecode.kv.static import KV_DTYPES
 
 EXIT_USER_ERROR = 2  # bad input: one line on stderr
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
@@ -65,52 +76,8 @@ def use_chat(tokenizer: object, choice: str) -> bool:
     return bool(getattr(tokenizer, "chat_template", None)) if choice == "auto" else choice == "yes"
 
 
-def add_quant_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.quant.apply import QUANT_CHOICES
-
-    parser.add_argument(
-        "--target-quant", choices=QUANT_CHOICES, default="none",
-        help="weight-only quantization of the target (int4 keeps a Q4_K GGUF's own blocks); changes the target's output",
-    )
-    parser.add_argument("--draft-quant", choices=QUANT_CHOICES, default="none", help="weight-only quantization of the draft")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV-cache storage: auto (model dtype) or int8")
-
-
-def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.backends.compiled import COMPILE_MODES
-
-    parser.add_argument(
-        "--compile", action="store_true",
-        help="compile the torch backend's repeated passes per shape (CUDA graphs on a GPU); compiled before "
-        "the first request, minutes on a small CPU the first time, then from an on-disk cache (docs/compile.md)",
-    )
-    parser.add_argument("--compile-mode", choices=COMPILE_MODES, help="with --compile: the torch.compile mode "
-                        "(default: reduce-overhead on CUDA, default on the CPU)")
-
-
-def compile_choice(args: argparse.Namespace) -> bool | str:
-    """``compile=`` for the API from --compile and --compile-mode."""
-    if args.compile_mode and not args.compile:
-        raise InvalidRequestError("--compile-mode needs --compile.")
-    return args.compile_mode or args.compile
-
-
 def k_value(text: str) -> int | str:
     return "auto" if text == "auto" else _positive_int(text)
-
-
-def add_k_policy_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--k-policy", choices=("cost", "threshold"), default="cost",
-        help="with --k auto: cost (maximise expected tokens per measured second; may choose plain steps) "
-        "or threshold (k+1 above 80%% acceptance, minimum below 40%%, starting at 5)",
-    )
-    parser.add_argument("--k-max", type=_positive_int, default=DEFAULT_K_MAX, help="with --k auto: the most tokens drafted per step (suffix decoding may draft up to 32 on long matches)")
-
-
-def add_ngram_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ngram-max", type=_positive_int, default=DEFAULT_NGRAM_MAX, help="ngram: longest n-gram matched")
-    parser.add_argument("--ngram-min", type=_positive_int, default=DEFAULT_NGRAM_MIN, help="ngram: shortest n-gram matched")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -122,12 +89,72 @@ def layer_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(cli_message(err)) from None
 
 
-def add_layerskip_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--skip-layers", type=layer_list, default=None,
-        help="layerskip: target layers the draft skips, e.g. '4-9,12' (default: --layerskip-config, or the demo target's tuned choice)",
-    )
-    parser.add_argument("--layerskip-config", help="layerskip: a JSON file written by `specdecode tune-layerskip`")
+def add_decoder_arguments(parser: argparse.ArgumentParser, *, exclude: frozenset[str] = frozenset(),
+                          method_help: str | None = None) -> None:
+    """Every ``DecoderConfig`` option as a flag, with one spelling and the config's defaults
+    (``DecoderConfig.from_args`` reads them back; an absent flag keeps the config's default).
+
+    Every command that loads a decoder (generate, serve, serve --ray, bench, audit,
+    tune-layerskip) adds this group; ``exclude`` names the fields a command sets itself (bench
+    and audit take a list of methods; tune-layerskip always runs the target on torch)."""
+    d = DecoderConfig()
+    group = parser.add_argument_group("decoder (the models, how they run, how they speculate)")
+
+    def add(field: str, **kwargs: object) -> None:
+        if field not in exclude:
+            group.add_argument("--" + field.replace("_", "-"), dest=field, default=None, **kwargs)
+
+    add("target", help="the model whose output is reproduced: a demo name, .gguf file, HF folder or hub id "
+        "(default: demo 1.5B)")
+    add("draft", help="the small draft model, same tokenizer (default: demo 0.5B with the demo target)")
+    add("method", choices=METHODS, help=method_help or (
+        f"default {d.method}. draft: a draft model proposes; ngram: prompt lookup proposes (no draft model); auto: "
+        "each step, lookup, suffix trees, draft model or plain decoding, whichever pays by measured cost and "
+        "acceptance; layerskip: the target drafts with layers skipped; medusa, eagle: trained heads (--heads) draft "
+        "a token tree; suffix: token trees from the text so far and earlier responses (no model); none: plain decoding"
+    ))
+    add("k", type=k_value, help=f"tokens drafted per step, or 'auto': chosen each step from live acceptance and "
+        f"measured costs (default {DEFAULT_K}; auto on the llama.cpp backend)")
+    add("k_policy", choices=("cost", "threshold"), help="how k is chosen per step: cost (maximise expected tokens per "
+        "measured second; may choose plain steps; what --k auto means) or threshold (k+1 above 80%% acceptance, "
+        "minimum below 40%%, starting at --k)")
+    add("k_max", type=_positive_int, help=f"with --k auto: the most tokens drafted per step (default {d.k_max}; "
+        "suffix decoding may draft up to 32 on long matches)")
+    add("draft_confidence", type=float, help="stop drafting once the draft's probability for its token is below "
+        f"this (0 = always draft k; default {d.draft_confidence})")
+    add("ngram_max", type=_positive_int, help=f"ngram: longest n-gram matched (default {d.ngram_max})")
+    add("ngram_min", type=_positive_int, help=f"ngram: shortest n-gram matched (default {d.ngram_min})")
+    add("skip_layers", type=layer_list, help="layerskip: target layers the draft skips, e.g. '4-9,12' (default: "
+        "--layerskip-config, or the demo target's tuned choice)")
+    add("layerskip_config", help="layerskip: a JSON file written by `specdecode tune-layerskip`")
+    add("heads", help="medusa/eagle: a heads folder from `specdecode train medusa|eagle`")
+    add("tree_size", type=_positive_int, help="medusa/eagle/suffix: drafted tree nodes per step at most (default: "
+        "Medusa sizes its tree from measured verify costs, EAGLE 4, suffix 16, or 32 with --k auto)")
+    add("acceptance", choices=ACCEPTANCE_RULES, help="medusa/eagle: 'typical' is Medusa's typical acceptance, "
+        "faster and LOSSY under sampling (the output no longer follows the target's distribution); default lossless")
+    add("suffix_cache_tokens", type=_non_negative_int, help="response tokens kept for method suffix (and auto) over "
+        f"all groups, least recently used evicted first (0: none; default {d.suffix_cache_tokens})")
+    if "prefix_cache" not in exclude:
+        group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                           help="prefill every prompt whole instead of reusing the K/V of the prefix it shares with "
+                           "the previous request (on by default; docs/design.md#prefix-caching)")
+    add("backend", choices=BACKEND_CHOICES, help="auto (default): llama.cpp for GGUF files on the CPU where "
+        "llama-cpp-python is installed, else torch")
+    add("dtype", choices=DTYPES, help="auto (default): bf16 where supported, else fp32; on llama.cpp fp32 keeps an "
+        "f32 KV cache, anything else its f16 one")
+    add("device", choices=DEVICES, help="auto (default): cuda where PyTorch sees one, else cpu")
+    add("target_quant", choices=QUANTS, help="weight-only quantization of the target (int4 keeps a Q4_K GGUF's own "
+        "blocks); changes the target's output")
+    add("draft_quant", choices=QUANTS, help="weight-only quantization of the draft")
+    add("kv_dtype", choices=KV_DTYPES, help="KV-cache storage: auto (model dtype, default) or int8")
+    if "compile" not in exclude:
+        group.add_argument(
+            "--compile", action="store_true", default=None,
+            help="compile the torch backend's repeated passes per shape (CUDA graphs on a GPU); compiled before "
+            "the first request, minutes on a small CPU the first time, then from an on-disk cache (docs/compile.md)",
+        )
+        group.add_argument("--compile-mode", choices=COMPILE_MODES, help="with --compile: the torch.compile mode "
+                           "(default: reduce-overhead on CUDA, default on the CPU)")
 
 
 def comma_list(text: str) -> tuple[str, ...]:

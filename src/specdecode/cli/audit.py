@@ -10,21 +10,21 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
-
 if TYPE_CHECKING:
     from specdecode.bench.audit import AuditReport
 
 EXIT_AUDIT_FAILED = 1
 DEFAULT_NUM_PROMPTS = 3
 DEFAULT_MAX_NEW_TOKENS = 64
+# Every step drafts k, so every step is verified: the distribution test sees the acceptance rule
+# at work on each sampled token.
+AUDIT_DRAFT_CONFIDENCE = 0.0
 
 
 def add_audit_parser(sub: argparse._SubParsersAction) -> None:
-    from specdecode.backends.base import BACKENDS
     from specdecode.bench import audit as a
+    from specdecode.cli.args import add_decoder_arguments
     from specdecode.cli.train import positive_int
-    from specdecode.config import DEFAULT_K
 
     parser = sub.add_parser(
         "audit",
@@ -33,12 +33,11 @@ def add_audit_parser(sub: argparse._SubParsersAction) -> None:
             "For each method: greedy output equal to plain decoding on each prompt (a difference is a "
             "near-tie only where the target's two tokens are within the near-tie threshold), and a "
             "chi-square test of the first sampled tokens against the target's exact distribution, with "
-            "the test's power against a sampler that emits the drafter's tokens unchanged. Exit status 0: "
+            "the test's power against a sampler that emits the drafter's tokens unchanged. The audit drafts "
+            "a fixed k every step, so --draft-confidence defaults to 0 here (every step is verified). Exit status 0: "
             "every check passed; 1: a check failed; 2: bad input."
         ),
     )
-    parser.add_argument("--target", help="the model whose output must be reproduced (default: demo 1.5B)")
-    parser.add_argument("--draft", help="draft model for --method draft/auto (default: demo 0.5B with the demo target)")
     parser.add_argument(
         "--method", action="append", default=None, metavar="M",
         help="method(s) to audit, repeatable or comma-separated (default: draft,ngram with a draft model, else ngram)",
@@ -51,21 +50,13 @@ def add_audit_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--sampled-tokens", type=int, default=a.DEFAULT_SAMPLED_TOKENS,
                         help="tokens per draw whose joint distribution is tested (top-k^T sequences are enumerated)")
     parser.add_argument("--top-k", type=int, default=a.DEFAULT_TOP_K, help="top-k of the sampling (temperature 1)")
-    parser.add_argument("--k", type=int, default=DEFAULT_K, help="tokens drafted per step")
-    parser.add_argument("--draft-confidence", type=float, default=0.0,
-                        help="draft confidence cut-off (default 0: every step drafts k, so every step is verified)")
-    parser.add_argument("--heads", help="medusa/eagle: a heads folder from `specdecode train`")
-    parser.add_argument("--skip-layers", help="layerskip: target layers the draft skips, e.g. '4-9,12'")
-    parser.add_argument("--layerskip-config", help="layerskip: a JSON file from `specdecode tune-layerskip`")
     parser.add_argument("--near-tie", type=float, default=None,
                         help="a fixed near-tie threshold in logits (default: 5e-3 in fp32, 4 ulps of the top logit in bf16/fp16)")
     parser.add_argument("--alpha", type=float, default=a.DEFAULT_ALPHA, help="significance of the chi-square test")
     parser.add_argument("--seed", type=int, default=0, help="the first draw's seed (draw i uses seed + i)")
     parser.add_argument("--chat", choices=("auto", "yes", "no"), default="auto",
                         help="greedy prompts in the chat template (auto: when the tokenizer has one)")
-    parser.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
-    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto, torch or llama.cpp (see `generate`)")
+    add_decoder_arguments(parser, exclude=frozenset({"method"}))
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object instead of tables")
     parser.add_argument("--out", help="also write the JSON report to this file")
     parser.add_argument("--quiet", action="store_true", help="no progress bars on stderr")
@@ -95,24 +86,26 @@ def _prompt_texts(source: str, count: int) -> list[tuple[str, str]]:
 def cmd_audit(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from specdecode import SpecDecoder
+    from specdecode import DecoderConfig, SpecDecoder
     from specdecode.backends.device import dtype_name, resolve_device, resolve_dtype
     from specdecode.bench import audit as a
-    from specdecode.config import TREE_METHODS
+    from specdecode.config import DEFAULT_K, TREE_METHODS
     from specdecode.errors import InvalidRequestError
     from specdecode.models import demo
-    from specdecode.training.layer_search import builtin_choice, parse_skip_layers
+    from specdecode.training.layer_search import builtin_choice
 
+    if args.k == "auto":
+        raise InvalidRequestError("The audit checks a fixed draft length: pass --k N (default 5), not --k auto.")
     target = args.target or demo.DEFAULT_TARGET
     has_draft = args.draft is not None or demo.is_demo_model_name(target)
     methods = _methods(args.method) or (("draft", "ngram") if has_draft else ("ngram",))
     # Validate everything before loading: a typo should cost a second, not a model load.
     config = a.AuditConfig(methods=methods, max_new_tokens=args.max_new_tokens, draws=args.draws,
-                           sampled_tokens=args.sampled_tokens, top_k=args.top_k, k=args.k, seed=args.seed,
+                           sampled_tokens=args.sampled_tokens, top_k=args.top_k, k=args.k or DEFAULT_K, seed=args.seed,
                            alpha=args.alpha, near_tie=args.near_tie,
-                           precision=dtype_name(resolve_dtype(args.dtype, resolve_device(args.device))))
+                           precision=dtype_name(resolve_dtype(args.dtype or "auto", resolve_device(args.device or "auto"))))
     prompts = _prompt_texts(args.prompts, args.num_prompts)
-    skip_layers = parse_skip_layers(args.skip_layers) if args.skip_layers else None
+    skip_layers = args.skip_layers
     if "layerskip" in methods and not (skip_layers or args.layerskip_config):
         builtin = builtin_choice(target)
         if builtin is None:
@@ -130,11 +123,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     # One decoder serves every method: "draft" loads the draft model, "none" loads the target only.
     uses_draft = any(m in ("draft", "auto") for m in methods) and has_draft
-    decoder = SpecDecoder.from_pretrained(
-        args.target, args.draft, method="draft" if uses_draft else "none", draft_confidence=args.draft_confidence,
-        skip_layers=skip_layers, layerskip_config=args.layerskip_config, heads=args.heads,
-        dtype=args.dtype, device=args.device, backend=args.backend, show_progress=not args.quiet,
+    decoder_config = DecoderConfig.from_args(
+        args, method="draft" if uses_draft else "none", skip_layers=skip_layers or (),
+        draft_confidence=AUDIT_DRAFT_CONFIDENCE if args.draft_confidence is None else args.draft_confidence,
     )
+    decoder = SpecDecoder.from_config(decoder_config, show_progress=not args.quiet)
     if decoder.backend == "llama.cpp" and config.precision != "fp32":
         config = replace(config, precision="fp16")  # llama.cpp keeps an f16 KV cache unless asked for fp32
     chat = bool(getattr(decoder.tokenizer, "chat_template", None)) if args.chat == "auto" else args.chat == "yes"

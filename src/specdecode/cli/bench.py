@@ -6,19 +6,15 @@ import argparse
 from pathlib import Path
 
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
-from specdecode.cli.args import (
-    EXIT_INTERRUPTED,
-    add_compile_arguments,
-    add_layerskip_arguments,
-    add_ngram_arguments,
-    comma_list,
-    compile_choice,
-)
-from specdecode.cli.train import add_tree_arguments
+from specdecode.cli.args import EXIT_INTERRUPTED, add_decoder_arguments, comma_list
+from specdecode.cli.train import add_bench_heads_arguments
 from specdecode.cli.train import positive_int as _positive_int
-from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K
 from specdecode.errors import InvalidRequestError
-from specdecode.kv.static import KV_DTYPES
+
+# Decoder options a bench run sets per method, in its labels (draft:3@int8, none@llama.cpp,
+# ngram:auto), or with its own flags (--medusa-heads, --eagle-heads).
+BENCH_EXCLUDED = frozenset({"method", "k_policy", "k_max", "backend", "target_quant", "draft_quant", "heads",
+                            "acceptance", "suffix_cache_tokens"})
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,13 +33,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
             "report.md, speedup.png and acceptance.png into --out."
         ),
     )
-    bench.add_argument("--target", help="target model (default: demo 1.5B)")
-    bench.add_argument("--draft", help="draft model for draft / hf-assisted (default: demo 0.5B with the demo target)")
     bench.add_argument(
         "--methods", type=comma_list, default=DEFAULT_METHODS,
         help=f"comma-separated, from: {', '.join(available_methods())}; a specdecode method may add weight "
         "quantizations: none@int8 (int8 target), draft@int8/int4 (int8 target, int4 draft), or run on the "
-        "llama.cpp backend: none@llama.cpp, draft:3@llama.cpp (GGUF --target/--draft) "
+        "llama.cpp backend: none@llama.cpp, draft:3@llama.cpp (GGUF --target/--draft); a trailing +nocache "
+        "prefills every turn whole (no prefix cache) "
         "(default: %(default)s)".replace("%(default)s", ",".join(DEFAULT_METHODS)),
     )
     bench.add_argument(
@@ -61,11 +56,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--top-k", type=int, default=0)
     bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--seed", type=int, default=0, help="sampling seed (each generation restarts from it)")
-    bench.add_argument("--k", type=_positive_int, default=None, help=f"draft tokens per step (default {DEFAULT_K})")
-    bench.add_argument("--draft-confidence", type=float, default=None, help=f"draft confidence cut-off (default {DEFAULT_DRAFT_CONFIDENCE})")
-    add_ngram_arguments(bench)
-    add_layerskip_arguments(bench)
-    add_tree_arguments(bench, bench=True)
+    # The methods' labels set the method, k policy, backend and quantizations per method.
+    add_decoder_arguments(bench, exclude=BENCH_EXCLUDED)
+    add_bench_heads_arguments(bench)
     bench.add_argument("--hf-lookup-tokens", type=_positive_int, default=DEFAULT_HF_LOOKUP_TOKENS, help="prompt_lookup_num_tokens for hf-lookup")
     bench.add_argument(
         "--llamacpp-lookup-tokens", type=_positive_int, default=DEFAULT_LLAMACPP_LOOKUP_TOKENS,
@@ -83,10 +76,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--repeats", type=_positive_int, default=1, help="runs per prompt and method; the median-time run counts")
     bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up prompt")
     bench.add_argument("--chat", choices=("auto", "yes", "no"), default="auto", help="use the chat template (auto: when the tokenizer has one)")
-    bench.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
-    bench.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
-    bench.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV-cache storage of specdecode's methods")
-    add_compile_arguments(bench)
     bench.add_argument("--bandwidth-probe-mib", type=int, default=1024, help="size of the copy-bandwidth probe (0 = skip it and the ceilings)")
     bench.add_argument(
         "--from-results", metavar="RESULTS_JSON",
@@ -102,10 +91,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specdecode.bench import BenchConfig, resummarize, run_bench
+    from specdecode.config import DecoderConfig
 
+    if args.k == "auto":
+        raise InvalidRequestError("bench sets a method's k policy in its label: --methods ngram:auto,suffix:auto,auto.")
+    decoder = DecoderConfig.from_args(args)  # validates the decoder flags before anything loads
     config = BenchConfig(
-        target=args.target,
-        draft=args.draft,
+        target=decoder.target,
+        draft=decoder.draft,
         methods=args.methods,
         prompts=args.prompts,
         categories=args.categories,
@@ -115,12 +108,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        k=args.k,
+        k=decoder.k,
         draft_confidence=args.draft_confidence,
         ngram_max=args.ngram_max,
         ngram_min=args.ngram_min,
-        skip_layers=args.skip_layers,
-        layerskip_config=args.layerskip_config,
+        skip_layers=decoder.skip_layers or None,
+        layerskip_config=decoder.layerskip_config,
         medusa_heads=args.medusa_heads,
         eagle_heads=args.eagle_heads,
         tree_size=args.tree_size,
@@ -131,10 +124,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         warmup=not args.no_warmup,
         chat={"auto": None, "yes": True, "no": False}[args.chat],
-        dtype=args.dtype,
-        device=args.device,
-        kv_dtype=args.kv_dtype,
-        compile=compile_choice(args),
+        dtype=decoder.dtype,
+        device=decoder.device,
+        kv_dtype=decoder.kv_dtype,
+        compile=decoder.compile,
         bandwidth_probe_bytes=max(0, args.bandwidth_probe_mib) << 20,
         out=Path(args.out),
         plots=not args.no_plots,

@@ -8,9 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, NamedTuple
 
-from specdecode.backends.base import BACKENDS
-from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
-from specdecode.cli.args import add_compile_arguments, compile_choice
+from specdecode.cli.args import add_decoder_arguments
 
 if TYPE_CHECKING:
     from specdecode import SpecDecoder
@@ -37,10 +35,7 @@ def non_negative_float(text: str) -> float:
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from specdecode.cli.serve_ray import add_ray_arguments
     from specdecode.cli.train import non_negative_int, positive_int
-    from specdecode.config import DEFAULT_K, DEFAULT_SUFFIX_CACHE_TOKENS, METHODS
     from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
-    from specdecode.kv.static import KV_DTYPES
-    from specdecode.quant.apply import QUANT_CHOICES
     from specdecode.serving.guard import DEFAULT_MAX_BODY_BYTES
     from specdecode.serving.server import DEFAULT_DRAIN_TIMEOUT
     from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE, SUFFIX_SHARES
@@ -55,24 +50,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
             "methods run one at a time. Listens on loopback unless --host says otherwise."
         ),
     )
-    parser.add_argument("--target", help="the model whose output is reproduced (default: demo 1.5B)")
-    parser.add_argument("--draft", help="the draft model (default: demo 0.5B with the demo target)")
-    parser.add_argument("--method", choices=METHODS, default="draft", help="default method; a request may pass 'method'")
-    parser.add_argument("--k", type=int, default=None,
-                        help=f"tokens drafted per step (default {DEFAULT_K}; chosen per step from measured costs on llama.cpp)")
-    parser.add_argument("--heads", help="medusa/eagle heads folder (from `specdecode train`)")
-    parser.add_argument("--tree-size", type=int, default=None, help="medusa/eagle/suffix: drafted tree nodes per step")
+    add_decoder_arguments(parser, method_help="the default method; a request may pass 'method' (default draft; "
+                          "see `specdecode generate --help` for each)")
     parser.add_argument("--model-name", help="the name clients pass as 'model' (default: the target's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
-    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="auto: llama.cpp for GGUF files on the CPU, else torch")
-    parser.add_argument("--target-quant", choices=QUANT_CHOICES, default="none")
-    parser.add_argument("--draft-quant", choices=QUANT_CHOICES, default="none")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
-    add_compile_arguments(parser)
     parser.add_argument("--max-batch", type=non_negative_int, default=DEFAULT_MAX_BATCH,
                         help="most requests decoded together (0: no batching, one request at a time)")
     parser.add_argument("--kv-cache-tokens", type=positive_int, default=DEFAULT_KV_CACHE_TOKENS,
@@ -83,9 +65,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--suffix-share", choices=SUFFIX_SHARES, default=DEFAULT_SUFFIX_SHARE,
                         help="method suffix drafts from earlier responses of: the same API key (tenant), every "
                              "request (global), or none; sharing across users leaks through timing (docs/server.md)")
-    parser.add_argument("--suffix-cache-tokens", type=non_negative_int, default=DEFAULT_SUFFIX_CACHE_TOKENS,
-                        help="response tokens kept for method suffix over all tenants, least recently used evicted "
-                             "first (0: none)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     limits = parser.add_argument_group("security and limits (docs/server.md#security-and-limits)")
     limits.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
@@ -136,29 +115,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def load_server(args: argparse.Namespace) -> ServerParts:
     """Load the models and build the batch worker and the server options that ``args`` (the
     flags of ``specdecode serve``) ask for; a Ray Serve replica calls this with the same flags."""
-    from specdecode import SpecDecoder
+    from specdecode import DecoderConfig, SpecDecoder
     from specdecode.models import demo
     from specdecode.serving.guard import GuardOptions, default_allowed_hosts
     from specdecode.serving.server import ServerOptions
     from specdecode.serving.worker import BatchWorker
 
-    decoder = SpecDecoder.from_pretrained(
-        args.target, args.draft, method=args.method, k=args.k, heads=args.heads, tree_size=args.tree_size,
-        dtype=args.dtype, device=args.device, target_quant=args.target_quant, draft_quant=args.draft_quant,
-        kv_dtype=args.kv_dtype, backend=args.backend, compile=compile_choice(args),
-        suffix_cache_tokens=args.suffix_cache_tokens,
-    )
-    if args.compile:
+    decoder = SpecDecoder.from_config(DecoderConfig.from_args(args))
+    config = decoder.config
+    if config.compile:
         # Batched requests run the batch engine's passes, which are not compiled; requests served
         # one at a time (--max-batch 0, or methods the batch does not take) run compiled.
         if args.max_batch > 0:
             print("--compile: the continuous-batching engine's passes run eagerly; requests that run one at a time "
                   "(--max-batch 0, methods auto, layerskip, medusa, eagle) run compiled.", file=sys.stderr)
         print(f"specdecode: {decoder.warm_up(show_progress=True, all_shapes=True).summary()}", file=sys.stderr)
-    name = args.model_name or (args.target or demo.DEFAULT_TARGET)
+    name = args.model_name or (config.target or demo.DEFAULT_TARGET)
     worker = None
     if args.max_batch > 0:
-        if args.kv_dtype != "auto":
+        if config.kv_dtype != "auto":
             print("--kv-dtype int8: the batch engine's paged cache has no int8 storage yet; requests run one at a time.",
                   file=sys.stderr)
         else:

@@ -30,23 +30,10 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
-def add_tree_arguments(parser: argparse.ArgumentParser, bench: bool) -> None:
-    """--heads (or, for bench, --medusa-heads/--eagle-heads), --tree-size, and for generate --acceptance."""
-    from specdecode.config import ACCEPTANCE_RULES
-
-    if bench:
-        parser.add_argument("--medusa-heads", help="medusa: a heads folder from `specdecode train medusa`")
-        parser.add_argument("--eagle-heads", help="eagle: a heads folder from `specdecode train eagle`")
-    else:
-        parser.add_argument("--heads", help="medusa/eagle: a heads folder from `specdecode train medusa|eagle`")
-        parser.add_argument(
-            "--acceptance", choices=ACCEPTANCE_RULES, default="lossless",
-            help="medusa/eagle: 'typical' is Medusa's typical acceptance, faster and LOSSY under sampling "
-            "(the output no longer follows the target's distribution); default lossless",
-        )
-    parser.add_argument("--tree-size", type=positive_int, default=None,
-                        help="medusa/eagle/suffix: drafted tree nodes per step at most (default: Medusa sizes its tree "
-                             "from measured verify costs, EAGLE 4, suffix 16, or 32 with --k auto)")
+def add_bench_heads_arguments(parser: argparse.ArgumentParser) -> None:
+    """bench's --medusa-heads and --eagle-heads (one run may benchmark both kinds of heads)."""
+    parser.add_argument("--medusa-heads", help="medusa: a heads folder from `specdecode train medusa`")
+    parser.add_argument("--eagle-heads", help="eagle: a heads folder from `specdecode train eagle`")
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:

@@ -8,10 +8,15 @@ import time
 from pathlib import Path
 
 from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
-from specdecode.cli.args import comma_list, read_prompt_lines, use_chat
+from specdecode.cli.args import add_decoder_arguments, comma_list, read_prompt_lines, use_chat
 from specdecode.cli.train import positive_int as _positive_int
-from specdecode.config import DEFAULT_K_MAX
 from specdecode.errors import InvalidRequestError
+
+# Decoder options tune-layerskip does not take: it runs the target alone, on torch, eagerly.
+TUNE_EXCLUDED = frozenset({
+    "draft", "method", "k", "k_policy", "draft_confidence", "ngram_max", "ngram_min", "skip_layers", "layerskip_config",
+    "heads", "tree_size", "acceptance", "suffix_cache_tokens", "backend", "draft_quant", "compile",
+})
 
 
 def add_tune_layerskip_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +36,6 @@ def add_tune_layerskip_parser(sub: argparse._SubParsersAction) -> None:
             "decoding and save the fastest as JSON for --layerskip-config."
         ),
     )
-    tune.add_argument("--target", help="target model (default: demo 1.5B)")
     tune.add_argument(
         "--prompts", help="a text file, one calibration prompt per line (default: the last prompts of each bench category)"
     )
@@ -40,16 +44,15 @@ def add_tune_layerskip_parser(sub: argparse._SubParsersAction) -> None:
     tune.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_CALIBRATION_TOKENS, help="per calibration prompt")
     tune.add_argument("--skip-counts", type=comma_list, default=None, help="numbers of layers to try skipping, e.g. 4,6,8 (default: 2..half)")
     tune.add_argument("--measure-top", type=_positive_int, default=DEFAULT_MEASURE_TOP, help="predictions measured for real")
-    tune.add_argument("--k-max", type=_positive_int, default=DEFAULT_K_MAX, help="most tokens drafted per step")
     tune.add_argument("--chat", choices=("auto", "yes", "no"), default="auto", help="use the chat template (auto: when the tokenizer has one)")
-    tune.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="auto")
-    tune.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    # The search runs the target alone on torch, with layers skipped: the other options do not apply.
+    add_decoder_arguments(tune, exclude=TUNE_EXCLUDED)
     tune.add_argument("--out", default="layerskip.json", help="where to write the choice (default: %(default)s)")
     tune.add_argument("--quiet", action="store_true")
 
 
 def cmd_tune_layerskip(args: argparse.Namespace) -> int:
-    from specdecode import SpecDecoder
+    from specdecode import DecoderConfig, SpecDecoder
     from specdecode.training.layer_search import calibration_prompts, tune_layerskip
 
     texts = read_prompt_lines(args.prompts, "--prompts") if args.prompts else calibration_prompts(args.per_category)
@@ -57,16 +60,14 @@ def cmd_tune_layerskip(args: argparse.Namespace) -> int:
         skip_counts = [int(c) for c in args.skip_counts] if args.skip_counts else None
     except ValueError:
         raise InvalidRequestError(f"--skip-counts takes integers, got {','.join(args.skip_counts)}.") from None
-    decoder = SpecDecoder.from_pretrained(
-        args.target, method="none", k_max=args.k_max, dtype=args.dtype, device=args.device, backend="torch",
-        show_progress=not args.quiet,
-    )
+    decoder = SpecDecoder.from_config(DecoderConfig.from_args(args, method="none", backend="torch"),
+                                      show_progress=not args.quiet)
     chat = use_chat(decoder.tokenizer, args.chat)
     prompts = [decoder.encode(text, chat=chat) for text in texts]
     log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
     choice = tune_layerskip(
         decoder.engine, decoder.target.name, prompts, max_new_tokens=args.max_new_tokens,
-        skip_counts=skip_counts, measure_top=args.measure_top, k_max=args.k_max, log=log,
+        skip_counts=skip_counts, measure_top=args.measure_top, k_max=decoder.config.k_max, log=log,
     )
     out = Path(args.out)
     choice.save(out)
@@ -145,7 +146,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
               "data_seconds": round(data_seconds, 1), **training}
     if not args.no_eval:
         distilled = load_model(str(config.out), base.draft.model.dtype, base.draft.model.device, show_progress=not args.quiet)
-        tuned = SpecDecoder(base.target, distilled, base.spec)
+        tuned = SpecDecoder(base.target, distilled, base.config)
         reports = d.compare_drafts({"before": base, "after": tuned}, held, chat, config.max_new_tokens, show_progress=not args.quiet)
         report["held_apart"] = {name: r.to_dict() for name, r in reports.items()}
     d.write_report(config.out, report)

@@ -37,6 +37,10 @@ class DecoderCosts:
         right with synchronising stopwatches."""
         return self.engine.device.type == "cpu" or self.engine.sync_timing
 
+    def verify(self, max_rows: int) -> list[float]:
+        """Seconds of a target pass over 1..max_rows rows (``SpecEngine.verify_costs``)."""
+        return self.engine.verify_costs(max_rows)
+
     def draft_model(self) -> tuple[float, float]:
         """Seconds of one draft-model pass over one token, and per token of a long catch-up
         pass (timed once per decoder): whether the draft model can pay at all on this machine,

@@ -137,9 +137,10 @@ class AutoDrafter:
         self.draft = draft
         self.verify_seconds = list(verify_seconds)
         self.k_max = k_max
-        self.most_k = max(k_max, suffix_depth or 0) if suffix is not None else k_max
-        if len(self.verify_seconds) < self.most_k + 1:
-            raise ValueError(f"verify_seconds has {len(self.verify_seconds)} row counts; drafting {self.most_k} needs {self.most_k + 1}.")
+        # The most one step drafts: suffix chains may go past k_max (``suffix_depth``).
+        self.k = max(k_max, suffix_depth or 0) if suffix is not None else k_max
+        if len(self.verify_seconds) < self.k + 1:
+            raise ValueError(f"verify_seconds has {len(self.verify_seconds)} row counts; drafting {self.k} needs {self.k + 1}.")
         self.draft_k = min(draft_k, k_max)
         self.draft_token_seconds = draft_token_seconds
         # A draft model that loses to plain decoding even at full acceptance is never tried.
@@ -175,7 +176,7 @@ class AutoDrafter:
 
     # -- schedule side -------------------------------------------------------------------------
     def next_k(self) -> int:
-        return self.most_k  # the real choice is made in propose, once the lookup has run
+        return self.k  # the real choice is made in propose, once the lookup has run
 
     def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
         if self.live_costs:
@@ -194,12 +195,12 @@ class AutoDrafter:
             self.draft_goodput.observe(accepted + 1, drafting + verify_seconds)
 
     # -- drafter side --------------------------------------------------------------------------
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
         self.ngram.start(prompt_len, capacity, target)
         if self.suffix is not None:
             self.suffix.start(prompt_len, capacity, target)
         if self.draft is not None:
-            self.draft.start(prompt_len, capacity, target)  # allocation only: it reads the prompt when first used
+            self.draft.start(prompt_len, capacity, target, shared_prefix)  # allocation only: it reads the prompt when first used
         self._capacity = capacity
         self.memory.start_request()
 

@@ -38,12 +38,15 @@ class DraftProposal:
 class Drafter(Protocol):
     """What the engine needs from any way of guessing the target's next tokens."""
 
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel, shared_prefix: int = 0) -> None:
         """A new request begins; its committed sequence will never exceed ``capacity`` tokens.
 
         ``target`` is the target's sequence for this request, for a drafter that runs the
         target itself (layer skip, on the torch backend): it may write cache slots past the
         committed length, which the next verify pass overwrites, and must not commit.
+        ``shared_prefix``: the prompt's first tokens equal to the previous request's committed
+        tokens (the engine's prefix cache, ``engine/prefix.py``); a drafter with a KV cache of
+        its own may keep that much of it instead of reading it again.
         """
 
     def propose(
@@ -70,7 +73,7 @@ class TreeDrafter(Protocol):
     max_tree_nodes: int  # the most nodes (root included) a proposed tree can have
     last_forward_passes: int  # forward passes of draft heads the last proposal took
 
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel, shared_prefix: int = 0) -> None:
         """A new request begins (as ``Drafter.start``)."""
 
     def observe(self, features: torch.Tensor, start: int) -> None:  # features: (1, T, C)
@@ -85,7 +88,3 @@ class TreeDrafter(Protocol):
     ) -> TokenTree:
         """A tree rooted at the last committed token (node 0), at most ``max_depth`` deep; a
         root-only tree decodes plainly."""
-
-
-def is_tree_drafter(drafter: object) -> bool:
-    return hasattr(drafter, "propose_tree")

@@ -5,6 +5,8 @@ its own KV cache, or a llama.cpp context. After a step in which the target accep
 tokens, the draft cache holds valid entries for the old committed sequence plus
 min(n, k - 1) drafted tokens (the last drafted token was sampled but never fed back); the
 next ``propose`` first feeds the committed tokens it has not seen (one or two), then drafts.
+A new request keeps the part of the previous request's cache its prompt shares
+(``shared_prefix``), so a chat's next turn catches up on the new message only.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class DraftModelDrafter:
         # verification lossless. Each check reads one scalar on the host (a device sync on GPUs).
         self.confidence_threshold = confidence_threshold
         self._cached_len = 0  # committed tokens whose K/V sit in the draft cache
+        self._epoch = -1  # the draft sequence's epoch after our own begin (backends/base.py)
         self._proposed_base = 0  # committed length when the last proposal was made
         self._proposed_count = 0
 
@@ -34,9 +37,13 @@ class DraftModelDrafter:
         """Committed tokens the draft has read (the auto method prices catching up on the rest)."""
         return self._cached_len
 
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
-        self.model.begin(capacity)
-        self._cached_len = 0
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
+        # Keep what the previous request left of the shared prefix, unless someone else used the
+        # sequence since (timing passes); the first proposal feeds at least the last prompt token.
+        keep = min(self._cached_len, shared_prefix, prompt_len - 1) if self.model.epoch == self._epoch else 0
+        self.model.begin(capacity, keep=keep)
+        self._epoch = self.model.epoch
+        self._cached_len = keep
 
     def _forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:  # (1, T) -> (1, V_target)
         out = self.model.extend(tokens, start, logits_last=1)

@@ -69,7 +69,7 @@ class EagleDrafter:
         self.known = 0  # features known for positions [0, known)
         self.cached = 0  # pairs read into the head's cache: [0, cached)
 
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
         cfg = self.head.config
         dtype, device = self.head.fc.weight.dtype, self.head.fc.weight.device
         slots = capacity + self.depth * self.top_k

@@ -53,7 +53,7 @@ class LayerSkipDrafter:
         self.confidence_threshold = confidence_threshold  # as for the draft model
         self.cache: KVCache | None = None
 
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
         if not isinstance(target, TorchSequence) or target.model is not self.model or target.cache is None:
             raise ValueError("The layer-skip drafter drafts in the target's own KV cache: start() it with the "
                              "target's torch sequence.")

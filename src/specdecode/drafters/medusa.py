@@ -109,7 +109,7 @@ class MedusaDrafter:
         self.last_forward_passes = 0
         self._feature: torch.Tensor | None = None  # (1, C) the last committed position's feature
 
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
         self._feature = None  # the prefill's features arrive through observe() next
 
     def observe(self, features: torch.Tensor, start: int) -> None:  # features: (1, T, C)

@@ -39,7 +39,7 @@ class NgramDrafter:
         # often; the auto method keeps one acceptance estimate per n.
         self.last_match_size = 0
 
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
         self.history = []
         self._continuation_start = {n: {} for n in range(self.ngram_min, self.ngram_max + 1)}
 

@@ -239,7 +239,7 @@ class SuffixDrafter:
     def history(self) -> list[int]:
         return self.proposer.history
 
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
         self.proposer.start(prompt_len)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -280,7 +280,7 @@ class SuffixTreeDrafter:
         self.proposer = proposer
         self.max_tree_nodes = proposer.tree_size + 1
 
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel, shared_prefix: int = 0) -> None:
         self.proposer.start(prompt_len)
 
     def on_committed(self, tokens: list[int]) -> None:

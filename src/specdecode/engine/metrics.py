@@ -20,6 +20,8 @@ import torch
 class GenerationStats:
     method: str = "none"
     prompt_tokens: int = 0
+    # Prompt tokens whose K/V came from the prefix cache instead of a prefill (engine/prefix.py).
+    cached_tokens: int = 0
     new_tokens: int = 0
     target_forward_passes: int = 0  # prefill included
     draft_forward_passes: int = 0  # forward passes of a draft model (0 for model-free drafters)
@@ -33,6 +35,7 @@ class GenerationStats:
     proposed_at_position: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
+    first_token_seconds: float = 0.0  # from the start of decoding to the first committed tokens
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -100,7 +103,8 @@ class GenerationStats:
     def summary(self) -> str:
         """A few human-readable lines for the CLI."""
         parts = [
-            f"method={self.method} new_tokens={self.new_tokens} prompt_tokens={self.prompt_tokens}",
+            (f"method={self.method} new_tokens={self.new_tokens} prompt_tokens={self.prompt_tokens}"
+             + (f" (cached {self.cached_tokens})" if self.cached_tokens else "")),
             f"tokens/s={self.tokens_per_second:.2f} (decode {self.decode_tokens_per_second:.2f})"
             f" target_passes={self.target_forward_passes}",
         ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -23,11 +24,13 @@ from specdecode.backends.base import SequenceModel
 from specdecode.backends.compiled import CompileLog
 from specdecode.backends.device import host_to_device
 from specdecode.backends.torch_backend import TorchSequence
-from specdecode.config import ACCEPTANCE_RULES, SamplingParams
-from specdecode.costs.k_policy import KSchedule, interpolate
+from specdecode.config import ACCEPTANCE_RULES, TREE_METHODS, SamplingParams
+from specdecode.costs.k_policy import interpolate
 from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
-from specdecode.drafters.base import Drafter, TreeDrafter, is_tree_drafter
+from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.engine.metrics import GenerationStats, Stopwatch
+from specdecode.engine.plan import RequestPlan
+from specdecode.engine.prefix import NO_MATCH, CachedPrefix, match_prefix
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.stopping import cut_at_stop
 from specdecode.engine.tree import tree_view
@@ -64,6 +67,7 @@ class SpecEngine:
         *,
         sync_timing: bool = False,
         compile_log: CompileLog | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         self.target = target
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -72,6 +76,10 @@ class SpecEngine:
         # the share it paid for shapes compiled during it.
         self.compile_log = compile_log
         self._pass_seconds: dict[int, float] = {}  # target pass seconds by row count, as timed
+        # What the target's cache holds after the last request, for the next one's prefix
+        # (engine/prefix.py); None when disabled or nothing is known.
+        self.prefix_cache = prefix_cache
+        self._cached: CachedPrefix | None = None
 
     @property
     def device(self) -> torch.device:
@@ -98,29 +106,30 @@ class SpecEngine:
         self,
         prompt_ids: Sequence[int],
         params: SamplingParams,
-        drafter: Drafter | TreeDrafter | None,
-        k: int,
+        plan: RequestPlan,
         stats: GenerationStats,
-        schedule: KSchedule | None = None,
         acceptance: str = "lossless",
+        cache_salt: str | None = None,
     ) -> Iterator[list[int]]:
         """Yield the newly committed tokens after each step; fill ``stats`` as it goes.
 
-        ``k`` is the most tokens drafted per step; ``k`` = 0 (or no drafter) is plain
-        autoregressive decoding. A drafter may propose fewer tokens than asked, even none: that
-        step decodes plainly. ``schedule`` (``costs/k_policy.py``) chooses the draft length per
-        step instead, up to ``k``. A tree drafter (``drafters.base.TreeDrafter``) proposes a
-        token tree each step instead (the torch backend only); ``acceptance="typical"``
-        verifies its trees with Medusa's lossy typical acceptance. Closing the iterator early
-        (a stop string) still leaves ``stats`` complete.
+        ``plan`` (``engine/plan.py``) holds the drafter and the draft length: a chain step drafts
+        up to ``plan.k`` tokens, or its schedule's choice for the step (never more); no drafter
+        is plain autoregressive decoding. A drafter may propose fewer tokens than asked, even
+        none: that step decodes plainly. A tree plan proposes a token tree each step instead
+        (the torch backend only); ``acceptance="typical"`` verifies its trees with Medusa's lossy
+        typical acceptance. Closing the iterator early (a stop string) still leaves ``stats``
+        complete. With the prefix cache on, the prompt's longest prefix shared with the previous
+        request of the same ``cache_salt`` is not prefilled again (``stats.cached_tokens``).
         """
         started = time.perf_counter()
         compiled_before = self.compile_log.seconds if self.compile_log is not None else 0.0
         device = self.device
         prompt_len = len(prompt_ids)
         max_new = params.max_new_tokens
-        speculate = drafter is not None and k > 0
-        tree_mode = speculate and is_tree_drafter(drafter)
+        drafter = plan.drafter
+        speculate = drafter is not None
+        tree_mode = plan.tree
         if acceptance not in ACCEPTANCE_RULES:
             raise InvalidRequestError(f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {acceptance!r}.")
         if acceptance == "typical" and not tree_mode:
@@ -128,31 +137,42 @@ class SpecEngine:
         if tree_mode and not isinstance(self.target, TorchSequence):
             raise InvalidRequestError("Token trees need tree attention, which only the torch backend has.")
         capacity = prompt_len + max_new + 1
+        # Trained heads read the target's features of every prompt position, which a reused
+        # prefix does not recompute: they prefill the whole prompt.
+        reads_features = tree_mode and plan.method in TREE_METHODS
+        cached, self._cached = self._cached, None  # taken: a failure below leaves nothing reusable
+        match = NO_MATCH
+        if self.prefix_cache and not reads_features:
+            match = match_prefix(cached, prompt_ids, cache_salt, self.target.epoch)
         # A tree pass writes all its nodes past the committed length before keeping one path.
-        self.target.begin(capacity + (drafter.max_tree_nodes if tree_mode else 0))
+        self.target.begin(capacity + (drafter.max_tree_nodes if tree_mode else 0), keep=match.keep)
         processor = LogitsProcessor.from_params(params)
         generator = None if processor.greedy else make_generator(params.seed, device)
         committed = torch.empty((1, capacity), dtype=torch.long, device=device)
         committed[0, :prompt_len] = host_to_device(list(prompt_ids), torch.long, device)
         stats.prompt_tokens = prompt_len
+        stats.cached_tokens = match.keep
+        host_tokens = list(prompt_ids)  # committed, on the host: the next request's prefix record
+        valid = match.keep  # positions whose K/V the target holds
         watches = (Stopwatch(device, self.sync_timing), Stopwatch(device, self.sync_timing))
-        step = self._stepper(drafter if speculate else None, k, schedule, tree_mode, committed, processor, generator,
-                             acceptance, watches)
+        step = self._stepper(plan, committed, processor, generator, acceptance, watches)
         on_committed = getattr(drafter, "on_committed", None) if speculate else None
         try:
             # Prefill all but the last prompt token; the first verify pass feeds that one with
             # the first draft, so even the first new token can be speculated.
             with Stopwatch(device, self.sync_timing) as prefill_watch:
                 if speculate:
-                    drafter.start(prompt_len, capacity, self.target)
+                    drafter.start(prompt_len, capacity, self.target, shared_prefix=match.shared)
                 if on_committed is not None:
                     on_committed(list(prompt_ids))
-                if prompt_len > 1:
-                    out = self.target.extend(committed[:, : prompt_len - 1], 0, compute_logits=False)
+                if prompt_len - 1 > match.keep:
+                    out = self.target.extend(committed[:, match.keep : prompt_len - 1], match.keep,
+                                             compute_logits=False)
                     stats.target_forward_passes += 1
                     if tree_mode:
-                        drafter.observe(out.hidden, 0)
+                        drafter.observe(out.hidden, match.keep)
                 self.target.commit(prompt_len - 1)
+                valid = prompt_len - 1
             stats.prefill_seconds = prefill_watch.elapsed
 
             length = prompt_len
@@ -169,26 +189,43 @@ class SpecEngine:
                 count = len(new_tokens)
                 committed[0, length : length + count] = result.device_tokens[:count]
                 # K/V of the previously last token and of the accepted drafts are now valid.
-                self.target.commit(length + min(result.accepted, count - 1))
+                valid = length + min(result.accepted, count - 1)
+                self.target.commit(valid)
+                host_tokens.extend(new_tokens)
                 length += count
                 stats.new_tokens += count
                 if on_committed is not None:
                     on_committed(new_tokens)
                 stats.stop_reason = stop_reason or "running"
+                if not stats.first_token_seconds:
+                    stats.first_token_seconds = time.perf_counter() - started
                 yield new_tokens
                 if stop_reason:
                     break
+        except GeneratorExit:
+            # Closed between steps (a stop string, a client gone): the cache is as committed.
+            self._remember(host_tokens, valid, cache_salt)
+            raise
+        else:
+            self._remember(host_tokens, valid, cache_salt)
         finally:
             stats.total_seconds = time.perf_counter() - started
             if self.compile_log is not None:
                 stats.compile_seconds = self.compile_log.seconds - compiled_before
 
+    def _remember(self, tokens: list[int], valid: int, cache_salt: str | None) -> None:
+        """Record what the target's cache holds after a request that ended cleanly (an error
+        mid-pass leaves the record cleared: its cache may hold anything)."""
+        if self.prefix_cache:
+            self._cached = CachedPrefix(tuple(tokens), valid, cache_salt, self.target.epoch)
+
+    def forget_prefix(self) -> None:
+        """Drop the prefix record: the next request prefills its whole prompt."""
+        self._cached = None
+
     def _stepper(
         self,
-        drafter: Drafter | TreeDrafter | None,
-        k: int,
-        schedule: KSchedule | None,
-        tree_mode: bool,
+        plan: RequestPlan,
         committed: torch.Tensor,  # (1, capacity) long
         processor: LogitsProcessor,
         generator: torch.Generator | None,
@@ -197,17 +234,20 @@ class SpecEngine:
     ) -> Callable[[int, int], StepResult]:
         """The step function for this request, chosen once: ``step(length, remaining)`` drafts,
         verifies and returns what the step emitted (plain, a chain of drafts, or a token tree)."""
+        drafter, schedule = plan.drafter, plan.schedule
         if drafter is None:
             return lambda length, remaining: self._chain_step(None, committed, length, 0, processor, generator, watches)
-        if tree_mode:
+        if plan.tree:
+            tree_drafter = cast(TreeDrafter, drafter)
             return lambda length, remaining: self._tree_step(
-                drafter, committed, length, remaining - 1, processor, generator, acceptance, watches
+                tree_drafter, committed, length, remaining - 1, processor, generator, acceptance, watches
             )
 
         def chain(length: int, remaining: int) -> StepResult:
-            # Never draft past max_new_tokens: a step emits at most k + 1 tokens.
-            step_k = min(schedule.next_k() if schedule is not None else k, k, remaining - 1)
-            result = self._chain_step(drafter, committed, length, step_k, processor, generator, watches)
+            # This step's k: the schedule's choice, at most the plan's; never past max_new_tokens
+            # (a step emits at most k + 1 tokens).
+            k = min(schedule.next_k() if schedule is not None else plan.k, plan.k, remaining - 1)
+            result = self._chain_step(drafter, committed, length, k, processor, generator, watches)
             if result.proposed > 0:
                 drafter.on_verified(result.accepted)
             if schedule is not None:

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.backends.device import host_to_device
-from specdecode.config import ModelConfig
+from specdecode.config import KV_DTYPES, ModelConfig
 from specdecode.errors import InvalidRequestError
 
-KV_DTYPES = ("auto", "int8")  # auto: the model's dtype
 INT8_MAX = 127
 
 
@@ -228,14 +227,27 @@ def reusable_cache(
     dtype: torch.dtype,
     device: torch.device,
     kv_dtype: str = "auto",
+    keep: int = 0,
 ) -> KVCache:
-    """``cache`` emptied if it can hold a batch-1 request of ``capacity`` tokens, else a new one."""
+    """``cache`` for a batch-1 request of ``capacity`` tokens: the same one if it fits, else a new
+    one; either way its first ``keep`` slots (a cached prefix, valid in ``cache``) stay valid and
+    the rest is dropped. A new cache copies the kept slots over: one copy of the prefix's K/V,
+    far cheaper than recomputing it."""
     cache_class = Int8KVCache if kv_dtype == "int8" else KVCache
+    if keep:
+        assert cache is not None and keep <= cache.lengths[0], "keep only what the cache holds"
     if cache is not None and cache.kv_dtype == kv_dtype and cache.fits(1, capacity, dtype, device):
         cache.reset()
+        cache.commit(0, keep)
         return cache
-    del cache  # drop our reference before allocating the replacement
-    return cache_class(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, capacity, dtype, device)
+    fresh = cache_class(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, capacity, dtype, device)
+    if keep:
+        assert cache is not None
+        for old_tensors, new_tensors in zip(cache._storages(), fresh._storages(), strict=True):
+            for old, new in zip(old_tensors, new_tensors, strict=True):
+                new[:, :, :keep].copy_(old[:, :, :keep])
+        fresh.commit(0, keep)
+    return fresh
 
 
 def causal_view(

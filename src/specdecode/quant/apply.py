@@ -17,11 +17,12 @@ from pathlib import Path
 
 from torch import nn
 
+from specdecode.config import QUANTS
 from specdecode.errors import InvalidRequestError
 from specdecode.quant.formats import Q4_K_GROUP, Int4Weights, concat_int4, int4_from_q4_k, quantize_int4, quantize_int8
 from specdecode.quant.linear import Int4Linear, Int8Linear
 
-QUANT_CHOICES = ("none", "int8", "int4")
+QUANT_CHOICES = QUANTS
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP = Q4_K_GROUP  # matches Q4_K, so a Q4_K_M GGUF loads without requantizing
 

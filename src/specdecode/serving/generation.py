@@ -116,7 +116,7 @@ class Generation:
             stream = state.decoder.token_stream(chunks, stats, req.params)
         else:
             stream = state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k,
-                                          suffix_group=req.suffix_group)
+                                          suffix_group=req.suffix_group, cache_salt=req.cache_group)
         self.stats = stream.stats
         deltas = iter(stream)
         try:

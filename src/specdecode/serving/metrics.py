@@ -30,6 +30,8 @@ class ServerMetrics:
     # timeout (past --request-timeout); shutdown (ended by a drain past --drain-timeout).
     requests: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, served from the prefix cache
+    prefix_cache_hits: int = 0  # requests that reused a cached prefix
     generated_tokens: int = 0
     verify_steps: int = 0
     emitted_by_steps: int = 0
@@ -53,6 +55,8 @@ class ServerMetrics:
         with self.lock:
             self.requests[status] += 1
             self.prompt_tokens += stats.prompt_tokens
+            self.cached_prompt_tokens += stats.cached_tokens
+            self.prefix_cache_hits += stats.cached_tokens > 0
             self.generated_tokens += stats.new_tokens
             self.verify_steps += stats.verify_steps
             self.emitted_by_steps += stats.emitted_by_steps
@@ -72,6 +76,10 @@ class ServerMetrics:
             lines += [f'specdecode_requests_total{{{fixed}status="{k}"}} {v}' for k, v in sorted(self.requests.items())]
             rows = [
                 ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
+                ("prompt_tokens_cached_total", "counter", "Prompt tokens served from the prefix cache (not prefilled).",
+                 self.cached_prompt_tokens),
+                ("prefix_cache_hits_total", "counter", "Requests that reused a cached prompt prefix.",
+                 self.prefix_cache_hits),
                 ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
                 ("verify_steps_total", "counter", "Target verify passes.", self.verify_steps),
                 ("draft_tokens_proposed_total", "counter", "Draft tokens proposed.", self.draft_tokens_proposed),

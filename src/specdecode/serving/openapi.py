@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdecode.serving.protocol import MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE
+from specdecode.serving.protocol import MAX_CACHE_SALT_CHARS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
@@ -37,6 +37,9 @@ _COMMON: dict[str, Any] = {
     "user": {"type": "string"},
     "method": {"type": "string", "description": "extension: a decoding method the server loaded"},
     "k": {"type": "integer", "minimum": 1, "description": "extension: tokens drafted per step, at most the server's k_max"},
+    "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
+                   "description": "vLLM's field: a cached prompt prefix is reused only by requests of the same salt "
+                                  "(and tenant)"},
 }
 
 

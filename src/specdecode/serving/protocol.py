@@ -68,6 +68,9 @@ class APIError(Exception):
         return json.dumps(self.body(), ensure_ascii=True)
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     prompt: str | list[int] | list[dict[str, str]]
@@ -80,6 +83,10 @@ class ParsedRequest:
     max_tokens_given: bool = True
     # Whose earlier responses suffix decoding reads (serving/suffix_share.py); set from the headers.
     suffix_group: str | None = ""
+    # The client's cache_salt (vLLM's field): a prefix is reused only by requests of one salt.
+    cache_salt: str | None = None
+    # The prefix cache's group: the tenant and the salt (serving/suffix_share.py: cache_group).
+    cache_group: str | None = None
 
 
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -268,9 +275,12 @@ def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods:
     if k is not None and (k < 1 or k_max is not None and k > k_max):
         raise APIError(400, f"'k' (tokens drafted per step) must be in 1..{k_max if k_max is not None else 'inf'}, "
                             f"got {_short(k)}.", "k")
+    cache_salt = _typed(body, "cache_salt", (str,), None)
+    if cache_salt is not None and not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise APIError(400, f"'cache_salt' must be a string of 1..{MAX_CACHE_SALT_CHARS} characters.", "cache_salt")
     try:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_tokens,
                                 seed=_seed(body), stop=_stops(body))
     except SpecDecodeError as err:
         raise APIError(400, client_message(err)) from err
-    return ParsedRequest(prompt, chat, params, stream, method, k, max_tokens_given)
+    return ParsedRequest(prompt, chat, params, stream, method, k, max_tokens_given, cache_salt=cache_salt)

@@ -14,10 +14,13 @@ if TYPE_CHECKING:
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length"}
 
 
-def _usage(stats: GenerationStats | None) -> dict[str, int]:
+def _usage(stats: GenerationStats | None) -> dict[str, Any]:
     prompt = stats.prompt_tokens if stats else 0
     completion = stats.new_tokens if stats else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # OpenAI's field for prompt tokens served from the prefix cache.
+    details = {"cached_tokens": stats.cached_tokens if stats else 0}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": details}
 
 
 def _spec_metrics(stats: GenerationStats | None) -> dict[str, Any]:

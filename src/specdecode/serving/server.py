@@ -47,7 +47,7 @@ from specdecode.serving.health import engine_problem
 from specdecode.serving.protocol import APIError, parse_request
 from specdecode.serving.responses import events, final_body
 from specdecode.serving.state import DEFAULT_DRAIN_TIMEOUT, ServerOptions, ServerState
-from specdecode.serving.suffix_share import suffix_group
+from specdecode.serving.suffix_share import cache_group, suffix_group
 from specdecode.serving.worker import BatchWorker
 
 __all__ = ["DEFAULT_DRAIN_TIMEOUT", "APIError", "ServerOptions", "create_app", "parse_request", "serve"]
@@ -122,7 +122,9 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
     async def respond(request: Request, chat: bool) -> Any:
         raw = await request.body()  # the guard has read it, within the size limit
         req = await asyncio.to_thread(state.prepare, raw, chat)
-        req.suffix_group = suffix_group(options.suffix_share, request.headers.get("authorization"))
+        authorization = request.headers.get("authorization")
+        req.suffix_group = suffix_group(options.suffix_share, authorization)
+        req.cache_group = cache_group(options.suffix_share, authorization, req.cache_salt)
         generation = Generation(state, req, asyncio.get_running_loop())
         state.track(generation)
         generation.start()
@@ -174,7 +176,7 @@ async def _text_unless_disconnected(generation: Generation, request: Any) -> str
 def _request_body_schema(state: ServerState, chat: bool) -> dict[str, Any]:
     from specdecode.serving.openapi import request_body
 
-    return {"requestBody": request_body(chat, state.served_names, state.methods, state.decoder.spec.k_max,
+    return {"requestBody": request_body(chat, state.served_names, state.methods, state.decoder.config.k_max,
                                         state.decoder.target.config.vocab_size)}
 
 

@@ -53,7 +53,7 @@ class ServerState:
     draining: bool = False
 
     def method_of(self, request: ParsedRequest) -> str:
-        return request.method or self.decoder.spec.method
+        return request.method or self.decoder.config.method
 
     def batched(self, request: ParsedRequest) -> bool:
         """Whether the batch engine decodes this request (else the single-sequence engine)."""
@@ -62,7 +62,7 @@ class ServerState:
     def k_of(self, request: ParsedRequest) -> int | None:
         if self.method_of(request) == "none":
             return None
-        return request.k if request.k is not None else self.decoder.spec.k
+        return request.k if request.k is not None else self.decoder.config.draft_k
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -84,7 +84,7 @@ class ServerState:
         """Parse, validate and tokenize a request body (CPU work: run it off the event loop).
         The returned request's prompt is token ids."""
         try:
-            req = parse_request(_load_json(raw), chat, self.served_names, self.methods, k_max=self.decoder.spec.k_max)
+            req = parse_request(_load_json(raw), chat, self.served_names, self.methods, k_max=self.decoder.config.k_max)
             try:
                 # Tokenize and check the length here, so that a streaming request too gets a 4xx
                 # rather than an error event after a 200.

@@ -1,4 +1,5 @@
-"""Whose earlier responses a request's suffix decoding reads: ``--suffix-share tenant|global|none``.
+"""Whose earlier responses a request's suffix decoding reads: ``--suffix-share tenant|global|none``;
+and whose cached prompt prefixes it reuses (``cache_group``).
 
 Suffix decoding drafts from earlier responses (``drafters/suffix_cache.py``), and a tree shared
 across users leaks through timing: a request that speculates well, and so returns sooner,
@@ -33,3 +34,13 @@ def suffix_group(share: str, authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token:
         return ANONYMOUS
     return "tenant:" + hashlib.sha256(token.encode()).hexdigest()[:32]
+
+
+def cache_group(share: str, authorization: str | None, salt: str | None) -> str:
+    """The prefix-cache group of a request: its tenant (every request with ``global``; per API key
+    otherwise, ``none`` included: a tenant's own next turn reuses its prefix) and its
+    ``cache_salt``. Reused KV answers sooner, so a prefix is never shared across groups."""
+    tenant = suffix_group("global" if share == "global" else "tenant", authorization)
+    if salt is None:
+        return str(tenant)
+    return f"{tenant}/salt:" + hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]

@@ -39,6 +39,7 @@ from specdecode.costs.k_policy import CostAwareK, best_plan
 from specdecode.costs.timing import time_passes
 from specdecode.drafters.layer_skip import LayerSkipDrafter, check_skip_layers
 from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.plan import PLAIN, RequestPlan
 from specdecode.engine.single import SpecEngine
 from specdecode.errors import InvalidRequestError
 from specdecode.models.llama import Transformer
@@ -177,8 +178,9 @@ class Candidate:
 
 
 def _decode(engine: SpecEngine, prompt_ids: list[int], params: SamplingParams, drafter: Any, schedule: Any, k_max: int) -> GenerationStats:
-    stats = GenerationStats(method="layerskip" if drafter is not None else "none")
-    for _ in engine.decode(prompt_ids, params, drafter, k_max if drafter is not None else 0, stats, schedule):
+    plan = PLAIN if drafter is None else RequestPlan("layerskip", drafter, k_max, schedule)
+    stats = GenerationStats(method=plan.method)
+    for _ in engine.decode(prompt_ids, params, plan, stats):
         pass
     return stats
 
@@ -213,7 +215,7 @@ def tune_layerskip(
     references = []
     for ids in prompts:
         stats = GenerationStats()
-        new = [t for chunk in engine.decode(ids, params, None, 0, stats) for t in chunk]
+        new = [t for chunk in engine.decode(ids, params, PLAIN, stats) for t in chunk]
         references.append((list(ids) + new, len(ids)))
     sequences = [(seq, first) for seq, first in references if len(seq) > first]
 
