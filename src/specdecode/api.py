@@ -313,7 +313,7 @@ class SpecDecoder:
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
             k_max=self.config.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
             ngram_max=self.config.ngram_max, ngram_min=self.config.ngram_min, draft_confidence=self.config.draft_confidence,
-            sync_timing=self.engine.sync_timing, suffix_cache=self.suffix_cache,
+            sync_timing=self.engine.sync_timing, suffix_cache=self.suffix_cache, prefix_cache=self.config.prefix_cache,
         )
 
     def token_stream(self, chunks: Iterator[list[int]], stats: GenerationStats, params: SamplingParams) -> GenerationStream:
@@ -350,6 +350,7 @@ class SpecDecoder:
         k: int | None = None,
         engine: BatchEngine | None = None,
         suffix_group: str | None = DEFAULT_GROUP,
+        cache_salt: str | None = None,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once with the batch engine (methods none, ngram, draft,
         suffix: the prompts share this decoder's earlier responses, and each other's).
@@ -371,7 +372,8 @@ class SpecDecoder:
         decoders = [IncrementalDecoder(self.tokenizer, p.stop) for p in params_list]
         stats = [GenerationStats() for _ in prompts]
         ids_to_index = {
-            engine.add_request(ids, request_params, method, k, stats=request_stats, suffix_group=suffix_group): index
+            engine.add_request(ids, request_params, method, k, stats=request_stats, suffix_group=suffix_group,
+                               cache_salt=cache_salt): index
             for index, (ids, request_params, request_stats) in enumerate(zip(prompt_ids, params_list, stats, strict=True))
         }
         while engine.has_unfinished:

@@ -70,3 +70,26 @@ def test_cache_groups_separate_tenants_and_salts() -> None:
     assert cache_group("global", "Bearer a", None) == cache_group("global", "Bearer b", None)
     assert cache_group("tenant", "Bearer a", "x") != cache_group("tenant", "Bearer a", None)
     assert "secret-salt" not in cache_group("tenant", "Bearer a", "secret-salt")  # groups hold hashes, not keys or salts
+
+
+def test_batched_requests_reuse_the_prefix_too(tiny_qwen2_dir: Path) -> None:
+    """The server's default path: the batch engine's paged pool shares the first turn's blocks."""
+    from specdecode.serving.worker import BatchWorker
+
+    decoder = tiny(tiny_qwen2_dir)
+    worker = BatchWorker(decoder.batch_engine(max_batch=4, kv_cache_tokens=1024, cost_aware=False))
+    try:
+        with running_server(create_app(decoder, MODEL, worker=worker, options=ServerOptions())) as base:
+            first = chat(base, FIRST)
+            messages = [*FIRST, {"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "Now sort in place"}]
+            second = chat(base, messages)
+            assert second.usage.prompt_tokens_details.cached_tokens >= 16  # whole 16-token blocks of turn 1
+            assert chat(base, messages, api_key="key-b").usage.prompt_tokens_details.cached_tokens == 0
+            reference = tiny(tiny_qwen2_dir, prefix_cache=False).generate(messages, SamplingParams(max_new_tokens=MAX_TOKENS),
+                                                                          chat=True)
+            assert second.choices[0].message.content == reference.text
+            assert metric(base, "specdecode_prefix_cache_hit_rate") > 0
+            assert metric(base, "specdecode_prefix_cache_blocks") > 0
+    finally:
+        worker.close()

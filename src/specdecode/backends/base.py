@@ -104,12 +104,18 @@ class SequencePool(Protocol):
     def blocks_needed(self, seq: int | None, tokens: int) -> int:
         """Units to allocate so that ``seq`` (None: a new sequence) holds ``tokens`` positions."""
 
-    def add(self, seq: int) -> None: ...
+    def add(self, seq: int, tokens: Sequence[int] = (), group: str | None = None) -> int:
+        """A new sequence whose committed tokens are ``tokens``; returns how many leading positions
+        it got from the prefix cache of ``group`` (their K/V valid, never its last token's)."""
+
+    def register(self, seq: int, tokens: Sequence[int], group: str | None = None) -> None:
+        """Make ``seq``'s valid K/V of ``tokens`` findable by later sequences of ``group`` now."""
 
     def reserve(self, seq: int, tokens: int) -> None:
         """Room for positions [0, tokens) of ``seq``, all or nothing (raises ``OutOfBlocks``)."""
 
-    def free(self, seq: int) -> None: ...
+    def free(self, seq: int, tokens: Sequence[int] = (), group: str | None = None) -> None:
+        """``seq`` left; its valid K/V of ``tokens`` stay cached for ``group`` where the pool can."""
 
 
 class BatchModel(Protocol):

@@ -3,33 +3,56 @@
 llama.cpp keeps each sequence of a context in its own KV stream of ``n_ctx`` positions
 (``LlamaCppModel`` creates contexts with ``kv_unified=False``), so there are no blocks to page:
 the pool is the context's ``n_seq_max`` sequence slots, and a sequence fits when it needs at
-most ``n_ctx`` positions. A slot is taken when the scheduler adds a sequence and cleared when
-it leaves; rollback is ``llama_memory_seq_rm`` (``LlamaCppModel.truncate``).
+most ``n_ctx`` positions. A slot is taken when the scheduler adds a sequence; rollback is
+``llama_memory_seq_rm`` (``LlamaCppModel.truncate``).
+
+Prefix caching, as llama-server's slots do it: a sequence that leaves keeps its K/V in its slot,
+with a record of its committed tokens and cache group. A new sequence takes the free slot whose
+record shares the longest prefix with its tokens in its group (cut after that prefix: its last
+token is always computed), else the slot freed longest ago. Copying a prefix between slots
+(``llama_memory_seq_cp``) is not done: while a slot that holds the prefix is free, taking it
+costs nothing, and a prefix held by a running sequence is not shared (measured need: none yet).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
-from specdecode.kv.paged import OutOfBlocks
+from specdecode.engine.prefix import common_prefix_length
+from specdecode.kv.paged import OutOfBlocks, PrefixCacheStats
 
 FILLER_TOKEN = 0  # what timing passes feed: their cost does not depend on the ids
 
 
+@dataclass(slots=True)
+class SlotRecord:
+    """What a free slot's KV holds: the committed tokens of the sequence that left it."""
+
+    tokens: tuple[int, ...]
+    valid: int  # positions with K/V
+    group: str | None
+
+
 class SlotPool:
     """The sequence slots of one llama.cpp context, accounted as one-slot "blocks" of ``n_ctx``
-    positions (``backends.base.SequencePool``)."""
+    positions (``backends.base.SequencePool``), each keeping its last sequence's K/V for the next
+    one that shares its prefix (the module docstring)."""
 
-    def __init__(self, model: LlamaCppModel) -> None:
+    def __init__(self, model: LlamaCppModel, prefix_cache: bool = True) -> None:
         self.model = model
         self.block_size = model.n_ctx
-        self._free = list(range(model.n_seq_max - 1, -1, -1))  # popped from the end: slot 0 first
+        self.prefix_cache = prefix_cache
+        self._free = list(range(model.n_seq_max))  # freed longest ago first
         self.slots: dict[int, int] = {}  # scheduler sequence id -> llama.cpp sequence id
+        self.lengths: dict[int, int] = {}  # slot -> committed positions
+        self.records: dict[int, SlotRecord] = {}  # free slot -> what its KV holds
+        self.prefix_stats = PrefixCacheStats()
 
     @property
     def usable_blocks(self) -> int:
@@ -43,6 +66,10 @@ class SlotPool:
     def used_blocks(self) -> int:
         return len(self.slots)
 
+    @property
+    def cached_blocks(self) -> int:
+        return len(self.records)
+
     def fits(self, tokens: int) -> bool:
         return tokens <= self.model.n_ctx
 
@@ -52,35 +79,71 @@ class SlotPool:
     def blocks_needed(self, seq: int | None, tokens: int) -> int:
         return 0 if seq is not None and seq in self.slots else 1
 
-    def add(self, seq: int) -> None:
+    def add(self, seq: int, tokens: Sequence[int] = (), group: str | None = None) -> int:
+        """Give ``seq`` a slot: the free one whose kept K/V share the longest prefix with
+        ``tokens`` in ``group``, else the one freed longest ago; returns the positions kept."""
         if seq in self.slots:
             raise ValueError(f"sequence {seq} already has a llama.cpp slot")
         if not self._free:
             raise OutOfBlocks("every llama.cpp sequence slot is in use")
-        slot = self._free.pop()
-        self.model.clear(slot)
-        self.slots[seq] = slot
+        best, kept = self._free[0], 0
+        if self.prefix_cache and len(tokens) > 1:
+            self.prefix_stats.queried_tokens += len(tokens) - 1
+            for slot in self._free:
+                record = self.records.get(slot)
+                if record is None or record.group != group:
+                    continue
+                shared = min(common_prefix_length(record.tokens, tokens), record.valid, len(tokens) - 1)
+                if shared > kept:
+                    best, kept = slot, shared
+        self._free.remove(best)
+        if self.records.pop(best, None) is not None and not kept:
+            self.prefix_stats.evictions += 1  # a slot's kept K/V dropped for new content
+        if kept:
+            self.model.truncate(best, kept)
+            self.prefix_stats.hit_tokens += kept
+        else:
+            self.model.clear(best)
+        self.slots[seq] = best
+        self.lengths[best] = kept
+        return kept
+
+    def register(self, seq: int, tokens: Sequence[int], group: str | None = None) -> None:
+        """Nothing to do while the sequence runs: its slot is recorded when it leaves (``free``)."""
 
     def reserve(self, seq: int, tokens: int) -> None:
         if tokens > self.model.n_ctx:
             raise OutOfBlocks(f"sequence {seq} needs {tokens} positions; a llama.cpp slot holds {self.model.n_ctx}")
 
     def commit(self, seq: int, length: int) -> None:
-        self.model.truncate(self.slots[seq], length)
+        slot = self.slots[seq]
+        self.model.truncate(slot, length)
+        self.lengths[slot] = length
 
-    def free(self, seq: int) -> None:
+    def free(self, seq: int, tokens: Sequence[int] = (), group: str | None = None) -> None:
+        """The sequence left: its slot keeps the K/V of ``tokens`` (its committed tokens) for a
+        later sequence of ``group``, or is cleared with the prefix cache off."""
         slot = self.slots.pop(seq, None)
-        if slot is not None:
+        if slot is None:
+            return
+        valid = min(self.lengths.pop(slot, 0), len(tokens))
+        if self.prefix_cache and valid > 0:
+            self.records[slot] = SlotRecord(tuple(tokens[:valid]), valid, group)
+        else:
             self.model.clear(slot)
-            self._free.append(slot)
+        self._free.append(slot)
+
+    def clear_records(self) -> None:
+        """Forget what free slots hold (after scratch passes wrote into them)."""
+        self.records.clear()
 
 
 class LlamaCppBatchModel:
     backend = "llama.cpp"
 
-    def __init__(self, model: LlamaCppModel) -> None:
+    def __init__(self, model: LlamaCppModel, prefix_cache: bool = True) -> None:
         self.model = model
-        self.pool = SlotPool(model)
+        self.pool = SlotPool(model, prefix_cache)
 
     @property
     def device(self) -> torch.device:
@@ -132,4 +195,5 @@ class LlamaCppBatchModel:
             measured[(batch, width)] = best_seconds(lambda r=requests: model.forward_batch(r), self.device, repeats)
         for slot in range(most_batch):
             model.clear(slot)
+        self.pool.clear_records()
         return measured

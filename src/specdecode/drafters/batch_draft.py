@@ -61,11 +61,12 @@ class BatchDraftModel:
     def cache(self) -> SequencePool:
         return self.model.pool
 
-    def add(self, seq: int) -> None:
+    def add(self, seq: int, cached: int = 0) -> None:
         """A new (or readmitted) sequence; the scheduler has given it a block table in the draft
-        pool. Nothing runs yet: the draft reads the prompt the first time the sequence drafts,
-        so a request that the batch decodes plainly (k = 0 under load) never costs a draft pass."""
-        self._states[seq] = _DraftState()
+        pool, whose first ``cached`` positions came from the prefix cache. Nothing runs yet: the
+        draft reads the rest the first time the sequence drafts, so a request that the batch
+        decodes plainly (k = 0 under load) never costs a draft pass."""
+        self._states[seq] = _DraftState(cached_len=cached)
 
     def backlog(self, seq: int, committed_len: int) -> int:
         """Committed tokens ``seq``'s next proposal reads ahead first (0 when it is caught up)."""

@@ -85,6 +85,7 @@ class BatchEngine:
         draft_confidence: float = 0.0,
         sync_timing: bool = False,
         suffix_cache: SuffixCache | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         if policy not in BATCH_POLICIES:
             raise InvalidRequestError(f"policy must be one of {', '.join(BATCH_POLICIES)}, got {policy!r}.")
@@ -97,6 +98,11 @@ class BatchEngine:
         self.drafter: BatchDraftModel | None = None
         if draft is not None:
             self.drafter = BatchDraftModel(_batch_model(draft, kv_cache_tokens, block_size), self.target.vocab_size)
+        # Prefix caching (kv/paged.py, backends/llamacpp_batch.py): the pools keep what finished
+        # requests computed, and a new request starts after its longest cached prefix.
+        self.target_cache.prefix_cache = prefix_cache
+        if self.drafter is not None:
+            self.drafter.cache.prefix_cache = prefix_cache
         self.scheduler = Scheduler(self.target_cache, self.drafter.cache if self.drafter else None, max_batch, k_max + 1)
         self.chooser = BatchK(k_max, verify_costs, draft_costs)
         self.ngram_sizes = (ngram_max, ngram_min)
@@ -127,10 +133,12 @@ class BatchEngine:
         request_id: str | None = None,
         stats: GenerationStats | None = None,
         suffix_group: str | None = DEFAULT_GROUP,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; it joins the batch at a coming step. Returns its id. ``stats`` (a
         fresh ``GenerationStats``) is filled as it decodes; one is made when not given. Method
-        suffix drafts from (and adds to) ``suffix_group``'s earlier responses (None: its own text only)."""
+        suffix drafts from (and adds to) ``suffix_group``'s earlier responses (None: its own text
+        only). The request reuses the K/V of cached prefixes of requests with its ``cache_salt``."""
         k = self.check_request(len(prompt_ids), params, method, k)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -154,7 +162,8 @@ class BatchEngine:
             request.acceptance = AcceptanceEstimate(trials=pooled.trials * weight, accepted=pooled.accepted * weight)
         if request.ngram is not None:
             request.ngram.start(prompt_len, capacity)
-        seq = ScheduledSequence(next(self._ids), prompt_len, capacity, uses_draft=method == "draft", state=request)
+        seq = ScheduledSequence(next(self._ids), prompt_len, capacity, uses_draft=method == "draft", state=request,
+                                tokens=request.tokens, cache_group=cache_salt)
         self.scheduler.add(seq)
         self._requests[request_id] = seq
         return request_id
@@ -330,21 +339,28 @@ class BatchEngine:
 
     def _prefill(self, seqs: list[ScheduledSequence]) -> None:
         """Fill newly admitted (or readmitted) sequences' target caches with their committed tokens
-        but the last, which the first verify pass feeds: one padded pass for all of them. The draft
-        model reads them the first time a sequence drafts (``BatchDraftModel.add``)."""
+        but the last, which the first verify pass feeds, from where their cached prefix ends: one
+        padded pass for all of them. The draft model reads them the first time a sequence drafts
+        (``BatchDraftModel.add``)."""
         started = time.perf_counter()
         requests: list[BatchRequest] = [seq.state for seq in seqs]
-        rows = [(seq, request) for seq, request in zip(seqs, requests, strict=True) if len(request.tokens) > 1]
+        rows = [(seq, request) for seq, request in zip(seqs, requests, strict=True)
+                if len(request.tokens) - 1 > seq.cached_target]
         if rows:
-            self.target.forward([seq.seq_id for seq, _ in rows], [request.committed[: len(request.tokens) - 1] for _, request in rows],
-                                [0] * len(rows), logits="none")
+            self.target.forward([seq.seq_id for seq, _ in rows],
+                                [request.committed[seq.cached_target : len(request.tokens) - 1] for seq, request in rows],
+                                [seq.cached_target for seq, _ in rows], logits="none")
         for seq, request in zip(seqs, requests, strict=True):
             self.target.commit(seq.seq_id, len(request.tokens) - 1)
-            request.stats.target_forward_passes += int(len(request.tokens) > 1)
+            # Now findable by requests admitted later, while this one still runs.
+            self.target_cache.register(seq.seq_id, request.tokens, seq.cache_group)
+            request.stats.target_forward_passes += int(len(request.tokens) - 1 > seq.cached_target)
+            if request.stats.new_tokens == 0:  # a readmission after preemption is not the prompt's hit
+                request.stats.cached_tokens = seq.cached_target
         for seq, request in zip(seqs, requests, strict=True):
             if request.method == "draft":
                 assert self.drafter is not None
-                self.drafter.add(seq.seq_id)  # reads the prompt when it first drafts
+                self.drafter.add(seq.seq_id, cached=seq.cached_draft)  # reads the rest when it first drafts
         elapsed = time.perf_counter() - started
         for request in requests:
             request.stats.prefill_seconds += elapsed

@@ -11,13 +11,18 @@ blocks go back to the pool and it returns to the front of the queue, keeping the
 committed; when readmitted it is prefilled again from them (recomputation), so its output is
 the same as if it had never been interrupted. A request that could not fit even in an empty
 pool is refused when it is added, never mid-flight.
+
+With prefix caching, a pool gives a sequence the K/V of the longest cached prefix of its tokens
+when it is admitted (``SequencePool.add``; recorded in ``cached_target`` / ``cached_draft``), and
+keeps a leaving sequence's K/V for later ones (``free``), in the sequence's cache group. A
+preempted sequence readmitted later finds its own blocks again while nobody evicted them.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.backends.base import SequencePool
@@ -34,6 +39,10 @@ class ScheduledSequence:
     max_tokens: int  # the most committed tokens it can reach (prompt + max_new_tokens)
     uses_draft: bool  # keeps a sequence in the draft model's pool
     state: Any = None
+    tokens: list[int] = field(default_factory=list)  # its committed tokens (the engine's list, shared)
+    cache_group: str | None = None  # whose cached prefixes it may reuse, and who may reuse its
+    cached_target: int = 0  # positions the target pool served from its prefix cache at the last admission
+    cached_draft: int = 0  # the same for the draft pool
 
 
 class Scheduler:
@@ -89,9 +98,12 @@ class Scheduler:
             if any(pool.blocks_needed(None, need) > pool.free_blocks for pool in self._pools(seq)):
                 break
             self.waiting.popleft()
+            kept = []
             for pool in self._pools(seq):  # reserved now, so the next request sees what is left
-                pool.add(seq.seq_id)
+                kept.append(pool.add(seq.seq_id, seq.tokens, seq.cache_group))
                 pool.reserve(seq.seq_id, need)
+            seq.cached_target = kept[0]
+            seq.cached_draft = kept[1] if len(kept) > 1 else 0
             self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -136,7 +148,7 @@ class Scheduler:
     def _release(self, seq: ScheduledSequence) -> None:
         self.running.remove(seq)
         for pool in self._pools(seq):
-            pool.free(seq.seq_id)
+            pool.free(seq.seq_id, seq.tokens, seq.cache_group)
 
     @property
     def has_work(self) -> bool:

@@ -17,10 +17,22 @@ write into it and read from it, and the attention mask hides it.
 
 ``fork`` shares a sequence's full blocks with a new sequence (reference counts) and copies the
 partly filled last block, so two continuations of one prefix cost one block of copying.
+
+Prefix caching (vLLM's automatic prefix caching, in outline): a full block of committed tokens
+is registered under a key of (its parent block's key id, its tokens, the cache group), so a
+key names the whole prefix up to the block's end in one group. ``add(seq, tokens, group)`` maps
+the longest chain of registered blocks that the new sequence's tokens start with into its
+table (reference counts, no copy; never its last token, whose logits it needs) and returns how
+many positions that covers. A registered block whose last user leaves stays cached on an LRU
+list, counted as free: a block is taken from the empty free list first, then from the least
+recently used cached ones (an eviction). Shared and registered blocks are never written: a
+sequence writes at or past its committed length, which a registered block lies below, and
+``view`` asserts it.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +61,17 @@ def stack_padded(rows: Sequence[torch.Tensor], value: int = 0) -> torch.Tensor:
     return torch.stack([torch.nn.functional.pad(row, (0, width - row.shape[0]), value=value) for row in rows])
 
 
+# (parent block's key id or -1, the block's tokens, the cache group): a full block's identity.
+BlockKey = tuple[int, tuple[int, ...], str | None]
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    hit_tokens: int = 0  # positions served from cached blocks
+    queried_tokens: int = 0  # positions looked up (each sequence's tokens but the last)
+    evictions: int = 0  # cached blocks taken for new content
+
+
 @dataclass(slots=True)
 class BlockTable:
     blocks: list[int] = field(default_factory=list)
@@ -65,6 +88,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        prefix_cache: bool = True,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"a paged cache needs at least 2 blocks (one is reserved), got {num_blocks}")
@@ -79,6 +103,14 @@ class PagedKVCache:
         self._free: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))
         self._refs = [0] * num_blocks
         self.tables: dict[int, BlockTable] = {}
+        # Prefix caching (module docstring): registered blocks by key and back, and the cached
+        # blocks no sequence holds, least recently used first.
+        self.prefix_cache = prefix_cache
+        self._block_of: dict[BlockKey, int] = {}
+        self._key_of: dict[int, tuple[BlockKey, int]] = {}  # block -> (its key, its key id)
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        self._key_ids = 0
+        self.prefix_stats = PrefixCacheStats()
 
     # -- accounting ----------------------------------------------------------------------
     @property
@@ -87,11 +119,17 @@ class PagedKVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence may take: empty ones and cached ones no sequence holds."""
+        return len(self._free) + len(self._cached_free)
 
     @property
     def used_blocks(self) -> int:
-        return self.usable_blocks - len(self._free)
+        return self.usable_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Registered blocks (held or not): what the prefix cache can serve."""
+        return len(self._key_of)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,29 +155,83 @@ class PagedKVCache:
         return max(0, blocks_for(tokens, self.block_size) - have)
 
     # -- sequence lifecycle ----------------------------------------------------------------
-    def add(self, seq: int) -> None:
+    def add(self, seq: int, tokens: Sequence[int] = (), group: str | None = None) -> int:
+        """A new sequence whose committed tokens will be ``tokens``: the longest chain of cached
+        blocks they start with (in ``group``) goes into its table, shared; returns the positions
+        it covers, whose K/V need no prefill (0 with the prefix cache off)."""
         if seq in self.tables:
             raise ValueError(f"sequence {seq} already has a block table")
-        self.tables[seq] = BlockTable()
+        table = self.tables[seq] = BlockTable()
+        if not self.prefix_cache or len(tokens) < 2:
+            return 0
+        size = self.block_size
+        parent = -1
+        self.prefix_stats.queried_tokens += len(tokens) - 1
+        for start in range(0, len(tokens) - 1 - size + 1, size):  # full blocks before the last token
+            block = self._block_of.get((parent, tuple(tokens[start : start + size]), group))
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                self._cached_free.pop(block)
+            self._refs[block] += 1
+            table.blocks.append(block)
+            parent = self._key_of[block][1]
+        table.length = len(table.blocks) * size
+        self.prefix_stats.hit_tokens += table.length
+        return table.length
+
+    def register(self, seq: int, tokens: Sequence[int], group: str | None = None) -> None:
+        """Make ``seq``'s full blocks of valid K/V (``tokens`` are its committed tokens) findable
+        by later sequences of ``group``. A block whose content another block already holds
+        stays unregistered (freed as usual when its sequence leaves)."""
+        if not self.prefix_cache:
+            return
+        table = self.tables[seq]
+        size = self.block_size
+        parent = -1
+        for index in range(min(table.length, len(tokens)) // size):
+            block = table.blocks[index]
+            known = self._key_of.get(block)
+            if known is not None:
+                parent = known[1]
+                continue
+            key: BlockKey = (parent, tuple(tokens[index * size : (index + 1) * size]), group)
+            holder = self._block_of.get(key)
+            if holder is not None:
+                parent = self._key_of[holder][1]
+                continue
+            self._key_ids += 1
+            self._block_of[key] = block
+            self._key_of[block] = (key, self._key_ids)
+            parent = self._key_ids
 
     def _take(self) -> int:
-        if not self._free:
+        if self._free:
+            block = self._free.pop()
+        elif self._cached_free:
+            block, _ = self._cached_free.popitem(last=False)  # the least recently used
+            key, _ = self._key_of.pop(block)
+            del self._block_of[key]
+            self.prefix_stats.evictions += 1
+        else:
             raise OutOfBlocks("no free KV block")
-        block = self._free.pop()
         self._refs[block] = 1
         return block
 
     def _release(self, block: int) -> None:
         self._refs[block] -= 1
         if self._refs[block] == 0:
-            self._free.append(block)
+            if block in self._key_of:
+                self._cached_free[block] = None  # most recently used last
+            else:
+                self._free.append(block)
 
     def reserve(self, seq: int, tokens: int) -> None:
         """Make room for slots [0, tokens) of ``seq``; all or nothing (raises OutOfBlocks)."""
         table = self.tables[seq]
         needed = self.blocks_needed(seq, tokens)
-        if needed > len(self._free):
-            raise OutOfBlocks(f"sequence {seq} needs {needed} more blocks, {len(self._free)} are free")
+        if needed > self.free_blocks:
+            raise OutOfBlocks(f"sequence {seq} needs {needed} more blocks, {self.free_blocks} are free")
         self._make_last_block_private(table, tokens)
         table.blocks.extend(self._take() for _ in range(needed))
 
@@ -150,7 +242,7 @@ class PagedKVCache:
         last = table.blocks[-1]
         if self._refs[last] == 1:
             return
-        if not self._free:
+        if not self.free_blocks:
             raise OutOfBlocks("no free KV block for a copy-on-write")
         private = self._take()
         self._copy_block(last, private)
@@ -184,11 +276,16 @@ class PagedKVCache:
         while len(table.blocks) > keep:
             self._release(table.blocks.pop())
 
-    def free(self, seq: int) -> None:
-        """The sequence ended (finished, cancelled, failed or preempted): return its blocks."""
+    def free(self, seq: int, tokens: Sequence[int] = (), group: str | None = None) -> None:
+        """The sequence ended (finished, cancelled, failed or preempted): return its blocks, its
+        full blocks of ``tokens`` (its committed tokens) first registered for ``group``."""
+        if seq in self.tables and tokens:
+            self.register(seq, tokens, group)
         table = self.tables.pop(seq, None)
         if table is not None:
-            for block in table.blocks:
+            # Tail first: on the LRU list a prefix's later blocks then go before its first ones,
+            # which more sequences share (vLLM frees in the same order).
+            for block in reversed(table.blocks):
                 self._release(block)
 
     def fork(self, source: int, dest: int) -> None:
@@ -226,6 +323,9 @@ class PagedKVCache:
             table = self.tables[seq]
             padded = list(row) + [row[-1]] * (width - len(row))
             positions.append(padded)
+            for block in {table.blocks[p // self.block_size] for p in row}:
+                # A shared or registered block holds another sequence's (or a later one's) K/V.
+                assert self._refs[block] == 1 and block not in self._key_of, "a shared KV block is never written"
             write_slots.append([self._slot(table, p) for p in row] + [null_slot] * (width - len(row)))
             visible = row[-1] + 1
             read_slots.append([self._slot(table, p) for p in range(visible)] + [null_slot] * (kv_len - visible))

@@ -95,6 +95,16 @@ class ServerMetrics:
                  engine.scheduler.preemptions if engine is not None else 0),
                 ("kv_cache_tokens", "gauge", "Tokens in the single-sequence engine's target KV cache.", self.kv_tokens),
             ]
+            if pool is not None and hasattr(pool, "prefix_stats"):
+                prefix = pool.prefix_stats
+                rows += [
+                    ("prefix_cache_hit_rate", "gauge", "Batched prompt positions served from the prefix cache, of those "
+                     "looked up, since start.", prefix.hit_tokens / prefix.queried_tokens if prefix.queried_tokens else 0.0),
+                    ("prefix_cache_blocks", "gauge", "Target KV blocks (llama.cpp: slots) holding a cached prefix.",
+                     pool.cached_blocks),
+                    ("prefix_cache_evictions_total", "counter", "Cached prefix blocks (or slots) reused for new content.",
+                     prefix.evictions),
+                ]
             if self.suffix_cache is not None:
                 suffix = self.suffix_cache.stats()
                 rows += [

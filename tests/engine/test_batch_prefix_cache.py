@@ -1,0 +1,110 @@
+"""Prefix caching in the batch engine: a request admitted after another that shares its prompt's
+prefix starts from the cached blocks (torch) or slot (llama.cpp), on the target and the draft
+model, and decodes exactly as without the cache (fp32 torch: exact; llama.cpp: up to the first
+near-tie); under memory pressure cached blocks are evicted and no request loses a token."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from helpers import PROMPTS, assert_greedy_equal_up_to_near_tie, decoder, greedy_margins
+
+from specdecode import SamplingParams, SpecDecoder
+from specdecode.engine.batch import BatchEngine
+from specdecode.engine.metrics import GenerationStats
+
+GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dec(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> SpecDecoder:
+    return decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+
+
+def engine(dec: SpecDecoder, **kwargs) -> BatchEngine:
+    options = {"max_batch": 4, "kv_cache_tokens": 1024, "block_size": 4} | kwargs
+    return BatchEngine(dec.target.model, dec.draft.model, dec.eos_token_ids, **options)
+
+
+def run(eng: BatchEngine, prompts: list[list[int]], method: str, salt: str | None = None) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's output and cached prompt positions, the prompts run one after another."""
+    outputs, cached = [], []
+    for prompt in prompts:
+        stats = GenerationStats()
+        request_id = eng.add_request(prompt, GREEDY, method, 3, stats=stats, cache_salt=salt)
+        outputs.append(eng.run()[request_id])
+        cached.append(stats.cached_tokens)
+    return outputs, cached
+
+
+@pytest.mark.parametrize("method", ["none", "draft", "ngram"])
+def test_a_second_turn_reuses_the_first_and_decodes_as_without_the_cache(dec: SpecDecoder, method: str) -> None:
+    first = dec.encode("def quicksort(arr):")
+    with_cache, without = engine(dec), engine(dec, prefix_cache=False)
+    turn_one, cached_one = run(with_cache, [first], method)
+    second = first + turn_one[0] + dec.encode("\n# in place\n")
+    turn_two, cached_two = run(with_cache, [second], method)
+    reference, cached_reference = run(without, [first, second], method)
+    assert [turn_one[0], turn_two[0]] == reference
+    assert cached_one == [0] and cached_reference == [0, 0]
+    # Full 4-token blocks of turn 1's committed tokens (all but its last token have K/V).
+    assert cached_two[0] == (len(first) + len(turn_one[0]) - 1) // 4 * 4
+    if method == "draft":  # the draft pool's blocks were shared too
+        assert with_cache.drafter.cache.prefix_stats.hit_tokens > 0
+
+
+def test_concurrent_requests_share_a_system_prompt_once_it_is_prefilled(dec: SpecDecoder) -> None:
+    system = dec.encode("You are a helpful assistant that writes Python. " * 4)
+    prompts = [system + dec.encode(p) for p in PROMPTS[:6]]
+    eng = engine(dec, max_batch=2)  # two at a time: later ones are admitted after the first prefill
+    ids = [eng.add_request(p, GREEDY, "none") for p in prompts]
+    outputs = eng.run()
+    plain = engine(dec, prefix_cache=False)
+    ids_plain = [plain.add_request(p, GREEDY, "none") for p in prompts]
+    reference = plain.run()
+    assert [outputs[i] for i in ids] == [reference[i] for i in ids_plain]
+    assert eng.target_cache.prefix_stats.hit_tokens >= 4 * (len(system) // 4 * 4)
+
+
+def test_cache_groups_are_isolated(dec: SpecDecoder) -> None:
+    prompt = dec.encode("import numpy as np\n\nclass Counter:")
+    eng = engine(dec)
+    _, cached = run(eng, [prompt], "none", salt="a")
+    _, other = run(eng, [prompt], "none", salt="b")
+    _, same = run(eng, [prompt], "none", salt="a")
+    assert cached == [0] and other == [0] and same[0] > 0
+
+
+def test_eviction_under_memory_pressure_loses_no_request_and_no_token(dec: SpecDecoder) -> None:
+    """A pool of 48 four-token blocks, two requests at a time, 12 distinct prompts and the first
+    again: cached blocks are evicted for new ones, memory stays bounded, outputs stay exact."""
+    prompts = [dec.encode(p) for p in PROMPTS] + [dec.encode(p + " again") for p in PROMPTS[:4]] + [dec.encode(PROMPTS[0])]
+    eng = engine(dec, max_batch=2, kv_cache_tokens=4 * 49)
+    ids = [eng.add_request(p, GREEDY, m) for p, m in zip(prompts, ["none", "draft", "ngram"] * 5, strict=False)]
+    outputs = eng.run()
+    plain = engine(dec, prefix_cache=False, max_batch=2, kv_cache_tokens=4 * 49)
+    ids_plain = [plain.add_request(p, GREEDY, m) for p, m in zip(prompts, ["none", "draft", "ngram"] * 5, strict=False)]
+    reference = plain.run()
+    assert [outputs[i] for i in ids] == [reference[i] for i in ids_plain]
+    pool = eng.target_cache
+    assert pool.prefix_stats.evictions > 0 and pool.cached_blocks <= pool.usable_blocks
+    assert pool.free_blocks == pool.usable_blocks and not pool.tables  # nothing held, all reclaimable
+
+
+def test_the_llamacpp_batch_picks_the_slot_holding_the_longest_prefix(tiny_ggufs: dict[str, Path]) -> None:
+    dec = SpecDecoder.from_pretrained(str(tiny_ggufs["target"]), method="none", dtype="fp32", backend="llama.cpp",
+                                      show_progress=False)
+    eng = dec.batch_engine(max_batch=2, kv_cache_tokens=1024, cost_aware=False)
+    plain_eng = SpecDecoder(dec.target, None, replace(dec.config, prefix_cache=False)).batch_engine(
+        max_batch=2, kv_cache_tokens=1024, cost_aware=False)
+    first, other = dec.encode("def quicksort(arr):"), dec.encode("The quick brown fox")
+    out_first, _ = run(eng, [first], "none")
+    run(eng, [other], "none")  # the second slot now holds another prompt
+    second = first + out_first[0] + dec.encode(" # again")
+    (got,), (cached,) = run(eng, [second], "none")
+    assert cached == len(first) + len(out_first[0]) - 1  # the first slot's whole committed prefix
+    (want,), _ = run(plain_eng, [second], "none")
+    compared = assert_greedy_equal_up_to_near_tie(got, want, greedy_margins(dec, second, want), "llama.cpp batch, cached")
+    assert compared >= len(want) // 2
+    assert eng.target_cache.prefix_stats.hit_tokens == cached
+
