@@ -84,7 +84,7 @@ class BenchConfig:
         if binaries and self.llamacpp_bin is None:
             raise InvalidRequestError(
                 f"Methods {', '.join(binaries)} run llama.cpp's own binaries: pass llamacpp_bin=DIR, the folder "
-                "`bash /work/shared/tools/build-llamacpp-tools.sh` prints (it builds them in about 10 minutes)."
+                "`bash scripts/build-llamacpp-tools.sh` (in specdecode's repository) prints (it builds them in about 10 minutes)."
             )
         self.sampling()  # validates temperature, top-k, top-p, max_new_tokens
 

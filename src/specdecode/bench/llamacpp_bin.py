@@ -1,5 +1,5 @@
 """llama.cpp's own binaries as benchmark peers: ``llama-speculative-simple`` (a draft model) and
-``llama-lookup`` (n-gram lookup), as /work/shared/tools/build-llamacpp-tools.sh builds them
+``llama-lookup`` (n-gram lookup), as the repository's scripts/build-llamacpp-tools.sh builds them
 from the source llama-cpp-python 0.3.36 vendors.
 
 Each turn is one run of the binary on the prompt (greedy: ``--temp 0``), under a timeout. What
@@ -123,7 +123,7 @@ def find_binary(folder: Path, method: str) -> Path:
     if not path.is_file():
         raise InvalidRequestError(
             f"Method {method} runs {BINARIES[method]}, which is not in llamacpp_bin={str(folder)!r}: build llama.cpp's tools "
-            "with `bash /work/shared/tools/build-llamacpp-tools.sh` (about 10 minutes) and pass the folder it prints."
+            "with `bash scripts/build-llamacpp-tools.sh` from specdecode's repository (about 10 minutes) and pass the folder it prints."
         )
     return path
 

@@ -67,7 +67,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--llamacpp-bin", metavar="DIR",
         help="folder holding llama.cpp's llama-speculative-simple and llama-lookup, for llamacpp-bin-draft and "
-        "llamacpp-bin-lookup (build them with /work/shared/tools/build-llamacpp-tools.sh)",
+        "llamacpp-bin-lookup (build them with scripts/build-llamacpp-tools.sh in the repository)",
     )
     bench.add_argument(
         "--llamacpp-bin-timeout", type=float, default=DEFAULT_BIN_TIMEOUT_SECONDS,

@@ -90,6 +90,9 @@ class GenerationStats:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        # asdict rebuilds a dict field with its own type, and a Counter built from (key, count)
+        # pairs counts the pairs: auto's per-source steps would come out keyed by tuples.
+        data["steps_by_source"] = dict(self.steps_by_source)
         data.update(
             acceptance_rate=self.acceptance_rate,
             acceptance_per_position=self.acceptance_per_position,
