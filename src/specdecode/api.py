@@ -244,6 +244,7 @@ class SpecDecoder:
         stats = GenerationStats(method=plan.method)
         if plan.steps_by_source is not None:
             stats.steps_by_source = plan.steps_by_source  # filled as it decodes
+        stats.note = plan.note or ""
         chunks = self.engine.decode(prompt_ids, params, plan, stats, acceptance=acceptance, cache_salt=cache_salt)
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
 

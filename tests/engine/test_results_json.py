@@ -30,3 +30,16 @@ def test_batched_results_round_trip_through_json(dec: SpecDecoder) -> None:
         for result in dec.generate_batch(["def quicksort(arr):", "The quick brown fox"], PARAMS, method=method):
             data = result.to_dict()
             assert json.loads(json.dumps(data)) == data
+
+
+def test_the_metrics_say_why_the_draft_model_was_not_used(dec: SpecDecoder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the measured pass costs rule the draft model out (forced here), the cost-aware k
+    decodes plainly and the metrics say so in one line, with the costs that decided it."""
+    import specdecode.costs.decoder_costs as decoder_costs
+
+    monkeypatch.setattr(decoder_costs, "speculation_can_pay", lambda *args: False)
+    result = dec.generate("def quicksort(arr):", PARAMS, method="draft", k="auto")
+    assert result.stats.note.startswith("draft model not used: on this machine a verified row costs")
+    assert result.stats.note in result.stats.summary() and result.stats.draft_tokens_proposed == 0
+    monkeypatch.undo()
+    assert dec.generate("def quicksort(arr):", PARAMS, method="draft", k=3).stats.note == ""

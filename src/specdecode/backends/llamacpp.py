@@ -51,6 +51,28 @@ LOGITS_MODES = ("all", "last", "none")
 KV_TYPES = ("f16", "f32")  # llama.cpp's default is f16; f32 makes logits match fp32 torch closely
 
 
+# The environment variable that forces llama.cpp's extra (repacked) weight buffers on (1) or off (0).
+EXTRA_BUFTS_ENV = "SPECDECODE_LLAMACPP_REPACK"
+
+
+def use_extra_buffer_types() -> bool:
+    """Whether llama.cpp may repack weights into its extra CPU buffer types (AMX tiles, AVX
+    repacks). Off on CPUs with AMX: with llama-cpp-python 0.3.36's ggml, a 2-core Xeon with
+    AMX (Sapphire Rapids class, in a VM) died with SIGILL on ``tilezero`` in a worker thread
+    during the first multi-row pass of the demo target's Q4_K_M weights; without repacking the
+    same pass runs (measured 2026-12-01: the demo target at 10.0 tok/s plain). Set
+    ``SPECDECODE_LLAMACPP_REPACK=1`` to turn them on anyway, ``0`` to turn them off everywhere."""
+    forced = os.environ.get(EXTRA_BUFTS_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return True
+    return "amx_tile" not in flags.split()
+
+
 class LlamaCppModel:
     """One GGUF model and one llama.cpp context on the CPU, with ``n_seq_max`` sequences.
 
@@ -114,6 +136,7 @@ class LlamaCppModel:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0  # this backend runs on the CPU; the torch backend owns GPUs
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP  # 0.3.36's spelling of use_mmap=True
+        params.use_extra_bufts = use_extra_buffer_types()
         LogSink.take_recent()
         model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
         if not model:

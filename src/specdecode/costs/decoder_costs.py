@@ -72,6 +72,19 @@ class DecoderCosts:
             return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max) if can_pay else 0, live_costs=self.live)
         return None
 
+    def draft_model_note(self, k_max: int) -> str | None:
+        """One line saying why the cost-aware k never drafts with the draft model, where the
+        measured pass costs rule it out (None where it can pay)."""
+        costs = self.engine.verify_costs(k_max + 1)
+        draft_pass = self.draft_model()[0]
+        if speculation_can_pay(costs, draft_pass, k_max):
+            return None
+        plain = costs[0]
+        row = (costs[1] - costs[0]) / plain  # what one more verified row adds, in target passes
+        return (f"draft model not used: on this machine a verified row costs {row:.2f} of a target pass and a "
+                f"draft pass {draft_pass / plain:.2f}, so no draft length beats plain decoding even if every "
+                "token is accepted; decoded plainly (docs/methods.md#draft-length)")
+
 
 def batch_pass_costs(
     target: BatchModel, draft: BatchModel | None, max_batch: int, k_max: int, live: bool

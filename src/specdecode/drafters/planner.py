@@ -68,9 +68,11 @@ def plan_chain(resources: DecoderResources, request: PlanRequest) -> RequestPlan
     """A stateless chain drafter (the draft model, prompt lookup, layer skip) under the request's policy."""
     drafter = resources.drafters[request.method]
     k_max = resources.config.k_max
-    schedule = resources.costs.schedule(request.policy, request.k, k_max, with_draft_model=request.method == "draft",
+    with_draft_model = request.method == "draft"
+    schedule = resources.costs.schedule(request.policy, request.k, k_max, with_draft_model=with_draft_model,
                                         model_free=request.method == "ngram")
-    return RequestPlan(request.method, drafter, k_max if schedule is not None else request.k, schedule)
+    note = resources.costs.draft_model_note(k_max) if with_draft_model and request.policy == "cost" else None
+    return RequestPlan(request.method, drafter, k_max if schedule is not None else request.k, schedule, note=note)
 
 
 def plan_tree(resources: DecoderResources, request: PlanRequest) -> RequestPlan:

@@ -45,6 +45,8 @@ class GenerationStats:
     stop_reason: str = ""
     # method auto: steps drafted by each source ("ngram", "draft") or decoded plainly ("none")
     steps_by_source: dict[str, int] = field(default_factory=dict)
+    # Why the request decoded plainly although it asked for speculation (measured costs), or "".
+    note: str = ""
 
     def record_step(self, proposed: int, accepted: int) -> None:
         self.verify_steps += 1
@@ -122,6 +124,8 @@ class GenerationStats:
                          "(acceptance and per-position figures are per tree depth)")
         if self.steps_by_source:
             parts.append("steps by source: " + " ".join(f"{k}={v}" for k, v in sorted(self.steps_by_source.items())))
+        if self.note:
+            parts.append(self.note)
         parts.append(
             f"time: total={self.total_seconds:.2f}s prefill={self.prefill_seconds:.2f}s "
             f"draft={self.draft_seconds:.2f}s verify={self.verify_seconds:.2f}s other={self.other_seconds:.2f}s"
