@@ -29,11 +29,14 @@ verification (``engine/verify.py``) is the same code for both.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from specdecode.config import BACKEND_CHOICES
+
+if TYPE_CHECKING:
+    from specdecode.engine.tree import TokenTree
 
 BACKENDS = BACKEND_CHOICES
 
@@ -47,6 +50,9 @@ class SequenceModel(Protocol):
     """A model decoding one sequence, with that sequence's KV cache (see the module docstring)."""
 
     backend: str  # "torch" or "llama.cpp"
+    # Token trees (Medusa, EAGLE, suffix trees): a backend that scores a tree in one pass with
+    # tree attention says so, and has ``extend_tree`` and ``keep_path``.
+    supports_trees: bool
     epoch: int  # sequences begun and scratch passes run: a recorded prefix is stale once it moves
 
     @property
@@ -72,6 +78,14 @@ class SequenceModel(Protocol):
 
     def commit(self, length: int) -> None:
         """Positions [0, length) are the sequence; anything written after them is dropped."""
+
+    def extend_tree(self, tree: TokenTree, start: int) -> PassOutput:
+        """(``supports_trees`` only) Score every node of ``tree``, its root at position ``start``,
+        in one pass: node j's K/V at slot start + j, logits (1, N, V) and hidden states for all."""
+
+    def keep_path(self, start: int, path: Sequence[int]) -> None:
+        """(``supports_trees`` only) Keep the nodes ``path`` (root first) of the tree scored at
+        ``start`` as positions start, start + 1, ...; the caller commits the new length."""
 
     def pass_seconds(
         self, row_counts: Sequence[int], repeats: int, logits_last: int | None = None

@@ -49,6 +49,7 @@ class PassLogits:
 
 class LlamaCppSequence:
     backend = "llama.cpp"
+    supports_trees = False  # llama.cpp's batches have no tree attention mask here
 
     def __init__(self, model: LlamaCppModel) -> None:
         self.model = model

@@ -13,12 +13,14 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.costs.timing import time_passes
+from specdecode.engine.tree import TokenTree, tree_view
 from specdecode.kv.static import KVCache, reusable_cache
 from specdecode.models.llama import ModelOutput, Transformer
 
 
 class TorchSequence:
     backend = "torch"
+    supports_trees = True  # extend_tree and keep_path: token trees with tree attention
 
     def __init__(self, model: Transformer, kv_dtype: str = "auto") -> None:
         self.model = model
@@ -49,6 +51,19 @@ class TorchSequence:
     ) -> ModelOutput:
         assert self.cache is not None, "begin() a sequence first"
         return self.model.extend(self.cache, tokens, start, logits_last=logits_last, compute_logits=compute_logits)
+
+    def extend_tree(self, tree: TokenTree, start: int) -> ModelOutput:
+        """Score every node of ``tree`` (its root at position ``start``, the last committed token)
+        in one pass with tree attention; node j's K/V go to slot start + j."""
+        assert self.cache is not None, "begin() a sequence first"
+        positions = tree.positions(start, self.device)
+        view = tree_view(tree, start, self.device, self.model.config.sliding_window)
+        return self.model(tree.tokens[None], positions, self.cache, view, contiguous_start=start)
+
+    def keep_path(self, start: int, path: Sequence[int]) -> None:
+        """Keep one root-to-node path of the tree scored at ``start`` as the sequence (the caller commits)."""
+        assert self.cache is not None, "begin() a sequence first"
+        self.cache.keep_path(0, start, path)
 
     def commit(self, length: int) -> None:
         assert self.cache is not None, "begin() a sequence first"

@@ -23,7 +23,6 @@ import torch
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.compiled import CompileLog
 from specdecode.backends.device import host_to_device
-from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import ACCEPTANCE_RULES, TREE_METHODS, SamplingParams
 from specdecode.costs.k_policy import interpolate
 from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
@@ -33,7 +32,6 @@ from specdecode.engine.plan import RequestPlan
 from specdecode.engine.prefix import NO_MATCH, CachedPrefix, match_prefix
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.stopping import cut_at_stop
-from specdecode.engine.tree import tree_view
 from specdecode.engine.verify import (
     PAD_TOKEN,
     greedy_tree_verify,
@@ -134,7 +132,7 @@ class SpecEngine:
             raise InvalidRequestError(f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {acceptance!r}.")
         if acceptance == "typical" and not tree_mode:
             raise InvalidRequestError("Typical acceptance applies to the tree methods (medusa, eagle) only.")
-        if tree_mode and not isinstance(self.target, TorchSequence):
+        if tree_mode and not self.target.supports_trees:
             raise InvalidRequestError("Token trees need tree attention, which only the torch backend has.")
         capacity = prompt_len + max_new + 1
         # Trained heads read the target's features of every prompt position, which a reused
@@ -314,11 +312,9 @@ class SpecEngine:
             tree = drafter.propose_tree(committed[:, :length], max_depth, processor, generator)
         start = length - 1  # the root's slot and position
         target = self.target
-        assert isinstance(target, TorchSequence) and target.cache is not None  # checked in decode()
         with verify_watch:
-            positions = tree.positions(start, device)
-            view = tree_view(tree, start, device, target.model.config.sliding_window)
-            out = target.model(tree.tokens[None], positions, target.cache, view, contiguous_start=start)
+            out = target.extend_tree(tree, start)  # the backend supports trees: checked in decode()
+            assert out.logits is not None and out.hidden is not None
             logits = out.logits[0]  # (N, V)
             if processor.greedy:
                 result = greedy_tree_verify(tree, logits)
@@ -326,7 +322,7 @@ class SpecEngine:
                 result = typical_tree_verify(tree, processor.probs(logits), generator)
             else:
                 result = rejection_tree_verify(tree, processor.probs(logits), generator)
-            target.cache.keep_path(0, start, result.path)
+            target.keep_path(start, result.path)
             # Index with a device tensor: a Python list index is copied from pageable memory (a sync).
             drafter.observe(out.hidden[:, host_to_device(result.path, torch.long, device)], start)
         return StepResult(
