@@ -224,7 +224,7 @@ def main() -> None:
                              "tau": spec.stats.tau, "k": args.k, "tokens_equal_to_plain_before_first_difference": same,
                              "draft_share": spec.stats.draft_seconds / max(spec.stats.total_seconds, 1e-9)}
     save()
-    del selfspec
+    selfspec = None  # free its memory before the next decoder loads (a del would leave the lambdas above unbound names)
 
     small = SpecDecoder.from_pretrained(str(target_dir), str(draft_dir), method="draft", **common)
     _, drafted = timed(lambda: run(small, "draft", args.k), device, 1)
@@ -234,7 +234,7 @@ def main() -> None:
     if args.compile:
         results["compiled"] = compiled_runs(small, target_dir, prompt, params, args, plain_s, device)
         save()
-    del small
+    small = None  # free its memory (as above)
 
     try:  # transformers on the same weights, the reference a user would compare against
         from transformers import AutoModelForCausalLM

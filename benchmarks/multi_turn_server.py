@@ -121,8 +121,9 @@ def main() -> int:
     if args.chats:
         report["chats"] = asyncio.run(chats(args.url, model, args.chats, args.first_tokens, args.second_tokens, extra))
         c = report["chats"]
+        per_chat = ", ".join(f"{r['turns'][1]['ttft']:.2f}" for r in c["chats"])
         print(f"chats: turn-1 TTFT {c['turn1_ttft_mean']:.2f} s, turn-2 TTFT {c['turn2_ttft_mean']:.2f} s "
-              f"(per chat: {', '.join(f'{r['turns'][1]['ttft']:.2f}' for r in c['chats'])}), "
+              f"(per chat: {per_chat}), "
               f"session {c['session_seconds_mean']:.2f} s; turn-2 cached tokens "
               f"{[r['turns'][1]['cached_tokens'] for r in c['chats']]}")
     if args.system_requests:

@@ -11,7 +11,7 @@ SRC_DIR = Path(__file__).resolve().parents[1] / "src"
 if str(SRC_DIR) not in sys.path:
     sys.path.insert(0, str(SRC_DIR))
 
-import tiny_models
+import tiny_models  # noqa: E402 - after the sys.path line above, which it needs
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from server_helpers import MODEL, PROMPT, metric, sse_data, wait_for
 import specdecode.engine.batch
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, settings  # noqa: E402 - only once schemathesis is known installed
 
 FUZZ_EXAMPLES = 40  # per route and generation mode: 160 requests in all
 FUZZ_MAX_TOKENS = 16  # valid requests are cut to this many tokens, so that the fuzz stays fast

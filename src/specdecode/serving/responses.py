@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from specdecode.engine.metrics import GenerationStats
@@ -71,7 +71,9 @@ def sse(body: dict[str, Any]) -> str:
 async def events(generation: Generation, request_id: str, created: int, model: str, chat: bool) -> AsyncIterator[str]:
     """Server-sent events, ending in ``data: [DONE]`` whether the generation finished or failed
     (then the event before it is an OpenAI error body)."""
-    make: Callable[..., str] = lambda delta, finish, first=False: _chunk(request_id, created, model, chat, delta, finish, first)
+    def make(delta: str | None, finish: str | None, first: bool = False) -> str:
+        return _chunk(request_id, created, model, chat, delta, finish, first)
+
     if chat:
         yield make(None, None, first=True)
     async for delta in generation.deltas():
