@@ -94,12 +94,16 @@ async def shared_system(url: str, model: str, requests: int, concurrency: int, w
         async def one(i: int) -> dict:
             async with gate:
                 messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
-                return await stream_chat(client, url, model, messages, max_tokens, extra)
+                try:
+                    return await stream_chat(client, url, model, messages, max_tokens, extra)
+                except httpx.HTTPError as err:  # counted, not fatal: the other requests' figures stand
+                    return {"ttft": None, "error": f"{type(err).__name__}: {err}", "cached_tokens": None}
 
         started = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(requests)))
-    return {"requests": results, "ttft_mean": statistics.mean(r["ttft"] for r in results),
-            "wall_seconds": time.perf_counter() - started}
+    answered = [r["ttft"] for r in results if r["ttft"] is not None]
+    return {"requests": results, "ttft_mean": statistics.mean(answered) if answered else None,
+            "errors": sum(r["ttft"] is None for r in results), "wall_seconds": time.perf_counter() - started}
 
 
 def main() -> int:
@@ -130,8 +134,9 @@ def main() -> int:
         report["system"] = asyncio.run(shared_system(args.url, model, args.system_requests, args.concurrency,
                                                      args.system_words, 32, extra))
         s = report["system"]
+        mean = "-" if s["ttft_mean"] is None else f"{s['ttft_mean']:.2f} s"
         print(f"shared system prompt: {args.system_requests} requests, {args.concurrency} at a time: mean TTFT "
-              f"{s['ttft_mean']:.2f} s, wall {s['wall_seconds']:.1f} s; cached tokens "
+              f"{mean}, wall {s['wall_seconds']:.1f} s, {s['errors']} failed; cached tokens "
               f"{[r['cached_tokens'] for r in s['requests']]}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

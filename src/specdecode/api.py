@@ -7,6 +7,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.batch_select import batch_model
 from specdecode.backends.compiled import (
@@ -17,11 +19,13 @@ from specdecode.backends.compiled import (
     resolve_compile_mode,
     warm_up_passes,
 )
+from specdecode.backends.llamacpp import llama_cpp_version, use_extra_buffer_types
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
 from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import METHODS, TREE_METHODS, DecoderConfig, SamplingParams, check_acceptance
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
+from specdecode.costs.store import CostStore, cpu_model, model_identity
 from specdecode.drafters.auto import LookupMemory
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -87,7 +91,7 @@ class SpecDecoder:
         if config.skip_layers:  # shares the target's weights and KV cache: costs no memory
             self.drafters["layerskip"] = LayerSkipDrafter(target.model, config.skip_layers, config.draft_confidence)
         self.engine = SpecEngine(self._sequence(target, "target"), self.eos_token_ids, compile_log=self.compile_log,
-                                 prefix_cache=config.prefix_cache)
+                                 prefix_cache=config.prefix_cache, cost_store=self._cost_store(target, "target"))
         draft_drafter = self.drafters.get("draft")
         assert draft_drafter is None or isinstance(draft_drafter, DraftModelDrafter)
         self.resources = DecoderResources(
@@ -95,7 +99,7 @@ class SpecDecoder:
             # Earlier responses for suffix decoding, shared by this decoder's requests (by group).
             suffix_cache=SuffixCache(config.suffix_cache_tokens),
             lookup_memory=LookupMemory(),  # what lookups earned in earlier auto requests
-            costs=DecoderCosts(self.engine, draft_drafter),
+            costs=DecoderCosts(self.engine, draft_drafter, None if draft is None else self._cost_store(draft, "draft")),
         )
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
@@ -108,6 +112,28 @@ class SpecDecoder:
     @property
     def costs(self) -> DecoderCosts:
         return self.resources.costs
+
+    def _cost_store(self, loaded: LoadedModel, role: str) -> CostStore | None:
+        """Where this model's measured pass costs are kept between runs (costs/store.py), keyed by
+        everything they depend on; None where the model has no file to identify it by."""
+        model = loaded.model
+        llamacpp = loaded.backend == LLAMACPP
+        try:
+            identity = model_identity(Path(model.path if llamacpp else loaded.folder))
+        except (OSError, AttributeError, TypeError):
+            return None
+        device = torch.device("cpu") if llamacpp else model.device
+        key = {
+            "role": role, "backend": loaded.backend, "model": identity, "quant": loaded.quant, "cpu": cpu_model(),
+            "kv_dtype": self.config.kv_dtype, "compile": self.compile_mode, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        }
+        if llamacpp:
+            key.update(threads=model.n_threads, kv_type=model.kv_type, flash_attn=model.flash_attn,
+                       repack=use_extra_buffer_types(), llama_cpp=llama_cpp_version())
+        else:
+            key.update(threads=torch.get_num_threads(), dtype=str(model.dtype))
+        return CostStore(key, retime=self.config.retime_costs)
 
     def _sequence(self, loaded: LoadedModel, role: str) -> SequenceModel:
         """One sequence of a loaded model on its backend, for the single-request engine."""

@@ -18,7 +18,7 @@ from specdecode.backends.device import resolve_device, resolve_dtype
 from specdecode.backends.llamacpp_sequence import load_llamacpp_model
 from specdecode.backends.select import LLAMACPP, choose_backend
 from specdecode.config import DRAFT_MODEL_METHODS, TREE_METHODS, DecoderConfig
-from specdecode.drafters.layer_skip import resolve_skip_layers
+from specdecode.drafters.layer_skip_file import resolve_skip_layers
 from specdecode.errors import InvalidRequestError
 from specdecode.models.heads import DraftHeads, load_heads
 from specdecode.models.loader import LoadedModel, gguf_source, load_model

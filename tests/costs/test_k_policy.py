@@ -227,3 +227,33 @@ def test_prompt_lookup_is_priced_from_its_first_step(verify: list[float], drafts
     assert lookup is not None and (lookup.next_k() > 0) == drafts
     layer_skip = costs.schedule("cost", 5, 8, with_draft_model=False)  # model passes, not yet timed
     assert layer_skip is not None and layer_skip.next_k() == 5
+
+
+def test_measured_costs_are_stored_and_read_back_by_the_next_decoder(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path,
+                                                                     tmp_path: Path, monkeypatch) -> None:
+    """A second decoder over the same files reads the first one's timings instead of timing
+    again (costs/store.py); retime_costs=True times again; another model file is another key."""
+    from specdecode import SpecDecoder
+    from specdecode.models.paths import CACHE_ENV_VAR
+
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+
+    def load(**options) -> SpecDecoder:
+        return SpecDecoder.from_pretrained(str(tiny_qwen2_dir), str(tiny_close_draft_dir), dtype="fp32", device="cpu",
+                                           show_progress=False, **options)
+
+    first = load()
+    table = first.engine.verify_costs(9)
+    draft_costs = first.costs.draft_model()
+    second = load()
+    calls: list[list[int]] = []
+    for seq in (second.engine.target, second.drafters["draft"].model):
+        monkeypatch.setattr(seq, "pass_seconds", lambda rows, *a, **k: calls.append(list(rows)) or dict.fromkeys(rows, 1.0))
+    assert second.engine.verify_costs(9) == table and second.costs.draft_model() == draft_costs and not calls
+    retimed = load(retime_costs=True)
+    monkeypatch.setattr(retimed.engine.target, "pass_seconds", lambda rows, *a, **k: calls.append(list(rows)) or
+                        dict.fromkeys(rows, 1.0))
+    assert retimed.engine.verify_costs(9) == [1.0] * 9 and calls
+    other = SpecDecoder.from_pretrained(str(tiny_close_draft_dir), method="none", dtype="fp32", device="cpu",
+                                        show_progress=False)
+    assert other.engine.cost_store.path != first.engine.cost_store.path

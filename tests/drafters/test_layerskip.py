@@ -9,10 +9,11 @@ import torch
 from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.drafters.layer_skip import LayerSkipDrafter, check_skip_layers
+from specdecode.drafters.layer_skip import LayerSkipDrafter
+from specdecode.drafters.layer_skip_file import LayerSkipChoice, builtin_choice, check_skip_layers, parse_skip_layers
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.static import reusable_cache
-from specdecode.training.layer_search import LayerSkipChoice, block_influence, parse_skip_layers, tune_layerskip
+from specdecode.training.layer_search import block_influence, tune_layerskip
 
 SKIP_SETS = [(1,), (2, 3), (1, 2, 3, 4)]
 
@@ -137,7 +138,6 @@ def test_tune_layerskip_rejects_shallow_models(tiny_qwen2_dir: Path) -> None:
 
 def test_demo_target_ships_a_tuned_choice() -> None:
     from specdecode.models import demo
-    from specdecode.training.layer_search import builtin_choice
 
     choice = builtin_choice(demo.DEFAULT_TARGET)
     assert choice is not None and choice.num_layers == 28

@@ -55,6 +55,16 @@ KV_TYPES = ("f16", "f32")  # llama.cpp's default is f16; f32 makes logits match 
 EXTRA_BUFTS_ENV = "SPECDECODE_LLAMACPP_REPACK"
 
 
+def llama_cpp_version() -> str:
+    """The installed llama-cpp-python's version (its ggml's speed is part of a timing's identity)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
 def use_extra_buffer_types() -> bool:
     """Whether llama.cpp may repack weights into its extra CPU buffer types (AMX tiles, AVX
     repacks). Off on CPUs with AMX: with llama-cpp-python 0.3.36's ggml, a 2-core Xeon with

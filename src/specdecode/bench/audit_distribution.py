@@ -20,7 +20,7 @@ from specdecode.engine.sampling import LogitsProcessor, make_generator
 if TYPE_CHECKING:
     from specdecode.api import SpecDecoder
     from specdecode.backends.base import SequenceModel
-    from specdecode.bench.audit import AuditConfig
+    from specdecode.bench.audit_config import AuditConfig
 
 POWER_RUNS = 1000  # simulated tests behind the reported power
 GOOD_POWER = 0.9  # below this the report says the test could not tell a broken sampler apart

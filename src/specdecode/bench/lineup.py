@@ -32,8 +32,8 @@ from specdecode.errors import InvalidRequestError
 
 
 def _layerskip_configured(config: BenchConfig) -> bool:
+    from specdecode.drafters.layer_skip_file import builtin_choice
     from specdecode.models import demo
-    from specdecode.training.layer_search import builtin_choice
 
     return bool(config.skip_layers or config.layerskip_config or builtin_choice(config.target or demo.DEFAULT_TARGET))
 
@@ -43,7 +43,7 @@ class BenchLineup:
 
     def __init__(self, config: BenchConfig) -> None:
         from specdecode.api import SpecDecoder
-        from specdecode.drafters.layer_skip import resolve_skip_layers
+        from specdecode.drafters.layer_skip_file import resolve_skip_layers
 
         if config.methods == DEFAULT_METHODS and not _layerskip_configured(config):
             # The default "every method" cannot include layer skip for a target nobody tuned it for.

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench import output
+import specdecode.bench.output as output
 from specdecode.bench.config import BenchConfig
 from specdecode.bench.report import summarize
 from specdecode.config import SamplingParams

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def k_value(text: str) -> int | str:
 
 
 def layer_list(text: str) -> tuple[int, ...]:
-    from specdecode.training.layer_search import parse_skip_layers
+    from specdecode.drafters.layer_skip_file import parse_skip_layers
 
     try:
         return parse_skip_layers(text)
@@ -138,6 +139,10 @@ def add_decoder_arguments(parser: argparse.ArgumentParser, *, exclude: frozenset
         group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                            help="prefill every prompt whole instead of reusing the K/V of the prefix it shares with "
                            "the previous request (on by default; docs/design.md#prefix-caching)")
+    if "retime_costs" not in exclude:
+        group.add_argument("--retime-costs", dest="retime_costs", action="store_true", default=None,
+                           help="time the passes the cost-aware draft length reads again, instead of the timings "
+                           "stored by an earlier run for the same model file, backend and machine")
     add("backend", choices=BACKEND_CHOICES, help="auto (default): llama.cpp for GGUF files on the CPU where "
         "llama-cpp-python is installed, else torch")
     add("dtype", choices=DTYPES, help="auto (default): bf16 where supported, else fp32; on llama.cpp fp32 keeps an "
@@ -159,3 +164,17 @@ def add_decoder_arguments(parser: argparse.ArgumentParser, *, exclude: frozenset
 
 def comma_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value

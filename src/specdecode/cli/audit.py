@@ -90,9 +90,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from specdecode.backends.device import dtype_name, resolve_device, resolve_dtype
     from specdecode.bench import audit as a
     from specdecode.config import DEFAULT_K, TREE_METHODS
+    from specdecode.drafters.layer_skip_file import builtin_choice
     from specdecode.errors import InvalidRequestError
     from specdecode.models import demo
-    from specdecode.training.layer_search import builtin_choice
 
     if args.k == "auto":
         raise InvalidRequestError("The audit checks a fixed draft length: pass --k N (default 5), not --k auto.")

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import TYPE_CHECKING, NamedTuple
 
-from specdecode.cli.args import add_decoder_arguments
+from specdecode.cli.args import add_decoder_arguments, non_negative_float, positive_float
 
 if TYPE_CHECKING:
     from specdecode import SpecDecoder
@@ -16,20 +15,6 @@ if TYPE_CHECKING:
     from specdecode.serving.worker import BatchWorker
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -13,7 +13,7 @@ RAY_ONLY_FLAGS = {"replicas": None, "min_replicas": None, "max_replicas": None, 
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.cli.serve import positive_float
+    from specdecode.cli.args import positive_float
     from specdecode.cli.train import non_negative_int, positive_int
 
     group = parser.add_argument_group("Ray Serve: several replicas behind one address (docs/scaling.md)")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from specdecode.costs.batch_k import PassCosts, time_batch_costs
 from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, speculation_can_pay
+from specdecode.costs.store import DRAFT_TABLE, CostStore
 from specdecode.costs.timing import VERIFY_COST_REPEATS
 
 if TYPE_CHECKING:
@@ -26,9 +27,10 @@ BATCH_PROBE_MAX_ROWS = 64  # the largest pass timed for the batch engine's costs
 class DecoderCosts:
     """The costs a decoder's policies read, each timed on first use and kept."""
 
-    def __init__(self, engine: SpecEngine, draft: DraftModelDrafter | None) -> None:
+    def __init__(self, engine: SpecEngine, draft: DraftModelDrafter | None, draft_store: CostStore | None = None) -> None:
         self.engine = engine
         self.draft = draft
+        self.draft_store = draft_store  # the draft model's timings from an earlier run (costs/store.py)
         self._draft_costs: tuple[float, float] | None = None  # a draft pass, and a catch-up per token
 
     @property
@@ -48,7 +50,11 @@ class DecoderCosts:
         if self._draft_costs is None:
             assert self.draft is not None
             rows = CATCH_UP_PROBE_ROWS
-            seconds = self.draft.model.pass_seconds([1, rows], VERIFY_COST_REPEATS, logits_last=1)
+            seconds = self.draft_store.get(DRAFT_TABLE) if self.draft_store is not None else {}
+            if not {1, rows} <= set(seconds):
+                seconds = self.draft.model.pass_seconds([1, rows], VERIFY_COST_REPEATS, logits_last=1)
+                if self.draft_store is not None:
+                    self.draft_store.put(DRAFT_TABLE, seconds)
             self._draft_costs = (seconds[1], seconds[rows] / rows)
         return self._draft_costs
 

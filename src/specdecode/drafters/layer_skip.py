@@ -18,7 +18,6 @@ Which layers to skip is a measured choice: ``specdecode tune-layerskip`` (``trai
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -26,23 +25,10 @@ from specdecode.backends.base import SequenceModel
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import doubts
+from specdecode.drafters.layer_skip_file import check_skip_layers
 from specdecode.engine.sampling import LogitsProcessor, draw
-from specdecode.errors import InvalidRequestError
 from specdecode.kv.static import KVCache
 from specdecode.models.llama import Transformer
-
-
-def check_skip_layers(skip_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
-    """Sorted, validated layer indices to skip."""
-    skip = tuple(sorted(set(skip_layers)))
-    if not skip:
-        raise InvalidRequestError("layer skip needs at least one layer to skip.")
-    bad = [i for i in skip if not 0 <= i < num_layers]
-    if bad:
-        raise InvalidRequestError(f"layers to skip must lie in 0..{num_layers - 1}; got {bad}.")
-    if len(skip) >= num_layers:
-        raise InvalidRequestError("layer skip must keep at least one layer.")
-    return skip
 
 
 class LayerSkipDrafter:
@@ -89,24 +75,3 @@ class LayerSkipDrafter:
 
     def on_verified(self, num_accepted: int) -> None:
         pass  # the verify pass overwrote every slot a draft pass wrote
-
-
-def resolve_skip_layers(
-    target: str, num_layers: int, skip_layers: Sequence[int] | None, layerskip_config: str | Path | None
-) -> tuple[int, ...]:
-    """The layers layer skip drops: given explicitly, from a tune-layerskip file, or the demo target's built-in choice."""
-    from specdecode.training.layer_search import LayerSkipChoice, builtin_choice
-
-    if skip_layers and layerskip_config:
-        raise InvalidRequestError("Give the layers to skip either as skip_layers= or as layerskip_config=, not both.")
-    if skip_layers:
-        return check_skip_layers(skip_layers, num_layers)
-    if layerskip_config:
-        return LayerSkipChoice.load(Path(layerskip_config), num_layers).skip_layers
-    builtin = builtin_choice(target)
-    if builtin is None:
-        raise InvalidRequestError(
-            f'method="layerskip" needs the layers to skip for {target}: run `specdecode tune-layerskip --target '
-            f'{target} --out layerskip.json` and pass layerskip_config="layerskip.json", or give skip_layers=.'
-        )
-    return check_skip_layers(builtin.skip_layers, num_layers)

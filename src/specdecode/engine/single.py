@@ -25,6 +25,7 @@ from specdecode.backends.compiled import CompileLog
 from specdecode.backends.device import host_to_device
 from specdecode.config import ACCEPTANCE_RULES, TREE_METHODS, SamplingParams
 from specdecode.costs.k_policy import interpolate
+from specdecode.costs.store import VERIFY_TABLE, CostStore
 from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.engine.metrics import GenerationStats, Stopwatch
@@ -66,6 +67,7 @@ class SpecEngine:
         sync_timing: bool = False,
         compile_log: CompileLog | None = None,
         prefix_cache: bool = True,
+        cost_store: CostStore | None = None,
     ) -> None:
         self.target = target
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -73,7 +75,9 @@ class SpecEngine:
         # Compiled passes (backends/compiled.py) log their compile time here: a request reports
         # the share it paid for shapes compiled during it.
         self.compile_log = compile_log
-        self._pass_seconds: dict[int, float] = {}  # target pass seconds by row count, as timed
+        # Target pass seconds by row count, as timed (or as an earlier run stored: costs/store.py).
+        self.cost_store = cost_store
+        self._pass_seconds: dict[int, float] = cost_store.get(VERIFY_TABLE) if cost_store is not None else {}
         # What the target's cache holds after the last request, for the next one's prefix
         # (engine/prefix.py); None when disabled or nothing is known.
         self.prefix_cache = prefix_cache
@@ -96,6 +100,8 @@ class SpecEngine:
         missing = [r for r in probes if r not in self._pass_seconds]
         if missing:
             self._pass_seconds.update(self.target.pass_seconds(missing, repeats))
+            if self.cost_store is not None:
+                self.cost_store.put(VERIFY_TABLE, self._pass_seconds)
         measured = {r: self._pass_seconds[r] for r in probes}
         return [interpolate(measured, rows) for rows in range(1, max_rows + 1)]
 

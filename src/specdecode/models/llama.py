@@ -103,6 +103,17 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+def component_names(name: str) -> tuple[str, ...] | None:
+    """For a fused parameter (``layers.3.self_attn.qkv_proj.weight``), the checkpoint tensors
+    stacked to make it (``layers.3.self_attn.q_proj.weight``, ...); None for any other."""
+    for fused, parts in FUSED_PROJECTIONS.items():
+        marker = f".{fused}."
+        if marker in name:
+            head, tail = name.split(marker)
+            return tuple(f"{head}.{part}.{tail}" for part in parts)
+    return None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from specdecode.config import ModelConfig
 from specdecode.errors import ModelLoadError
-from specdecode.models.llama import FUSED_PROJECTIONS, Transformer
+from specdecode.models.llama import Transformer, component_names
 
 # Files a model folder needs; hub downloads fetch only these (no .bin / .pth duplicates).
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -118,17 +118,6 @@ def _safetensors_files(folder: Path) -> list[Path]:
     if not files:
         raise ModelLoadError(f"No *.safetensors weights in {folder}.")
     return files
-
-
-def component_names(name: str) -> tuple[str, ...] | None:
-    """For a fused parameter (``layers.3.self_attn.qkv_proj.weight``), the checkpoint tensors
-    stacked to make it (``layers.3.self_attn.q_proj.weight``, ...); None for any other."""
-    for fused, parts in FUSED_PROJECTIONS.items():
-        marker = f".{fused}."
-        if marker in name:
-            head, tail = name.split(marker)
-            return tuple(f"{head}.{part}.{tail}" for part in parts)
-    return None
 
 
 def load_weights(

@@ -49,7 +49,7 @@ def quantize_model(
 ) -> QuantSummary:
     """Replace ``model``'s dense projections in place; call before CPU prepacking."""
     from specdecode.models.layers import Linear
-    from specdecode.models.loader import component_names
+    from specdecode.models.llama import component_names
 
     check_quant(mode)
     summary = QuantSummary(mode)

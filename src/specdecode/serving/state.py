@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from specdecode.api import SpecDecoder
 from specdecode.config import METHODS
@@ -25,10 +25,17 @@ from specdecode.serving.protocol import APIError, ParsedRequest, client_message,
 from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE
 from specdecode.serving.worker import BatchWorker
 
-if TYPE_CHECKING:
-    from specdecode.serving.generation import Generation
-
 DEFAULT_DRAIN_TIMEOUT = 10.0
+
+
+class InFlight(Protocol):
+    """What the registry of requests in flight needs of one (``serving/generation.py: Generation``):
+    its event loop and timeout timer, and a way to stop it with a reason."""
+
+    loop: asyncio.AbstractEventLoop
+    timer: asyncio.TimerHandle | None
+
+    def stop(self, reason: APIError | None = None) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,7 +56,7 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     engine_lock: threading.Lock = field(default_factory=threading.Lock)
     started: int = field(default_factory=lambda: int(time.time()))
-    inflight: set[Generation] = field(default_factory=set)  # touched on the event loop only
+    inflight: set[InFlight] = field(default_factory=set)  # touched on the event loop only
     draining: bool = False
 
     def method_of(self, request: ParsedRequest) -> str:
@@ -109,7 +116,7 @@ class ServerState:
         req.prompt, req.chat = prompt_ids, False
         return req
 
-    def track(self, generation: Generation) -> None:
+    def track(self, generation: InFlight) -> None:
         self.inflight.add(generation)
         timeout = self.options.request_timeout
         if timeout is not None:
@@ -117,7 +124,7 @@ class ServerState:
                                    "was stopped; ask for fewer tokens.", code="request_timeout", kind="server_error")
             generation.timer = generation.loop.call_later(timeout, generation.stop, reason)
 
-    def untrack(self, generation: Generation) -> None:
+    def untrack(self, generation: InFlight) -> None:
         generation.stop()  # a no-op when it finished; cancels it when its client left
         if generation.timer is not None:
             generation.timer.cancel()

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 from specdecode.config import SamplingParams
 from specdecode.errors import InvalidRequestError
-from specdecode.models.loader import component_names, load_weights, read_model_config
+from specdecode.models.llama import component_names
+from specdecode.models.loader import load_weights, read_model_config
 
 DATA_FILE = "data.jsonl"
 CHECKPOINT_FILE = "checkpoint.pt"

@@ -1,7 +1,7 @@
 """Which layers self-speculation skips: the saved choice, and the search that makes it.
 
 ``specdecode tune-layerskip`` searches on a few calibration prompts and writes a small JSON
-file (``LayerSkipChoice``) that ``generate --method layerskip --layerskip-config FILE`` and
+file (``LayerSkipChoice``, ``drafters/layer_skip_file.py``) that ``generate --method layerskip --layerskip-config FILE`` and
 ``bench`` load. The search, in order of cost:
 
 1. The target decodes each calibration prompt plainly (greedy): its own continuations are
@@ -24,11 +24,9 @@ and the last HumanEval problems: apart from every bench subset that takes the fi
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -37,89 +35,17 @@ from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import SamplingParams
 from specdecode.costs.k_policy import CostAwareK, best_plan
 from specdecode.costs.timing import time_passes
-from specdecode.drafters.layer_skip import LayerSkipDrafter, check_skip_layers
+from specdecode.drafters.layer_skip import LayerSkipDrafter
+from specdecode.drafters.layer_skip_file import LayerSkipChoice
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.plan import PLAIN, RequestPlan
 from specdecode.engine.single import SpecEngine
 from specdecode.errors import InvalidRequestError
 from specdecode.models.llama import Transformer
 
-CHOICE_SCHEMA = 1
 DEFAULT_CALIBRATION_PER_CATEGORY = 1
 DEFAULT_CALIBRATION_TOKENS = 64
 DEFAULT_MEASURE_TOP = 3
-
-
-@dataclass(slots=True)
-class LayerSkipChoice:
-    """The layers a target skips when it drafts for itself, with the measurements behind it."""
-
-    target: str
-    num_layers: int
-    skip_layers: tuple[int, ...]
-    measured: dict[str, Any] = field(default_factory=dict)
-    schema: int = CHOICE_SCHEMA
-
-    def save(self, path: Path) -> None:
-        data = asdict(self)
-        data["skip_layers"] = list(self.skip_layers)
-        path.write_text(json.dumps(data, indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: Path, num_layers: int | None = None) -> LayerSkipChoice:
-        """Read a saved choice; with ``num_layers``, check it fits the model it is used with."""
-        try:
-            data = json.loads(Path(path).read_text())
-            choice = cls(
-                target=str(data["target"]),
-                num_layers=int(data["num_layers"]),
-                skip_layers=tuple(int(i) for i in data["skip_layers"]),
-                measured=dict(data.get("measured", {})),
-                schema=int(data.get("schema", CHOICE_SCHEMA)),
-            )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise InvalidRequestError(f"Cannot read the layer-skip choice {path}: {exc}") from exc
-        if num_layers is not None and choice.num_layers != num_layers:
-            raise InvalidRequestError(
-                f"{path} was tuned for a {choice.num_layers}-layer model ({choice.target}); this target has "
-                f"{num_layers} layers. Run `specdecode tune-layerskip` for it."
-            )
-        check_skip_layers(choice.skip_layers, choice.num_layers)
-        return choice
-
-
-BUILTIN_DIR = "data"  # package data: tuned choices for the demo targets, <demo name>.layerskip.json
-
-
-def builtin_choice(target: str) -> LayerSkipChoice | None:
-    """The choice shipped for a demo target (tuned with ``specdecode tune-layerskip``), if any."""
-    from importlib import resources
-
-    from specdecode.models import demo
-
-    name = demo.canonical_demo_name(target)
-    if name is None:
-        return None
-    resource = resources.files("specdecode").joinpath(BUILTIN_DIR, f"{name}.layerskip.json")
-    if not resource.is_file():
-        return None
-    with resources.as_file(resource) as path:
-        return LayerSkipChoice.load(path)
-
-
-def parse_skip_layers(text: str) -> tuple[int, ...]:
-    """'3,5,7-9' -> (3, 5, 7, 8, 9)."""
-    layers: list[int] = []
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            first, dash, last = part.partition("-")
-            layers += range(int(first), int(last) + 1) if dash else [int(first)]
-    except ValueError as exc:
-        raise InvalidRequestError(f"skip_layers={text!r}: give indices and ranges like '3,5,7-9'.") from exc
-    return tuple(layers)
 
 
 def calibration_prompts(per_category: int = DEFAULT_CALIBRATION_PER_CATEGORY) -> list[str]:
