@@ -19,13 +19,14 @@ from specdecode.backends.compiled import (
     resolve_compile_mode,
     warm_up_passes,
 )
+from specdecode.backends.device import cpu_model
 from specdecode.backends.llamacpp import llama_cpp_version, use_extra_buffer_types
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
 from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import METHODS, TREE_METHODS, DecoderConfig, SamplingParams, check_acceptance
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
-from specdecode.costs.store import CostStore, cpu_model, model_identity
+from specdecode.costs.store import CostStore, model_identity
 from specdecode.drafters.auto import LookupMemory
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import platform
+from functools import cache
+
 import torch
 
 from specdecode.config import DEVICES
@@ -58,3 +61,26 @@ def host_to_device(values: list | tuple, dtype: torch.dtype, device: torch.devic
     if device.type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+@cache
+def cpuinfo_line(field: str) -> str | None:
+    """The first line of /proc/cpuinfo whose name is ``field`` ("model name", "flags"), or None
+    where there is no such file or line (read once per process: it does not change)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.rstrip("\n") for line in cpuinfo if line.split(":", 1)[0].strip() == field), None)
+    except OSError:
+        return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what ``platform`` knows where there is none."""
+    line = cpuinfo_line("model name")
+    return line.split(":", 1)[1].strip() if line else platform.processor() or platform.machine()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo: avx512f, amx_tile, ...); empty where unknown."""
+    line = cpuinfo_line("flags")
+    return frozenset(line.split(":", 1)[1].split()) if line else frozenset()

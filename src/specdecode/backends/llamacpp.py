@@ -30,6 +30,7 @@ from typing import Any, Self
 import numpy as np
 import torch
 
+from specdecode.backends.device import cpu_flags
 from specdecode.backends.llamacpp_binding import (
     DECODE_OK,
     BackendUnavailableError,
@@ -75,12 +76,7 @@ def use_extra_buffer_types() -> bool:
     forced = os.environ.get(EXTRA_BUFTS_ENV)
     if forced in ("0", "1"):
         return forced == "1"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        return True
-    return "amx_tile" not in flags.split()
+    return "amx_tile" not in cpu_flags()
 
 
 class LlamaCppModel:

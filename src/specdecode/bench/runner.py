@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from specdecode.backends.device import dtype_name
+from specdecode.backends.device import cpu_model, dtype_name
 from specdecode.bench.config import DEFAULT_METHODS, BenchConfig
 from specdecode.bench.lineup import BenchLineup
 from specdecode.bench.methods import BenchMethod
@@ -44,11 +44,7 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
 
     from specdecode import __version__
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     try:
         here = Path(__file__).parent
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=here).stdout.strip() or None

@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +44,6 @@ def model_identity(path: Path) -> list[dict[str, Any]]:
         return [file_identity(path)]
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin") or p.name == "config.json")
     return [file_identity(p) for p in files]
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 class CostStore:

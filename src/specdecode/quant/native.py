@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.backends.device import cpuinfo_line
 from specdecode.models.paths import cache_dir
 
 MAX_ROWS = 8  # the kernel's compiled row counts; callers split larger inputs
@@ -60,13 +61,7 @@ _tried = False
 
 
 def _cpu_signature() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo_line("flags") or platform.processor() or platform.machine()
 
 
 def _build(target: Path) -> None:
