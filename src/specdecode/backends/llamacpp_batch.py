@@ -34,8 +34,7 @@ FILLER_TOKEN = 0  # what timing passes feed: their cost does not depend on the i
 class SlotRecord:
     """What a free slot's KV holds: the committed tokens of the sequence that left it."""
 
-    tokens: tuple[int, ...]
-    valid: int  # positions with K/V
+    tokens: tuple[int, ...]  # every one with its K/V in the slot
     group: str | None
 
 
@@ -44,10 +43,10 @@ class SlotPool:
     positions (``backends.base.SequencePool``), each keeping its last sequence's K/V for the next
     one that shares its prefix (the module docstring)."""
 
-    def __init__(self, model: LlamaCppModel, prefix_cache: bool = True) -> None:
+    def __init__(self, model: LlamaCppModel) -> None:
         self.model = model
         self.block_size = model.n_ctx
-        self.prefix_cache = prefix_cache
+        self.prefix_cache = True  # the batch engine turns it off (BatchEngine(prefix_cache=False))
         self._free = list(range(model.n_seq_max))  # freed longest ago first
         self.slots: dict[int, int] = {}  # scheduler sequence id -> llama.cpp sequence id
         self.lengths: dict[int, int] = {}  # slot -> committed positions
@@ -93,7 +92,7 @@ class SlotPool:
                 record = self.records.get(slot)
                 if record is None or record.group != group:
                     continue
-                shared = min(common_prefix_length(record.tokens, tokens), record.valid, len(tokens) - 1)
+                shared = min(common_prefix_length(record.tokens, tokens), len(tokens) - 1)
                 if shared > kept:
                     best, kept = slot, shared
         self._free.remove(best)
@@ -128,7 +127,7 @@ class SlotPool:
             return
         valid = min(self.lengths.pop(slot, 0), len(tokens))
         if self.prefix_cache and valid > 0:
-            self.records[slot] = SlotRecord(tuple(tokens[:valid]), valid, group)
+            self.records[slot] = SlotRecord(tuple(tokens[:valid]), group)
         else:
             self.model.clear(slot)
         self._free.append(slot)
@@ -141,9 +140,9 @@ class SlotPool:
 class LlamaCppBatchModel:
     backend = "llama.cpp"
 
-    def __init__(self, model: LlamaCppModel, prefix_cache: bool = True) -> None:
+    def __init__(self, model: LlamaCppModel) -> None:
         self.model = model
-        self.pool = SlotPool(model, prefix_cache)
+        self.pool = SlotPool(model)
 
     @property
     def device(self) -> torch.device:

@@ -101,9 +101,9 @@ def add_decoder_arguments(parser: argparse.ArgumentParser, *, exclude: frozenset
     d = DecoderConfig()
     group = parser.add_argument_group("decoder (the models, how they run, how they speculate)")
 
-    def add(field: str, **kwargs: object) -> None:
+    def add(field: str, flag: str | None = None, **kwargs: object) -> None:
         if field not in exclude:
-            group.add_argument("--" + field.replace("_", "-"), dest=field, default=None, **kwargs)
+            group.add_argument(flag or "--" + field.replace("_", "-"), dest=field, default=None, **kwargs)
 
     add("target", help="the model whose output is reproduced: a demo name, .gguf file, HF folder or hub id "
         "(default: demo 1.5B)")
@@ -135,14 +135,11 @@ def add_decoder_arguments(parser: argparse.ArgumentParser, *, exclude: frozenset
         "faster and LOSSY under sampling (the output no longer follows the target's distribution); default lossless")
     add("suffix_cache_tokens", type=_non_negative_int, help="response tokens kept for method suffix (and auto) over "
         f"all groups, least recently used evicted first (0: none; default {d.suffix_cache_tokens})")
-    if "prefix_cache" not in exclude:
-        group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
-                           help="prefill every prompt whole instead of reusing the K/V of the prefix it shares with "
-                           "the previous request (on by default; docs/design.md#prefix-caching)")
-    if "retime_costs" not in exclude:
-        group.add_argument("--retime-costs", dest="retime_costs", action="store_true", default=None,
-                           help="time the passes the cost-aware draft length reads again, instead of the timings "
-                           "stored by an earlier run for the same model file, backend and machine")
+    add("prefix_cache", "--no-prefix-cache", action="store_false", help="prefill every prompt whole instead of "
+        "reusing the K/V of the prefix it shares with the previous request (on by default; "
+        "docs/design.md#prefix-caching)")
+    add("retime_costs", action="store_true", help="time the passes the cost-aware draft length reads again, "
+        "instead of the timings stored by an earlier run for the same model file, backend and machine")
     add("backend", choices=BACKEND_CHOICES, help="auto (default): llama.cpp for GGUF files on the CPU where "
         "llama-cpp-python is installed, else torch")
     add("dtype", choices=DTYPES, help="auto (default): bf16 where supported, else fp32; on llama.cpp fp32 keeps an "
@@ -152,12 +149,10 @@ def add_decoder_arguments(parser: argparse.ArgumentParser, *, exclude: frozenset
         "blocks); changes the target's output")
     add("draft_quant", choices=QUANTS, help="weight-only quantization of the draft")
     add("kv_dtype", choices=KV_DTYPES, help="KV-cache storage: auto (model dtype, default) or int8")
+    add("compile", action="store_true", help="compile the torch backend's repeated passes per shape (CUDA graphs "
+        "on a GPU); compiled before the first request, minutes on a small CPU the first time, then from an on-disk "
+        "cache (docs/compile.md)")
     if "compile" not in exclude:
-        group.add_argument(
-            "--compile", action="store_true", default=None,
-            help="compile the torch backend's repeated passes per shape (CUDA graphs on a GPU); compiled before "
-            "the first request, minutes on a small CPU the first time, then from an on-disk cache (docs/compile.md)",
-        )
         group.add_argument("--compile-mode", choices=COMPILE_MODES, help="with --compile: the torch.compile mode "
                            "(default: reduce-overhead on CUDA, default on the CPU)")
 

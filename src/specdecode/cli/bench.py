@@ -12,9 +12,10 @@ from specdecode.cli.train import positive_int as _positive_int
 from specdecode.errors import InvalidRequestError
 
 # Decoder options a bench run sets per method, in its labels (draft:3@int8, none@llama.cpp,
-# ngram:auto), or with its own flags (--medusa-heads, --eagle-heads).
+# ngram:auto, none+nocache), or with its own flags (--medusa-heads, --eagle-heads), or that its
+# BenchConfig does not carry (its decoders read stored pass costs as any decoder does).
 BENCH_EXCLUDED = frozenset({"method", "k_policy", "k_max", "backend", "target_quant", "draft_quant", "heads",
-                            "acceptance", "suffix_cache_tokens"})
+                            "acceptance", "suffix_cache_tokens", "prefix_cache", "retime_costs"})
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

@@ -88,7 +88,6 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        prefix_cache: bool = True,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"a paged cache needs at least 2 blocks (one is reserved), got {num_blocks}")
@@ -105,7 +104,7 @@ class PagedKVCache:
         self.tables: dict[int, BlockTable] = {}
         # Prefix caching (module docstring): registered blocks by key and back, and the cached
         # blocks no sequence holds, least recently used first.
-        self.prefix_cache = prefix_cache
+        self.prefix_cache = True  # the batch engine turns it off (BatchEngine(prefix_cache=False))
         self._block_of: dict[BlockKey, int] = {}
         self._key_of: dict[int, tuple[BlockKey, int]] = {}  # block -> (its key, its key id)
         self._cached_free: OrderedDict[int, None] = OrderedDict()
