@@ -165,6 +165,13 @@ def chi_square(dec, prompt_ids: list[int], method: str) -> tuple[float, int]:
     for seed in range(DRAWS):
         params = SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=NEW_TOKENS, seed=seed, ignore_eos=True)
         counts[tuple(dec.generate(prompt_ids, params, method=method, k=2).token_ids)] += 1
+    return pearson(exact, counts)
+
+
+def pearson(exact: dict[tuple[int, ...], float], counts: Counter) -> tuple[float, int]:
+    """(statistic, degrees of freedom) of ``DRAWS`` sampled sequences against their exact
+    distribution: cells with an expected count >= 5, the rest pooled into one cell where that
+    has >= 5 too. A sequence the target cannot produce fails the test outright."""
     assert set(counts) <= set(exact), "sampled a sequence the target cannot produce"
     cells = [seq for seq, p in exact.items() if p * DRAWS >= 5]  # chi-square needs expected >= 5
     other_p = 1.0 - sum(exact[s] for s in cells)
@@ -190,15 +197,7 @@ def chi_square_in_batches(dec, eng) -> tuple[float, int]:
             other = SamplingParams(temperature=0.7, max_new_tokens=5, seed=seed)
             eng.add_request(dec.encode(PROMPTS[seed % len(PROMPTS)]), other, ("draft", "ngram", "none")[seed % 3], 3)
     outputs = eng.run()
-    counts = Counter(tuple(outputs[i]) for i in ids)
-    assert set(counts) <= set(exact), "sampled a sequence the target cannot produce"
-    cells = [seq for seq, p in exact.items() if p * DRAWS >= 5]
-    stat = sum((counts[s] - DRAWS * exact[s]) ** 2 / (DRAWS * exact[s]) for s in cells)
-    other_p = 1.0 - sum(exact[s] for s in cells)
-    if other_p * DRAWS >= 5:
-        other_count = DRAWS - sum(counts[s] for s in cells)
-        return stat + (other_count - DRAWS * other_p) ** 2 / (DRAWS * other_p), len(cells)
-    return stat, len(cells) - 1
+    return pearson(exact, Counter(tuple(outputs[i]) for i in ids))
 
 
 def install_wrong_residual(monkeypatch, module=None) -> None:

@@ -23,6 +23,7 @@ from helpers import (
     assert_greedy_equal_up_to_near_tie,
     exact_sequence_distribution,
     greedy_margins,
+    pearson,
 )
 
 from specdecode import SamplingParams, SpecDecoder
@@ -186,14 +187,7 @@ def test_sampling_after_a_cached_prefix_follows_the_target(tiny_qwen2_dir: Path,
         counts[tuple(result.token_ids)] += 1
         cached += result.stats.cached_tokens > 0
     assert cached == DRAWS - 1
-    cells = [seq for seq, p in exact.items() if p * DRAWS >= 5]
-    stat = sum((counts[s] - DRAWS * exact[s]) ** 2 / (DRAWS * exact[s]) for s in cells)
-    other_p = 1.0 - sum(exact[s] for s in cells)
-    df = len(cells) - 1
-    if other_p * DRAWS >= 5:
-        other_count = DRAWS - sum(counts[s] for s in cells)
-        stat += (other_count - DRAWS * other_p) ** 2 / (DRAWS * other_p)
-        df += 1
+    stat, df = pearson(exact, counts)
     assert stat < CHI2_CRITICAL_P001[df], f"chi-square {stat:.1f} with {df} df"
 
 
