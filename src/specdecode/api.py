@@ -7,8 +7,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.batch_select import batch_model
 from specdecode.backends.compiled import (
@@ -19,14 +17,12 @@ from specdecode.backends.compiled import (
     resolve_compile_mode,
     warm_up_passes,
 )
-from specdecode.backends.device import cpu_model
-from specdecode.backends.llamacpp import llama_cpp_version, use_extra_buffer_types
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
 from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import METHODS, TREE_METHODS, DecoderConfig, SamplingParams, check_acceptance
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
-from specdecode.costs.store import CostStore, model_identity
+from specdecode.costs.store import CostStore, cost_store_for
 from specdecode.drafters.auto import LookupMemory
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -115,26 +111,7 @@ class SpecDecoder:
         return self.resources.costs
 
     def _cost_store(self, loaded: LoadedModel, role: str) -> CostStore | None:
-        """Where this model's measured pass costs are kept between runs (costs/store.py), keyed by
-        everything they depend on; None where the model has no file to identify it by."""
-        model = loaded.model
-        llamacpp = loaded.backend == LLAMACPP
-        try:
-            identity = model_identity(Path(model.path if llamacpp else loaded.folder))
-        except (OSError, AttributeError, TypeError):
-            return None
-        device = torch.device("cpu") if llamacpp else model.device
-        key = {
-            "role": role, "backend": loaded.backend, "model": identity, "quant": loaded.quant, "cpu": cpu_model(),
-            "kv_dtype": self.config.kv_dtype, "compile": self.compile_mode, "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        }
-        if llamacpp:
-            key.update(threads=model.n_threads, kv_type=model.kv_type, flash_attn=model.flash_attn,
-                       repack=use_extra_buffer_types(), llama_cpp=llama_cpp_version())
-        else:
-            key.update(threads=torch.get_num_threads(), dtype=str(model.dtype))
-        return CostStore(key, retime=self.config.retime_costs)
+        return cost_store_for(loaded, role, self.config.kv_dtype, self.compile_mode, self.config.retime_costs)
 
     def _sequence(self, loaded: LoadedModel, role: str) -> SequenceModel:
         """One sequence of a loaded model on its backend, for the single-request engine."""

@@ -37,6 +37,7 @@ from specdecode.config import BACKEND_CHOICES
 
 if TYPE_CHECKING:
     from specdecode.engine.tree import TokenTree
+    from specdecode.kv.paged import PrefixCacheStats
 
 BACKENDS = BACKEND_CHOICES
 
@@ -99,6 +100,12 @@ class SequencePool(Protocol):
     (``backends.llamacpp_batch.SlotPool``)."""
 
     block_size: int  # positions per accounting unit
+    prefix_cache: bool  # whether ``add`` serves cached prefixes and ``free`` keeps them (on by default)
+    prefix_stats: PrefixCacheStats  # positions looked up and served, and evictions, since start
+
+    @property
+    def cached_blocks(self) -> int:
+        """Units holding a cached prefix (blocks on torch, free slots with a record on llama.cpp)."""
 
     @property
     def usable_blocks(self) -> int: ...

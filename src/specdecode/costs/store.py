@@ -17,9 +17,16 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from specdecode.backends.device import cpu_model
+from specdecode.backends.llamacpp import llama_cpp_version, use_extra_buffer_types
 from specdecode.models.paths import cache_dir
+
+if TYPE_CHECKING:
+    from specdecode.models.loader import LoadedModel
 
 COST_STORE_SCHEMA = 1
 VERIFY_TABLE = "verify"  # the target's pass over 1, 2, ... rows
@@ -44,6 +51,30 @@ def model_identity(path: Path) -> list[dict[str, Any]]:
         return [file_identity(path)]
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin") or p.name == "config.json")
     return [file_identity(p) for p in files]
+
+
+def cost_store_for(loaded: LoadedModel, role: str, kv_dtype: str, compile_mode: str | None,
+                   retime: bool = False) -> CostStore | None:
+    """Where ``loaded``'s measured pass costs (as ``role``, "target" or "draft") are kept between
+    runs, keyed by everything they depend on; None where the model has no file to identify it by."""
+    model = loaded.model
+    llamacpp = loaded.backend == "llama.cpp"
+    try:
+        identity = model_identity(Path(model.path if llamacpp else loaded.folder))
+    except (OSError, AttributeError, TypeError):
+        return None
+    device = torch.device("cpu") if llamacpp else model.device
+    key = {
+        "role": role, "backend": loaded.backend, "model": identity, "quant": loaded.quant, "cpu": cpu_model(),
+        "kv_dtype": kv_dtype, "compile": compile_mode, "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    if llamacpp:
+        key.update(threads=model.n_threads, kv_type=model.kv_type, flash_attn=model.flash_attn,
+                   repack=use_extra_buffer_types(), llama_cpp=llama_cpp_version())
+    else:
+        key.update(threads=torch.get_num_threads(), dtype=str(model.dtype))
+    return CostStore(key, retime=retime)
 
 
 class CostStore:

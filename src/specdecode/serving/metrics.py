@@ -95,7 +95,7 @@ class ServerMetrics:
                  engine.scheduler.preemptions if engine is not None else 0),
                 ("kv_cache_tokens", "gauge", "Tokens in the single-sequence engine's target KV cache.", self.kv_tokens),
             ]
-            if pool is not None and hasattr(pool, "prefix_stats"):
+            if pool is not None:
                 prefix = pool.prefix_stats
                 rows += [
                     ("prefix_cache_hit_rate", "gauge", "Batched prompt positions served from the prefix cache, of those "
