@@ -32,6 +32,7 @@ from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.planner import DecoderResources, PlanRequest, plan_request
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
+from specdecode.engine.grammar import GrammarCompiler
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.plan import RequestPlan
 from specdecode.engine.single import SpecEngine
@@ -68,6 +69,8 @@ class SpecDecoder:
         self.kv_dtype = config.kv_dtype
         self.tokenizer = target.tokenizer
         self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
+        # Structured outputs' compiler over this tokenizer (built on the first structured request).
+        self.grammars = GrammarCompiler(self.tokenizer, target.config.vocab_size, self.eos_token_ids)
         self.backend = target.backend
         # compile=: the repeated passes compiled per shape (backends/compiled.py); None: eager.
         if config.compile:
@@ -244,12 +247,14 @@ class SpecDecoder:
         check_acceptance(acceptance, request.method)
         prompt_ids = self.prompt_ids(prompt, chat)
         self.check_request(prompt_ids, params)
+        grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         plan = plan_request(self.resources, request)
         stats = GenerationStats(method=plan.method)
         if plan.steps_by_source is not None:
             stats.steps_by_source = plan.steps_by_source  # filled as it decodes
         stats.note = plan.note or ""
-        chunks = self.engine.decode(prompt_ids, params, plan, stats, acceptance=acceptance, cache_salt=cache_salt)
+        chunks = self.engine.decode(prompt_ids, params, plan, stats, acceptance=acceptance, cache_salt=cache_salt,
+                                    grammar=grammar)
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
 
     def plan(self, method: str | None = None, k: int | str | None = None, k_policy: str | None = None,
@@ -374,12 +379,14 @@ class SpecDecoder:
         prompt_ids = [list(p) if isinstance(p, list) and p and isinstance(p[0], int) else self.encode(p, chat) for p in prompts]
         for ids, request_params in zip(prompt_ids, params_list, strict=True):
             self.check_request(ids, request_params)
+        grammars = [self.grammars.compile(p.structured) if p.structured is not None else None for p in params_list]
         decoders = [IncrementalDecoder(self.tokenizer, p.stop) for p in params_list]
         stats = [GenerationStats() for _ in prompts]
         ids_to_index = {
             engine.add_request(ids, request_params, method, k, stats=request_stats, suffix_group=suffix_group,
-                               cache_salt=cache_salt): index
-            for index, (ids, request_params, request_stats) in enumerate(zip(prompt_ids, params_list, stats, strict=True))
+                               cache_salt=cache_salt, grammar=grammar): index
+            for index, (ids, request_params, request_stats, grammar)
+            in enumerate(zip(prompt_ids, params_list, stats, grammars, strict=True))
         }
         while engine.has_unfinished:
             for output in engine.step():

@@ -7,6 +7,7 @@ to that form by ``models.gguf_loader``), so there is one source of truth for mod
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -132,6 +133,60 @@ class ModelConfig:
 MIN_TEMPERATURE = 1e-5
 
 
+@dataclass(slots=True, frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate: exactly one of a JSON schema, any JSON
+    object, a regular expression, a list of choices, or a grammar in xgrammar's EBNF (the GBNF
+    dialect llama.cpp users write). Compiled by ``engine/grammar.py``; exact under every method.
+
+    ``any_whitespace`` lets JSON hold any whitespace between tokens (the model's own layout; off:
+    compact separators only); ``strict`` refuses properties a schema does not list unless it says
+    ``additionalProperties`` (OpenAI's strict mode); it applies to ``json_schema`` only.
+    """
+
+    json_schema: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    any_whitespace: bool = True
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        given = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"A structured output takes exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}."
+            )
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
+                raise InvalidRequestError("choice must be a non-empty list of strings.")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json_schema, str):
+            try:
+                parsed = json.loads(self.json_schema)
+            except json.JSONDecodeError as err:
+                raise InvalidRequestError(f"json_schema is not valid JSON: {err}.") from err
+            object.__setattr__(self, "json_schema", parsed)
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise InvalidRequestError(f"json_schema must be a JSON object, got {type(self.json_schema).__name__}.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{name} must be a non-empty string.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is, in words for messages."""
+        return {"json_schema": "JSON schema", "json_object": "JSON grammar", "regex": "regex",
+                "choice": "choice list", "grammar": "grammar"}[next(
+                    name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))]
+
+
+STRUCTURED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` is greedy (top-k/top-p are then ignored)."""
@@ -143,8 +198,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Constrain the output to a JSON schema, a regex, choices or a grammar (engine/grammar.py).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError("structured must be a StructuredOutput (config.py).")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}.")
         if self.temperature < MIN_TEMPERATURE:

@@ -46,6 +46,7 @@ from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch_proposals import max_draft, may_draft, plan_row, propose
 from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
 from specdecode.engine.batch_verify import verify_rows
+from specdecode.engine.grammar import CompiledGrammar, apply_row_masks, constrain_proposals
 from specdecode.engine.metrics import GenerationStats, Stopwatch
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.scheduler import ScheduledSequence, Scheduler
@@ -134,11 +135,13 @@ class BatchEngine:
         stats: GenerationStats | None = None,
         suffix_group: str | None = DEFAULT_GROUP,
         cache_salt: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> str:
         """Queue a request; it joins the batch at a coming step. Returns its id. ``stats`` (a
         fresh ``GenerationStats``) is filled as it decodes; one is made when not given. Method
         suffix drafts from (and adds to) ``suffix_group``'s earlier responses (None: its own text
-        only). The request reuses the K/V of cached prefixes of requests with its ``cache_salt``."""
+        only). The request reuses the K/V of cached prefixes of requests with its ``cache_salt``.
+        ``grammar`` (``params.structured`` compiled, ``engine/grammar.py``) masks its rows."""
         k = self.check_request(len(prompt_ids), params, method, k)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -154,6 +157,7 @@ class BatchEngine:
             tokens=list(prompt_ids), committed=committed,
             stats=stats or GenerationStats(), started=time.perf_counter(),
             ngram=self._host_drafter(method, k, suffix_group),
+            grammar=grammar.state() if grammar is not None else None,
         )
         request.stats.method, request.stats.prompt_tokens = method, prompt_len
         pooled = self._pooled_acceptance[method]
@@ -269,7 +273,7 @@ class BatchEngine:
             with draft_watch:
                 proposals, draft_passes, draft_rows = self._draft(running, wanted)
             with verify_watch:
-                emitted = self._verify(running, proposals)
+                emitted, proposals = self._verify(running, proposals)
         except Exception as err:  # noqa: BLE001 - raised again below unless one request is to blame
             failed += self._isolate_failures(running, wanted, generators, err)
             running = list(self.scheduler.running)
@@ -279,7 +283,7 @@ class BatchEngine:
             with draft_watch:
                 proposals, draft_passes, draft_rows = self._draft(running, wanted)
             with verify_watch:
-                emitted = self._verify(running, proposals)
+                emitted, proposals = self._verify(running, proposals)
         self.chooser.observe(
             batch=len(proposals), width=1 + max(p.num_tokens for p in proposals), drafted=sum(p.num_tokens for p in proposals),
             verify_seconds=verify_watch.elapsed, draft_rows=draft_rows,
@@ -368,11 +372,17 @@ class BatchEngine:
     def _draft(self, running: list[ScheduledSequence], wanted: dict[int, int]) -> tuple[list[DraftProposal], int, int]:
         return propose(running, wanted, self.drafter, self.draft_confidence, self.device)
 
-    def _verify(self, running: list[ScheduledSequence], proposals: list[DraftProposal]) -> list[list[int]]:
-        """One target pass over every row; each row's emitted tokens (accepted drafts + one).
+    def _verify(self, running: list[ScheduledSequence],
+                proposals: list[DraftProposal]) -> tuple[list[list[int]], list[DraftProposal]]:
+        """One target pass over every row; each row's emitted tokens (accepted drafts + one), and
+        the proposals as verified (a structured row's deterministic drafts cut at the first token
+        its grammar forbids: engine/grammar.py).
 
         Greedy rows are verified in one call, sampling rows in another (each with its own
         processor's probabilities and its own generator); one host read brings all rows back."""
+        requests: list[BatchRequest] = [seq.state for seq in running]
+        proposals, masks = constrain_proposals([r.grammar for r in requests], [r.processor.greedy for r in requests],
+                                               proposals)
         inputs, starts = [], []
         for seq, proposal in zip(running, proposals, strict=True):
             request: BatchRequest = seq.state
@@ -381,10 +391,11 @@ class BatchEngine:
             starts.append(length - 1)
         logits = self.target.forward([seq.seq_id for seq in running], inputs, starts)  # (B, T, V)
         assert logits is not None
-        requests: list[BatchRequest] = [seq.state for seq in running]
+        if masks:
+            logits = apply_row_masks(logits, masks)
         emitted = verify_rows(logits, proposals, [r.processor for r in requests], [r.generator for r in requests])
-        emitted = emitted.tolist()  # the one host read of the step
-        return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in emitted]
+        emitted = emitted.tolist()  # the one host read of the step (and the drafts of structured rows)
+        return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in emitted], proposals
 
     def _commit(
         self,
@@ -419,6 +430,11 @@ class BatchEngine:
             length = len(request.tokens)
             request.committed[length : length + count] = host_to_device(new_tokens, torch.long, self.device)
             request.tokens.extend(new_tokens)
+            if request.grammar is not None:
+                request.grammar.advance(new_tokens)
+                stats.mask_seconds = request.grammar.mask_seconds
+                if request.grammar.terminated and not stop_reason:  # the grammar ended (ignore_eos)
+                    stop_reason = "stop"
             if request.ngram is not None:  # as tokens commit, so other requests draft from them too
                 request.ngram.extend(request.tokens[len(request.ngram.history):])
             seq.num_tokens = len(request.tokens)

@@ -11,6 +11,7 @@ from specdecode.config import SamplingParams
 from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.engine.grammar import GrammarState
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.sampling import LogitsProcessor
 from specdecode.engine.scheduler import ScheduledSequence
@@ -43,6 +44,7 @@ class BatchRequest:
     started: float
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     ngram: NgramDrafter | SuffixDrafter | None = None  # a host-side drafter: prompt lookup or suffix decoding
+    grammar: GrammarState | None = None  # structured output: the matcher over committed tokens
 
     @property
     def remaining(self) -> int:

@@ -42,6 +42,9 @@ class GenerationStats:
     # compile=True: seconds of this request spent compiling passes of shapes not compiled yet
     # (part of draft/verify time; 0 once the decoder is warm, see SpecDecoder.warm_up)
     compile_seconds: float = 0.0
+    # Structured outputs: seconds the grammar's matcher spent on masks and advancing (part of
+    # other, or of verify for token trees; engine/grammar.py).
+    mask_seconds: float = 0.0
     stop_reason: str = ""
     # method auto: steps drafted by each source ("ngram", "draft") or decoded plainly ("none")
     steps_by_source: dict[str, int] = field(default_factory=dict)
@@ -130,6 +133,7 @@ class GenerationStats:
             f"time: total={self.total_seconds:.2f}s prefill={self.prefill_seconds:.2f}s "
             f"draft={self.draft_seconds:.2f}s verify={self.verify_seconds:.2f}s other={self.other_seconds:.2f}s"
             + (f" (compiling {self.compile_seconds:.2f}s)" if self.compile_seconds else "")
+            + (f" grammar={self.mask_seconds:.3f}s" if self.mask_seconds else "")
         )
         return "\n".join(parts)
 

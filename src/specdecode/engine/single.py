@@ -28,6 +28,7 @@ from specdecode.costs.k_policy import interpolate
 from specdecode.costs.store import VERIFY_TABLE, CostStore
 from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 from specdecode.drafters.base import Drafter, TreeDrafter
+from specdecode.engine.grammar import CompiledGrammar, GrammarState, apply_masks, first_forbidden
 from specdecode.engine.metrics import GenerationStats, Stopwatch
 from specdecode.engine.plan import RequestPlan
 from specdecode.engine.prefix import NO_MATCH, CachedPrefix, match_prefix
@@ -114,6 +115,7 @@ class SpecEngine:
         stats: GenerationStats,
         acceptance: str = "lossless",
         cache_salt: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Iterator[list[int]]:
         """Yield the newly committed tokens after each step; fill ``stats`` as it goes.
 
@@ -125,6 +127,8 @@ class SpecEngine:
         typical acceptance. Closing the iterator early (a stop string) still leaves ``stats``
         complete. With the prefix cache on, the prompt's longest prefix shared with the previous
         request of the same ``cache_salt`` is not prefilled again (``stats.cached_tokens``).
+        ``grammar`` (``params.structured`` compiled, ``engine/grammar.py``) masks every row the
+        target scores, so the output is the target's distribution under the grammar.
         """
         started = time.perf_counter()
         compiled_before = self.compile_log.seconds if self.compile_log is not None else 0.0
@@ -152,6 +156,7 @@ class SpecEngine:
         self.target.begin(capacity + (drafter.max_tree_nodes if tree_mode else 0), keep=match.keep)
         processor = LogitsProcessor.from_params(params)
         generator = None if processor.greedy else make_generator(params.seed, device)
+        constraint = grammar.state() if grammar is not None else None
         committed = torch.empty((1, capacity), dtype=torch.long, device=device)
         committed[0, :prompt_len] = host_to_device(list(prompt_ids), torch.long, device)
         stats.prompt_tokens = prompt_len
@@ -159,7 +164,7 @@ class SpecEngine:
         host_tokens = list(prompt_ids)  # committed, on the host: the next request's prefix record
         valid = match.keep  # positions whose K/V the target holds
         watches = (Stopwatch(device, self.sync_timing), Stopwatch(device, self.sync_timing))
-        step = self._stepper(plan, committed, processor, generator, acceptance, watches)
+        step = self._stepper(plan, committed, processor, generator, acceptance, watches, constraint)
         on_committed = getattr(drafter, "on_committed", None) if speculate else None
         try:
             # Prefill all but the last prompt token; the first verify pass feeds that one with
@@ -196,6 +201,11 @@ class SpecEngine:
                 valid = length + min(result.accepted, count - 1)
                 self.target.commit(valid)
                 host_tokens.extend(new_tokens)
+                if constraint is not None:
+                    constraint.advance(new_tokens)
+                    stats.mask_seconds = constraint.mask_seconds
+                    if constraint.terminated and not stop_reason:  # the grammar ended (ignore_eos)
+                        stop_reason = "stop"
                 length += count
                 stats.new_tokens += count
                 if on_committed is not None:
@@ -235,23 +245,25 @@ class SpecEngine:
         generator: torch.Generator | None,
         acceptance: str,
         watches: tuple[Stopwatch, Stopwatch],
+        constraint: GrammarState | None,
     ) -> Callable[[int, int], StepResult]:
         """The step function for this request, chosen once: ``step(length, remaining)`` drafts,
         verifies and returns what the step emitted (plain, a chain of drafts, or a token tree)."""
         drafter, schedule = plan.drafter, plan.schedule
         if drafter is None:
-            return lambda length, remaining: self._chain_step(None, committed, length, 0, processor, generator, watches)
+            return lambda length, remaining: self._chain_step(None, committed, length, 0, processor, generator, watches,
+                                                              constraint)
         if plan.tree:
             tree_drafter = cast(TreeDrafter, drafter)
             return lambda length, remaining: self._tree_step(
-                tree_drafter, committed, length, remaining - 1, processor, generator, acceptance, watches
+                tree_drafter, committed, length, remaining - 1, processor, generator, acceptance, watches, constraint
             )
 
         def chain(length: int, remaining: int) -> StepResult:
             # This step's k: the schedule's choice, at most the plan's; never past max_new_tokens
             # (a step emits at most k + 1 tokens).
             k = min(schedule.next_k() if schedule is not None else plan.k, plan.k, remaining - 1)
-            result = self._chain_step(drafter, committed, length, k, processor, generator, watches)
+            result = self._chain_step(drafter, committed, length, k, processor, generator, watches, constraint)
             if result.proposed > 0:
                 drafter.on_verified(result.accepted)
             if schedule is not None:
@@ -270,8 +282,10 @@ class SpecEngine:
         processor: LogitsProcessor,
         generator: torch.Generator | None,
         watches: tuple[Stopwatch, Stopwatch],
+        constraint: GrammarState | None = None,
     ) -> StepResult:
-        """Draft up to k tokens in a line, verify them in one target pass."""
+        """Draft up to k tokens in a line, verify them in one target pass (under the grammar, the
+        rows masked by its state after each draft: engine/grammar.py)."""
         draft_watch, verify_watch = watches
         device = self.device
         draft_seconds, draft_passes = 0.0, 0
@@ -284,9 +298,22 @@ class SpecEngine:
             draft_seconds, draft_passes = draft_watch.elapsed, proposal.forward_passes
             draft_tokens, draft_probs = proposal.tokens, proposal.probs
             k = proposal.num_tokens
+        allowed = None
+        if constraint is not None:
+            drafts = draft_tokens[0].tolist()  # the matcher runs on the host
+            allowed = constraint.chain_masks(drafts)  # (k + 1, V)
+            if draft_probs is None or processor.greedy:
+                # A deterministic draft past its first forbidden token is rejected there for
+                # sure, and its residual is p itself: verifying fewer rows changes nothing.
+                legal = first_forbidden(allowed, drafts)
+                draft_tokens, allowed, k = draft_tokens[:, :legal], allowed[: legal + 1], legal
+                if draft_probs is not None:
+                    draft_probs = draft_probs[:, :legal]
         with verify_watch:
             inputs = torch.cat([committed[:, length - 1 : length], draft_tokens], dim=1)
             logits = self.target.extend(inputs, length - 1).logits  # (1, k + 1, V)
+            if allowed is not None:
+                logits = apply_masks(logits, allowed)
             if processor.greedy:
                 result = greedy_verify(draft_tokens, logits)
             else:
@@ -309,8 +336,10 @@ class SpecEngine:
         generator: torch.Generator | None,
         acceptance: str,
         watches: tuple[Stopwatch, Stopwatch],
+        constraint: GrammarState | None = None,
     ) -> StepResult:
-        """Draft a token tree, score every node in one target pass, keep the accepted path."""
+        """Draft a token tree, score every node in one target pass, keep the accepted path (under
+        the grammar, node i's row masked by its state after the path to node i)."""
         draft_watch, verify_watch = watches
         device = self.device
         with draft_watch:
@@ -322,6 +351,8 @@ class SpecEngine:
             out = target.extend_tree(tree, start)  # the backend supports trees: checked in decode()
             assert out.logits is not None and out.hidden is not None
             logits = out.logits[0]  # (N, V)
+            if constraint is not None:
+                logits = apply_masks(logits, constraint.masks(tree.parents, tree.tokens.tolist()))
             if processor.greedy:
                 result = greedy_tree_verify(tree, logits)
             elif acceptance == "typical":

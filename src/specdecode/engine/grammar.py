@@ -1,0 +1,216 @@
+"""Structured outputs: a grammar masks the target's rows, and speculation stays exact under it.
+
+The grammar engine is xgrammar (a maintained one made for this; docs/structured.md says why
+it and not llguidance, with the timings). A request's ``StructuredOutput`` (config.py) is
+compiled once per decoder's tokenizer (``GrammarCompiler``, which caches compiled grammars);
+each request gets its own matcher (``GrammarState``) that follows the committed tokens.
+
+Exactness. With the grammar, the distribution to sample from at each position is the target's
+row with every token the grammar forbids at that position set to -inf, renormalised (then
+temperature, top-k and top-p, exactly as plain constrained decoding applies them). A verify
+pass over drafts d_1..d_k holds rows p_0..p_k; row i is masked with the grammar's state after
+the committed tokens plus d_1..d_i (``masks``: the matcher walks the drafts and is back where it
+was afterwards). A draft token the grammar forbids has p = 0 and is rejected; the rows below it
+are never reached (they are left unmasked). Rejection sampling is exact for any proposal q, so
+a draft model sampling from its unmasked q stays lossless; a deterministic draft (prompt lookup,
+suffix trees, greedy) can be cut at its first forbidden token before the pass, which changes
+nothing: its residual at that row is p itself (``first_forbidden``).
+
+One cost beyond plain decoding: the drafts must be on the host for the matcher, one more
+device-to-host read per step on a GPU (the grammar engines run on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from specdecode.config import StructuredOutput
+from specdecode.drafters.base import DraftProposal
+from specdecode.errors import InvalidRequestError
+
+INSTALL_HINT = "Structured outputs need xgrammar: pip install 'specdecode[structured]'."
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as err:  # an optional extra
+        raise InvalidRequestError(INSTALL_HINT) from err
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutput`` specs for one tokenizer; thread-safe, caches by spec.
+
+    Building xgrammar's tokenizer info reads the whole vocabulary (0.7-1 s for the demo's 151k
+    tokens on a 2-core CPU), so it happens on the first structured request, not at load."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
+        self.stop_token_ids = list(stop_token_ids)
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            return self._compiler
+
+    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        """The compiled grammar, or InvalidRequestError saying what is wrong with the spec."""
+        compiler = self._get()
+        try:
+            if spec.json_schema is not None:
+                schema = spec.json_schema if isinstance(spec.json_schema, str) else json.dumps(spec.json_schema)
+                compiled = compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace,
+                                                        strict_mode=spec.strict)
+            elif spec.json_object:
+                compiled = compiler.compile_builtin_json_grammar()
+            elif spec.regex is not None:
+                compiled = compiler.compile_regex(spec.regex)
+            elif spec.choice is not None:
+                compiled = compiler.compile_regex("|".join(_regex_escape(c) for c in spec.choice))
+            else:
+                assert spec.grammar is not None
+                compiled = compiler.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError, TypeError) as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise InvalidRequestError(f"The {spec.kind} could not be compiled: {first_line}") from err
+        return CompiledGrammar(compiled, self.vocab_size, spec)
+
+
+def _regex_escape(text: str) -> str:
+    # xgrammar's regex dialect is ECMAScript-like; escape every metacharacter it knows.
+    return "".join("\\" + ch if ch in r"\^$.|?*+()[]{}/-" else ch for ch in text)
+
+
+class CompiledGrammar:
+    """A compiled grammar for one tokenizer; ``state()`` starts a request's matcher."""
+
+    def __init__(self, compiled: Any, vocab_size: int, spec: StructuredOutput) -> None:
+        self.compiled = compiled
+        self.vocab_size = vocab_size
+        self.spec = spec
+
+    def state(self) -> GrammarState:
+        return GrammarState(self)
+
+
+class GrammarState:
+    """One request's place in its grammar: advanced by committed tokens, asked for masks."""
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self._xgr = _xgrammar()
+        self.matcher = self._xgr.GrammarMatcher(grammar.compiled)
+        self.vocab_size = grammar.vocab_size
+        self.mask_seconds = 0.0  # time spent computing masks and advancing (stats.mask_seconds)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar reached its end and accepted a stop token: nothing more may follow."""
+        return self.matcher.is_terminated()
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Commit tokens (each one a token the masks allowed)."""
+        for token in tokens:
+            if self.matcher.is_terminated():
+                return
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"token {token} was emitted but the grammar forbids it: a masking bug")
+
+    def masks(self, parents: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:  # -> (N, V) bool, CPU
+        """Allowed tokens after each node of a draft tree (a chain is a tree with parents i - 1):
+        node 0 is the last committed token (the matcher's state now); node i's row is the state
+        after the path to it. Rows the grammar cannot reach (below a forbidden token) allow all."""
+        started = time.perf_counter()
+        size = len(parents)
+        first_child = [-1] * size
+        next_sibling = [-1] * size
+        last_child = [-1] * size
+        for node in range(1, size):
+            parent = parents[node]
+            if first_child[parent] < 0:
+                first_child[parent] = node
+            else:
+                next_sibling[last_child[parent]] = node
+            last_child[parent] = node
+        bitmask = self._xgr.allocate_token_bitmask(size, self.vocab_size)  # all bits set: all allowed
+        self.matcher.traverse_draft_tree(torch.tensor(first_child), torch.tensor(next_sibling),
+                                         torch.tensor(list(tokens), dtype=torch.long), bitmask)
+        allowed = unpack_bitmask(bitmask, self.vocab_size)
+        self.mask_seconds += time.perf_counter() - started
+        return allowed
+
+    def chain_masks(self, drafts: Sequence[int]) -> torch.Tensor:  # -> (k + 1, V) bool, CPU
+        return self.masks([-1, *range(len(drafts))], [0, *drafts])
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # (N, W) int32 -> (N, V) bool
+    """xgrammar's packed mask (bit j of word w allows token 32 w + j) as booleans."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # (N, W, 32)
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def first_forbidden(allowed: torch.Tensor, drafts: Sequence[int]) -> int:  # allowed: (k + 1, V) bool
+    """How many drafts, from the first, the grammar allows in a row."""
+    for i, token in enumerate(drafts):
+        if not allowed[i, token]:
+            return i
+    return len(drafts)
+
+
+def apply_masks(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits (..., T, V) with the forbidden tokens of each row set to -inf; ``allowed`` (T, V)
+    bool on the host, moved to the logits' device in one copy."""
+    allowed = allowed.to(logits.device, non_blocking=True)
+    width = logits.shape[-1]
+    if allowed.shape[-1] < width:  # logits wider than the mask: the extra ids are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]), value=False)
+    return logits.masked_fill(~allowed[..., :width], float("-inf"))
+
+
+def constrain_proposals(
+    grammars: Sequence[GrammarState | None],
+    greedy: Sequence[bool],
+    proposals: Sequence[DraftProposal],
+) -> tuple[list[DraftProposal], dict[int, torch.Tensor]]:
+    """A batch's proposals as its structured rows verify them, and each such row's masks
+    (row b: (k_b + 1, V) bool, host). As in the single path, a deterministic draft (or any draft
+    under greedy) is cut at its first forbidden token."""
+    out, masks = list(proposals), {}
+    for b, (state, proposal) in enumerate(zip(grammars, proposals, strict=True)):
+        if state is None:
+            continue
+        drafts = proposal.tokens[0].tolist()
+        allowed = state.chain_masks(drafts)
+        if proposal.probs is None or greedy[b]:
+            legal = first_forbidden(allowed, drafts)
+            if legal < len(drafts):
+                probs = None if proposal.probs is None else proposal.probs[:, :legal]
+                out[b] = DraftProposal(proposal.tokens[:, :legal], probs, proposal.forward_passes)
+                allowed = allowed[: legal + 1]
+        masks[b] = allowed
+    return out, masks
+
+
+def apply_row_masks(logits: torch.Tensor, masks: dict[int, torch.Tensor]) -> torch.Tensor:
+    """logits (B, T, V) with row b's first masks[b].shape[0] rows masked (-inf where forbidden);
+    the other rows as they are. One host-to-device copy for the whole batch."""
+    batch, width, vocab = logits.shape
+    allowed = torch.ones((batch, width, vocab), dtype=torch.bool)
+    for b, rows in masks.items():
+        allowed[b, : rows.shape[0], : min(vocab, rows.shape[1])] = rows[:, :vocab]
+        allowed[b, : rows.shape[0], rows.shape[1]:] = False
+    return logits.masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
