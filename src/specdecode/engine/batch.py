@@ -150,14 +150,15 @@ class BatchEngine:
         capacity = prompt_len + params.max_new_tokens
         committed = torch.zeros(capacity + 1, dtype=torch.long, device=self.device)
         committed[:prompt_len] = host_to_device(list(prompt_ids), torch.long, self.device)
-        processor = LogitsProcessor.from_params(params)
+        state = grammar.state() if grammar is not None else None
+        processor = LogitsProcessor.from_params(params, state)
         request = BatchRequest(
             request_id=request_id, params=params, method=method, k=k, processor=processor,
             generator=None if processor.greedy else make_generator(params.seed, self.device),
             tokens=list(prompt_ids), committed=committed,
             stats=stats or GenerationStats(), started=time.perf_counter(),
             ngram=self._host_drafter(method, k, suffix_group),
-            grammar=grammar.state() if grammar is not None else None,
+            grammar=state,
         )
         request.stats.method, request.stats.prompt_tokens = method, prompt_len
         pooled = self._pooled_acceptance[method]
@@ -370,7 +371,15 @@ class BatchEngine:
             request.stats.prefill_seconds += elapsed
 
     def _draft(self, running: list[ScheduledSequence], wanted: dict[int, int]) -> tuple[list[DraftProposal], int, int]:
-        return propose(running, wanted, self.drafter, self.draft_confidence, self.device)
+        # Structured rows' drafts walk their grammars (engine/grammar.py), which end back where they were.
+        grammars = [seq.state.grammar for seq in running if seq.state.grammar is not None]
+        for grammar in grammars:
+            grammar.begin_draft()
+        try:
+            return propose(running, wanted, self.drafter, self.draft_confidence, self.device)
+        finally:
+            for grammar in grammars:
+                grammar.end_draft()
 
     def _verify(self, running: list[ScheduledSequence],
                 proposals: list[DraftProposal]) -> tuple[list[list[int]], list[DraftProposal]]:

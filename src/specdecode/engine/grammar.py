@@ -75,8 +75,8 @@ class GrammarCompiler:
                 schema = spec.json_schema if isinstance(spec.json_schema, str) else json.dumps(spec.json_schema)
                 compiled = compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace,
                                                         strict_mode=spec.strict)
-            elif spec.json_object:
-                compiled = compiler.compile_builtin_json_grammar()
+            elif spec.json_object:  # any JSON object (OpenAI's JSON mode), not any JSON value
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
             elif spec.regex is not None:
                 compiled = compiler.compile_regex(spec.regex)
             elif spec.choice is not None:
@@ -115,6 +115,8 @@ class GrammarState:
         self.matcher = self._xgr.GrammarMatcher(grammar.compiled)
         self.vocab_size = grammar.vocab_size
         self.mask_seconds = 0.0  # time spent computing masks and advancing (stats.mask_seconds)
+        self._drafted = 0  # tokens a draft walk moved the matcher by (rolled back by end_draft)
+        self._walk_blocked = False
 
     @property
     def terminated(self) -> bool:
@@ -149,11 +151,45 @@ class GrammarState:
         self.matcher.traverse_draft_tree(torch.tensor(first_child), torch.tensor(next_sibling),
                                          torch.tensor(list(tokens), dtype=torch.long), bitmask)
         allowed = unpack_bitmask(bitmask, self.vocab_size)
+        # A row with nothing allowed follows a stop token (the request ends there): never
+        # sampled from, but an all -inf row would turn into NaN probabilities.
+        allowed[~allowed.any(dim=-1)] = True
         self.mask_seconds += time.perf_counter() - started
         return allowed
 
     def chain_masks(self, drafts: Sequence[int]) -> torch.Tensor:  # -> (k + 1, V) bool, CPU
         return self.masks([-1, *range(len(drafts))], [0, *drafts])
+
+    # A draft model's walk: each drafted token is drawn from its row masked at the draft's place
+    # in the grammar (``sampling.draw``), so it proposes only allowed tokens; its q is then the
+    # masked distribution it really sampled from, which keeps rejection sampling exact. Each
+    # drafted token is read on the host (a sync per draft token on a GPU).
+    def begin_draft(self) -> None:
+        self._drafted, self._walk_blocked = 0, False
+
+    def mask_draft(self, logits: torch.Tensor) -> torch.Tensor:  # (1, V) -> (1, V)
+        if self._walk_blocked or self.matcher.is_terminated():
+            return logits  # past the grammar's end: the verify pass cuts these drafts
+        started = time.perf_counter()
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask)
+        allowed = unpack_bitmask(bitmask, self.vocab_size)
+        self.mask_seconds += time.perf_counter() - started
+        return apply_masks(logits, allowed)
+
+    def push_draft(self, token: torch.Tensor) -> None:  # (1,) long
+        if self._walk_blocked or self.matcher.is_terminated():
+            return
+        if self.matcher.accept_token(int(token[0])):
+            self._drafted += 1
+        else:
+            self._walk_blocked = True
+
+    def end_draft(self) -> None:
+        """Back to the committed tokens' state, whatever the walk did."""
+        if self._drafted:
+            self.matcher.rollback(self._drafted)
+        self._drafted, self._walk_blocked = 0, False
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # (N, W) int32 -> (N, V) bool

@@ -2,16 +2,22 @@
 
 The same ``LogitsProcessor`` is applied to the target's and the draft's logits: rejection
 sampling is lossless only if p and q are the distributions the two models would actually
-sample from, after temperature, top-k and top-p.
+sample from, after temperature, top-k and top-p. Under a grammar the target's rows are masked
+before they get here (engine/grammar.py); a drafter's rows are masked in ``draw`` by the
+request's grammar as the draft walks it, so the draft proposes only tokens the grammar allows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdecode.config import SamplingParams
+
+if TYPE_CHECKING:
+    from specdecode.engine.grammar import GrammarState
 
 
 @dataclass(slots=True, frozen=True)
@@ -19,10 +25,12 @@ class LogitsProcessor:
     temperature: float
     top_k: int
     top_p: float
+    # The request's grammar (structured outputs), walked by drafts in ``draw``; None: no grammar.
+    grammar: GrammarState | None = None
 
     @classmethod
-    def from_params(cls, params: SamplingParams) -> LogitsProcessor:
-        return cls(params.temperature, params.top_k, params.top_p)
+    def from_params(cls, params: SamplingParams, grammar: GrammarState | None = None) -> LogitsProcessor:
+        return cls(params.temperature, params.top_k, params.top_p, grammar)
 
     @property
     def greedy(self) -> bool:
@@ -62,11 +70,19 @@ def draw(
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A drafter's next token (N,) and the distribution q (N, V) it was drawn from; greedy: the
-    argmax and None (a deterministic draft)."""
+    argmax and None (a deterministic draft). Under a grammar (N == 1) the row is masked by the
+    draft's place in it and the token moves that place on (``GrammarState.begin_draft``)."""
+    grammar = processor.grammar
+    if grammar is not None:
+        logits = grammar.mask_draft(logits)
     if processor.greedy:
-        return logits.argmax(dim=-1), None
-    q = processor.probs(logits)
-    return sample(q, generator), q
+        token, q = logits.argmax(dim=-1), None
+    else:
+        q = processor.probs(logits)
+        token = sample(q, generator)
+    if grammar is not None:
+        grammar.push_draft(token)
+    return token, q
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

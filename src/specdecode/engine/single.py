@@ -154,9 +154,9 @@ class SpecEngine:
             match = match_prefix(cached, prompt_ids, cache_salt, self.target.epoch)
         # A tree pass writes all its nodes past the committed length before keeping one path.
         self.target.begin(capacity + (drafter.max_tree_nodes if tree_mode else 0), keep=match.keep)
-        processor = LogitsProcessor.from_params(params)
-        generator = None if processor.greedy else make_generator(params.seed, device)
         constraint = grammar.state() if grammar is not None else None
+        processor = LogitsProcessor.from_params(params, constraint)
+        generator = None if processor.greedy else make_generator(params.seed, device)
         committed = torch.empty((1, capacity), dtype=torch.long, device=device)
         committed[0, :prompt_len] = host_to_device(list(prompt_ids), torch.long, device)
         stats.prompt_tokens = prompt_len
@@ -294,7 +294,13 @@ class SpecEngine:
         if k > 0:
             assert drafter is not None
             with draft_watch:
-                proposal = drafter.propose(committed[:, :length], k, processor, generator)
+                if constraint is not None:
+                    constraint.begin_draft()
+                try:
+                    proposal = drafter.propose(committed[:, :length], k, processor, generator)
+                finally:
+                    if constraint is not None:
+                        constraint.end_draft()
             draft_seconds, draft_passes = draft_watch.elapsed, proposal.forward_passes
             draft_tokens, draft_probs = proposal.tokens, proposal.probs
             k = proposal.num_tokens
