@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -175,6 +176,17 @@ class StructuredOutput:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"{name} must be a non-empty string.")
+        size = len(json.dumps(self.json_schema)) if self.json_schema is not None else len(
+            self.regex or self.grammar or "".join(self.choice or ()))
+        if size > MAX_STRUCTURED_CHARS:
+            raise InvalidRequestError(f"The {self.kind} is {size} characters; at most {MAX_STRUCTURED_CHARS} are taken.")
+        # Compile time grows faster than linearly with a repetition count (a 3,000-fold pattern
+        # took 0.7 s on a 2-core CPU, 50,000 minutes): bound the counts a request may write.
+        for text in _patterns(self):
+            for match in re.finditer(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}", text):
+                if max(int(n) for n in match.groups() if n) > MAX_REPETITION:
+                    raise InvalidRequestError(f"The repetition {match.group(0)} in the {self.kind} exceeds "
+                                              f"{MAX_REPETITION}; write a smaller count.")
 
     @property
     def kind(self) -> str:
@@ -185,6 +197,29 @@ class StructuredOutput:
 
 
 STRUCTURED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 65536
+MAX_REPETITION = 1000
+
+
+def _patterns(spec: StructuredOutput) -> list[str]:
+    """The texts of a spec that may hold regex repetitions: its regex or grammar, or every
+    ``pattern`` string in its JSON schema."""
+    if spec.regex is not None or spec.grammar is not None:
+        return [spec.regex or spec.grammar or ""]
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "pattern" and isinstance(value, str):
+                    found.append(value)
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(spec.json_schema)
+    return found
 
 
 @dataclass(slots=True)

@@ -225,3 +225,13 @@ def test_the_constrained_distribution_test_catches_a_wrong_residual(tiny_qwen2_d
     install_wrong_residual(monkeypatch)
     stat, df, _ = constrained_chi_square(dec, "draft")
     assert stat > CHI2_CRITICAL_P001[df], f"the wrong sampler passed: chi2={stat:.1f} df={df}"
+
+
+def test_specs_that_would_compile_for_minutes_are_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="repetition"):
+        StructuredOutput(regex="a{50000}")
+    with pytest.raises(InvalidRequestError, match="repetition"):
+        StructuredOutput(json_schema={"type": "object", "properties": {"x": {"type": "string", "pattern": "[ab]{2,9999}"}}})
+    with pytest.raises(InvalidRequestError, match="characters"):
+        StructuredOutput(choice=tuple("x" * 1000 for _ in range(100)))
+    StructuredOutput(regex="[0-9]{1,1000}")  # the bound itself is fine

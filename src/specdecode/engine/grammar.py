@@ -34,6 +34,10 @@ from specdecode.config import StructuredOutput
 from specdecode.drafters.base import DraftProposal
 from specdecode.errors import InvalidRequestError
 
+# The longest run of whitespace JSON may hold between tokens: enough for a newline and the
+# indent of pretty-printed JSON 9 levels deep, and a bound on the whitespace loops some models
+# fall into under free whitespace (vLLM added its disable-any-whitespace option for those).
+MAX_WHITESPACE = 20
 INSTALL_HINT = "Structured outputs need xgrammar: pip install 'specdecode[structured]'."
 
 
@@ -74,9 +78,10 @@ class GrammarCompiler:
             if spec.json_schema is not None:
                 schema = spec.json_schema if isinstance(spec.json_schema, str) else json.dumps(spec.json_schema)
                 compiled = compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace,
-                                                        strict_mode=spec.strict)
+                                                        strict_mode=spec.strict, max_whitespace_cnt=MAX_WHITESPACE)
             elif spec.json_object:  # any JSON object (OpenAI's JSON mode), not any JSON value
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
+                                                        max_whitespace_cnt=MAX_WHITESPACE)
             elif spec.regex is not None:
                 compiled = compiler.compile_regex(spec.regex)
             elif spec.choice is not None:
@@ -84,7 +89,7 @@ class GrammarCompiler:
             else:
                 assert spec.grammar is not None
                 compiled = compiler.compile_grammar(spec.grammar)
-        except (RuntimeError, ValueError, TypeError) as err:
+        except Exception as err:  # noqa: BLE001 - the spec is the request's; xgrammar raises several kinds
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise InvalidRequestError(f"The {spec.kind} could not be compiled: {first_line}") from err
         return CompiledGrammar(compiled, self.vocab_size, spec)

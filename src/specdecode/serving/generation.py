@@ -113,7 +113,7 @@ class Generation:
             assert state.worker is not None and isinstance(req.prompt, list)
             chunks, stats = state.worker.submit(req.prompt, req.params, state.method_of(req), state.k_of(req),
                                                 request_id=self.batch_id, suffix_group=req.suffix_group,
-                                                cache_salt=req.cache_group)
+                                                cache_salt=req.cache_group, grammar=req.grammar)
             stream = state.decoder.token_stream(chunks, stats, req.params)
         else:
             stream = state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k,

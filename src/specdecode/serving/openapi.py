@@ -37,6 +37,22 @@ _COMMON: dict[str, Any] = {
     "user": {"type": "string"},
     "method": {"type": "string", "description": "extension: a decoding method the server loaded"},
     "k": {"type": "integer", "minimum": 1, "description": "extension: tokens drafted per step, at most the server's k_max"},
+    "response_format": {
+        "type": "object", "required": ["type"],
+        "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {
+                "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}},
+        },
+        "description": "OpenAI's structured outputs: any JSON object, or JSON following a schema (strict honoured)",
+    },
+    "structured_outputs": {
+        "type": "object", "minProperties": 1, "maxProperties": 1,
+        "properties": {"json": {"type": "object"}, "regex": {"type": "string", "minLength": 1},
+                       "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                       "grammar": {"type": "string", "minLength": 1}},
+        "description": "vLLM's extension: one of a JSON schema, a regex, a list of choices or an EBNF (GBNF) grammar",
+    },
     "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
                    "description": "vLLM's field: a cached prompt prefix is reused only by requests of the same salt "
                                   "(and tenant)"},

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.config import SamplingParams
+from specdecode.config import SamplingParams, StructuredOutput
 from specdecode.errors import SpecDecodeError, reword_params
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -87,6 +87,10 @@ class ParsedRequest:
     cache_salt: str | None = None
     # The prefix cache's group: the tenant and the salt (serving/suffix_share.py: cache_group).
     cache_group: str | None = None
+    # params.structured compiled for the decoder's tokenizer (ServerState.prepare), or None, and
+    # the field that asked for it (named in a 400 when it does not compile).
+    grammar: Any = None
+    structured_field: str = "response_format"
 
 
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -118,10 +122,55 @@ def _check_unsupported(body: dict[str, Any]) -> None:
         if name in body and not _is_default(body[name], defaults):
             raise APIError(400, f"'{name}' is not supported by this server (got {_short(body[name])}); "
                                 "remove it or pass its default.", name, "unsupported_parameter")
+
+
+# vLLM's extension field for the constraints OpenAI's response_format cannot express, with
+# vLLM's key names (its `structured_outputs`), mapped onto StructuredOutput's fields.
+STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                           "json_object": "json_object"}
+
+
+def _structured(body: dict[str, Any]) -> StructuredOutput | None:
+    """OpenAI's ``response_format`` (text, json_object, json_schema with ``strict``), or vLLM's
+    ``structured_outputs`` extension ({"json" | "regex" | "choice" | "grammar": ...})."""
     response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise APIError(400, "Only response_format {'type': 'text'} is supported by this server; remove it.",
-                       "response_format", "unsupported_parameter")
+    extension = body.get("structured_outputs")
+    given = response_format is not None and response_format != {"type": "text"}
+    if given and extension is not None:
+        raise APIError(400, "Give response_format or structured_outputs, not both.", "structured_outputs")
+    try:
+        if extension is not None:
+            if not isinstance(extension, dict):
+                raise APIError(400, "'structured_outputs' must be an object such as {\"regex\": \"...\"}.",
+                               "structured_outputs")
+            unknown = sorted(set(extension) - set(STRUCTURED_OUTPUTS_KEYS) - {"disable_any_whitespace"})
+            if unknown:
+                raise APIError(400, f"structured_outputs has unknown keys {unknown}; it takes one of "
+                                    f"{', '.join(STRUCTURED_OUTPUTS_KEYS)}.", "structured_outputs")
+            fields = {STRUCTURED_OUTPUTS_KEYS[key]: value for key, value in extension.items()
+                      if key in STRUCTURED_OUTPUTS_KEYS}
+            if isinstance(fields.get("choice"), list):
+                fields["choice"] = tuple(fields["choice"])
+            return StructuredOutput(**fields, any_whitespace=not extension.get("disable_any_whitespace", False))
+        if not given:
+            return None
+        if not isinstance(response_format, dict):
+            raise APIError(400, "'response_format' must be an object with a 'type'.", "response_format")
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return StructuredOutput(json_object=True)
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | str):
+                raise APIError(400, "response_format json_schema needs {'name': ..., 'schema': {...}}.", "response_format")
+            # OpenAI's default for strict is false: the schema is still enforced, but objects may
+            # hold properties it does not list unless it says additionalProperties: false.
+            return StructuredOutput(json_schema=spec.get("schema", {}), strict=spec.get("strict") is True)
+        raise APIError(400, f"response_format type must be text, json_object or json_schema, got {_short(kind)}.",
+                       "response_format")
+    except SpecDecodeError as err:
+        raise APIError(400, client_message(err), "response_format" if extension is None else "structured_outputs") \
+            from err
 
 
 def _short(value: Any) -> str:
@@ -280,7 +329,8 @@ def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods:
         raise APIError(400, f"'cache_salt' must be a string of 1..{MAX_CACHE_SALT_CHARS} characters.", "cache_salt")
     try:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_tokens,
-                                seed=_seed(body), stop=_stops(body))
+                                seed=_seed(body), stop=_stops(body), structured=_structured(body))
     except SpecDecodeError as err:
         raise APIError(400, client_message(err)) from err
-    return ParsedRequest(prompt, chat, params, stream, method, k, max_tokens_given, cache_salt=cache_salt)
+    return ParsedRequest(prompt, chat, params, stream, method, k, max_tokens_given, cache_salt=cache_salt,
+                         structured_field="structured_outputs" if "structured_outputs" in body else "response_format")

@@ -105,6 +105,11 @@ class ServerState:
                     # OpenAI's chat default is "up to the context": a default must not be a 400.
                     req.params = dataclasses.replace(req.params, max_new_tokens=room)
                 self.decoder.check_request(prompt_ids, req.params)
+                if req.params.structured is not None:  # a schema that cannot compile is a 400 too
+                    try:
+                        req.grammar = self.decoder.grammars.compile(req.params.structured)
+                    except SpecDecodeError as err:
+                        raise APIError(400, client_message(err), req.structured_field) from err
                 if self.batched(req):
                     assert self.worker is not None
                     self.worker.engine.check_request(len(prompt_ids), req.params, self.method_of(req), self.k_of(req))
