@@ -7,7 +7,7 @@
 """
 
 from specdecode.api import SpecDecoder
-from specdecode.config import DecoderConfig, SamplingParams
+from specdecode.config import DecoderConfig, SamplingParams, StructuredOutput
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.stream import GenerationResult, GenerationStream
 from specdecode.errors import SpecDecodeError
@@ -20,5 +20,6 @@ __all__ = [
     "SamplingParams",
     "SpecDecodeError",
     "SpecDecoder",
+    "StructuredOutput",
 ]
 __version__ = "0.1.0"

@@ -98,6 +98,26 @@ def test_draft_model_reads_only_the_new_tokens_on_the_second_turn(
     assert catch_up_rows < len(second_prompt) - len(first_prompt)
 
 
+
+def test_a_request_without_the_draft_model_in_between_leaves_it_nothing_stale(
+    tiny_qwen2_dir: Path, tiny_close_draft_dir: Path
+) -> None:
+    """The engine's shared prefix counts against the target's previous request; when that one was
+    an ngram request, the draft model's cache still follows the one before, with other tokens.
+    The drafter checks the prompt against its own record, so it drafts as a fresh decoder does
+    (greedy drafts are deterministic: the same cache gives the same proposals and acceptance).
+    Before the fix it kept the old request's K/V and its acceptance under a grammar fell to 0."""
+    prompt = "The quick brown fox jumps over"
+    dec = fresh(tiny_qwen2_dir, tiny_close_draft_dir, "draft")
+    dec.generate("def quicksort(arr):", GREEDY, method="draft")  # the draft cache: this request
+    other = dec.generate(prompt, GREEDY, method="ngram")  # the target's record: this one
+    turn = dec.encode(prompt) + other.token_ids
+    after = dec.generate(turn, GREEDY, method="draft", k=3)
+    alone = fresh(tiny_qwen2_dir, tiny_close_draft_dir, "draft").generate(turn, GREEDY, method="draft", k=3)
+    assert after.token_ids == alone.token_ids
+    assert after.stats.draft_tokens_accepted == alone.stats.draft_tokens_accepted
+    assert after.stats.draft_tokens_proposed == alone.stats.draft_tokens_proposed
+
 def test_a_whole_cached_prompt_still_computes_its_last_token(tiny_qwen2_dir: Path) -> None:
     dec = fresh(tiny_qwen2_dir, None, "none")
     prompt = dec.encode("The quick brown fox")

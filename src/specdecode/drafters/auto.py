@@ -208,6 +208,8 @@ class AutoDrafter:
         self.ngram.on_committed(tokens)
         if self.suffix is not None:
             self.suffix.on_committed(tokens)
+        if self.draft is not None:
+            self.draft.on_committed(tokens)
 
     def plan(
         self, length: int, num_tokens: int, lookup_tokens: int, match_size: int, suffix_tokens: int = 0,

@@ -6,7 +6,11 @@ tokens, the draft cache holds valid entries for the old committed sequence plus
 min(n, k - 1) drafted tokens (the last drafted token was sampled but never fed back); the
 next ``propose`` first feeds the committed tokens it has not seen (one or two), then drafts.
 A new request keeps the part of the previous request's cache its prompt shares
-(``shared_prefix``), so a chat's next turn catches up on the new message only.
+(``shared_prefix``), so a chat's next turn catches up on the new message only. The engine's
+``shared_prefix`` counts against the target's previous request, which may not have used this
+drafter (an ngram or plain request in between leaves this cache on an older one): the drafter
+keeps its own record of the tokens its cache follows (``on_committed``, host lists) and drops
+what the new prompt does not share with that record.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from specdecode.backends.base import SequenceModel
 from specdecode.drafters.base import DraftProposal
+from specdecode.engine.prefix import common_prefix_length
 from specdecode.engine.sampling import LogitsProcessor, draw
 
 
@@ -31,6 +36,11 @@ class DraftModelDrafter:
         self._epoch = -1  # the draft sequence's epoch after our own begin (backends/base.py)
         self._proposed_base = 0  # committed length when the last proposal was made
         self._proposed_count = 0
+        # Host tokens of the request the cache follows (prompt, then committed output), and
+        # whether this request's prompt has yet to be checked against the previous record.
+        self._tokens: list[int] = []
+        self._previous: list[int] = []
+        self._unchecked = False
 
     @property
     def cached_len(self) -> int:
@@ -44,6 +54,19 @@ class DraftModelDrafter:
         self.model.begin(capacity, keep=keep)
         self._epoch = self.model.epoch
         self._cached_len = keep
+        self._previous, self._tokens, self._unchecked = self._tokens, [], True
+
+    def on_committed(self, tokens: list[int]) -> None:
+        """The request's prompt (first call after ``start``), then each step's committed tokens."""
+        if self._unchecked:
+            self._unchecked = False
+            self._keep_at_most(common_prefix_length(self._previous, tokens))
+        self._tokens.extend(tokens)
+
+    def _keep_at_most(self, length: int) -> None:
+        if self._cached_len > length:
+            self.model.commit(length)
+            self._cached_len = length
 
     def _forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:  # (1, T) -> (1, V_target)
         out = self.model.extend(tokens, start, logits_last=1)
@@ -57,6 +80,9 @@ class DraftModelDrafter:
         processor: LogitsProcessor,
         generator: torch.Generator | None,
     ) -> DraftProposal:
+        if self._unchecked:  # a caller that never showed the prompt: keep nothing unverified
+            self._unchecked = False
+            self._keep_at_most(0)
         committed_len = committed.shape[1]
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []

@@ -46,7 +46,7 @@ from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch_proposals import max_draft, may_draft, plan_row, propose
 from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
 from specdecode.engine.batch_verify import verify_rows
-from specdecode.engine.grammar import CompiledGrammar, apply_row_masks, constrain_proposals
+from specdecode.engine.grammar import CompiledGrammar, GrammarState, apply_row_masks, first_forbidden
 from specdecode.engine.metrics import GenerationStats, Stopwatch
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.scheduler import ScheduledSequence, Scheduler
@@ -472,3 +472,27 @@ def _batch_model(model: Transformer | BatchModel, kv_cache_tokens: int, block_si
     if isinstance(model, Transformer):
         return PagedBatchModel.with_pool(model, kv_cache_tokens, block_size)
     return model
+
+
+def constrain_proposals(
+    grammars: Sequence[GrammarState | None],
+    greedy: Sequence[bool],
+    proposals: Sequence[DraftProposal],
+) -> tuple[list[DraftProposal], dict[int, torch.Tensor]]:
+    """A batch's proposals as its structured rows verify them, and each such row's masks
+    (row b: (k_b + 1, V) bool, host). As in the single path, a deterministic draft (or any draft
+    under greedy) is cut at its first forbidden token."""
+    out, masks = list(proposals), {}
+    for b, (state, proposal) in enumerate(zip(grammars, proposals, strict=True)):
+        if state is None:
+            continue
+        drafts = proposal.tokens[0].tolist()
+        allowed = state.chain_masks(drafts)
+        if proposal.probs is None or greedy[b]:
+            legal = first_forbidden(allowed, drafts)
+            if legal < len(drafts):
+                probs = None if proposal.probs is None else proposal.probs[:, :legal]
+                out[b] = DraftProposal(proposal.tokens[:, :legal], probs, proposal.forward_passes)
+                allowed = allowed[: legal + 1]
+        masks[b] = allowed
+    return out, masks

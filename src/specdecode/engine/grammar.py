@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from specdecode.config import StructuredOutput
-from specdecode.drafters.base import DraftProposal
 from specdecode.errors import InvalidRequestError
 
 # The longest run of whitespace JSON may hold between tokens: enough for a newline and the
@@ -220,30 +219,6 @@ def apply_masks(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     if allowed.shape[-1] < width:  # logits wider than the mask: the extra ids are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]), value=False)
     return logits.masked_fill(~allowed[..., :width], float("-inf"))
-
-
-def constrain_proposals(
-    grammars: Sequence[GrammarState | None],
-    greedy: Sequence[bool],
-    proposals: Sequence[DraftProposal],
-) -> tuple[list[DraftProposal], dict[int, torch.Tensor]]:
-    """A batch's proposals as its structured rows verify them, and each such row's masks
-    (row b: (k_b + 1, V) bool, host). As in the single path, a deterministic draft (or any draft
-    under greedy) is cut at its first forbidden token."""
-    out, masks = list(proposals), {}
-    for b, (state, proposal) in enumerate(zip(grammars, proposals, strict=True)):
-        if state is None:
-            continue
-        drafts = proposal.tokens[0].tolist()
-        allowed = state.chain_masks(drafts)
-        if proposal.probs is None or greedy[b]:
-            legal = first_forbidden(allowed, drafts)
-            if legal < len(drafts):
-                probs = None if proposal.probs is None else proposal.probs[:, :legal]
-                out[b] = DraftProposal(proposal.tokens[:, :legal], probs, proposal.forward_passes)
-                allowed = allowed[: legal + 1]
-        masks[b] = allowed
-    return out, masks
 
 
 def apply_row_masks(logits: torch.Tensor, masks: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -135,7 +135,7 @@ def _structured(body: dict[str, Any]) -> StructuredOutput | None:
     ``structured_outputs`` extension ({"json" | "regex" | "choice" | "grammar": ...})."""
     response_format = body.get("response_format")
     extension = body.get("structured_outputs")
-    given = response_format is not None and response_format != {"type": "text"}
+    given = response_format is not None and not (isinstance(response_format, dict) and response_format.get("type") == "text")
     if given and extension is not None:
         raise APIError(400, "Give response_format or structured_outputs, not both.", "structured_outputs")
     try:
