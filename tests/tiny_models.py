@@ -38,10 +38,24 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # 256 byte tokens + 253 merges + 3 special tokens appended at the end, as Qwen orders them.
 TINY_VOCAB_SIZE = 512
 
-# Qwen2.5's chat template, shortened to the parts a test exercises (no tools, no default system).
+# Qwen2.5's chat template, shortened to the parts a test exercises (no default system): its tools
+# section, its <tool_call> markup for an assistant's calls and <tool_response> for role tool, as
+# the demo models' template writes them; without tools the plain ChatML turns.
 CHATML_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n</tools><|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant' }}{% if message.content %}{{ '\\n' + message.content }}{% endif %}"
+    "{% for call in message.tool_calls %}{% set call = call.function %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}{{ call.arguments | tojson }}"
+    "{{ '}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -195,8 +195,9 @@ class SpecDecoder:
         whole prompt, as the first request after loading does."""
         self.engine.forget_prefix()
 
-    def encode(self, prompt: str | Messages, chat: bool = False) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt, chat)
+    def encode(self, prompt: str | Messages, chat: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a prompt; a chat's ``tools`` (OpenAI's tool objects) go into its template."""
+        return encode_prompt(self.tokenizer, prompt, chat, tools)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError when the prompt plus max_new_tokens exceed the context."""

@@ -137,8 +137,10 @@ MIN_TEMPERATURE = 1e-5
 @dataclass(slots=True, frozen=True)
 class StructuredOutput:
     """A constraint on what a request may generate: exactly one of a JSON schema, any JSON
-    object, a regular expression, a list of choices, or a grammar in xgrammar's EBNF (the GBNF
-    dialect llama.cpp users write). Compiled by ``engine/grammar.py``; exact under every method.
+    object, a regular expression, a list of choices, a grammar in xgrammar's EBNF (the GBNF
+    dialect llama.cpp users write), or an xgrammar structural tag (JSON; the server's tool calls
+    use one: fixed markup around a JSON schema). Compiled by ``engine/grammar.py``; exact under
+    every method.
 
     ``any_whitespace`` lets JSON hold any whitespace between tokens (the model's own layout; off:
     compact separators only); ``strict`` refuses properties a schema does not list unless it says
@@ -150,6 +152,7 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
     any_whitespace: bool = True
     strict: bool = True
 
@@ -160,23 +163,30 @@ class StructuredOutput:
                 f"A structured output takes exactly one of {', '.join(STRUCTURED_KINDS)}; got "
                 f"{', '.join(given) if given else 'none'}."
             )
+        for name in ("json_object", "any_whitespace", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be true or false, got {type(getattr(self, name)).__name__}.")
         if self.choice is not None:
-            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
-                raise InvalidRequestError("choice must be a non-empty list of strings.")
+            if not isinstance(self.choice, list | tuple) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise InvalidRequestError("choice must be a non-empty list of non-empty strings.")
             object.__setattr__(self, "choice", tuple(self.choice))
-        if isinstance(self.json_schema, str):
-            try:
-                parsed = json.loads(self.json_schema)
-            except json.JSONDecodeError as err:
-                raise InvalidRequestError(f"json_schema is not valid JSON: {err}.") from err
-            object.__setattr__(self, "json_schema", parsed)
-        if self.json_schema is not None and not isinstance(self.json_schema, dict):
-            raise InvalidRequestError(f"json_schema must be a JSON object, got {type(self.json_schema).__name__}.")
+        for name in ("json_schema", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as err:
+                    raise InvalidRequestError(f"{name} is not valid JSON: {err}.") from err
+                object.__setattr__(self, name, value)
+            if value is not None and not isinstance(value, dict):
+                raise InvalidRequestError(f"{name} must be a JSON object, got {type(value).__name__}.")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"{name} must be a non-empty string.")
-        size = len(json.dumps(self.json_schema)) if self.json_schema is not None else len(
+        document = self.json_schema if self.json_schema is not None else self.structural_tag
+        size = len(json.dumps(document)) if document is not None else len(
             self.regex or self.grammar or "".join(self.choice or ()))
         if size > MAX_STRUCTURED_CHARS:
             raise InvalidRequestError(f"The {self.kind} is {size} characters; at most {MAX_STRUCTURED_CHARS} are taken.")
@@ -192,11 +202,11 @@ class StructuredOutput:
     def kind(self) -> str:
         """Which constraint this is, in words for messages."""
         return {"json_schema": "JSON schema", "json_object": "JSON grammar", "regex": "regex",
-                "choice": "choice list", "grammar": "grammar"}[next(
+                "choice": "choice list", "grammar": "grammar", "structural_tag": "structural tag"}[next(
                     name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))]
 
 
-STRUCTURED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_STRUCTURED_CHARS = 65536
 MAX_REPETITION = 1000
 
@@ -218,7 +228,7 @@ def _patterns(spec: StructuredOutput) -> list[str]:
             for item in node:
                 walk(item)
 
-    walk(spec.json_schema)
+    walk(spec.json_schema if spec.json_schema is not None else spec.structural_tag)
     return found
 
 

@@ -133,6 +133,12 @@ def test_bad_specs_are_invalid_requests(tiny_qwen2_dir: Path) -> None:
         StructuredOutput()
     with pytest.raises(InvalidRequestError, match="not valid JSON"):
         StructuredOutput(json_schema="{not json")
+    with pytest.raises(InvalidRequestError, match="choice must be a non-empty list"):  # found by the schema fuzz
+        StructuredOutput(choice=True)
+    with pytest.raises(InvalidRequestError, match="json_object must be true or false"):
+        StructuredOutput(json_object="yes")
+    with pytest.raises(InvalidRequestError, match="structural_tag is not valid JSON"):
+        StructuredOutput(structural_tag="{")
     with pytest.raises(InvalidRequestError, match="regex could not be compiled"):
         dec.generate(PROMPT, constrained(StructuredOutput(regex="(unclosed")))
     with pytest.raises(InvalidRequestError, match="grammar could not be compiled"):

@@ -279,9 +279,10 @@ def test_chat_text_parts_and_the_developer_role(served) -> None:
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]
     error = assert_openai_error(post(base, {"model": MODEL, "messages": image}, "/v1/chat/completions"), 400, "messages")
     assert "image_url" in error["message"]
-    tool = MESSAGES + [{"role": "tool", "content": "42", "tool_call_id": "1"}]
-    error = assert_openai_error(post(base, {"model": MODEL, "messages": tool}, "/v1/chat/completions"), 400, "messages")
-    assert "'tool'" in error["message"]
+    function = MESSAGES + [{"role": "function", "content": "42", "name": "f"}]  # role tool: test_tools_server.py
+    error = assert_openai_error(post(base, {"model": MODEL, "messages": function}, "/v1/chat/completions"), 400,
+                                "messages")
+    assert "'function'" in error["message"]
 
 
 def test_model_names_are_never_resolved_at_request_time(served, monkeypatch, tiny_qwen2_dir) -> None:

@@ -48,6 +48,18 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
+def json_schema_ebnf(schema: dict[str, Any], any_whitespace: bool = False) -> str:
+    """A JSON schema as xgrammar EBNF, to embed in a larger grammar (a structural tag's
+    ``grammar`` element); InvalidRequestError when xgrammar cannot read the schema."""
+    xgr = _xgrammar()
+    try:
+        return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_whitespace,
+                                                max_whitespace_cnt=MAX_WHITESPACE if any_whitespace else None))
+    except Exception as err:  # noqa: BLE001 - the schema is the request's; xgrammar raises several kinds
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InvalidRequestError(f"The JSON schema could not be compiled: {first_line}") from err
+
+
 class GrammarCompiler:
     """Compiles ``StructuredOutput`` specs for one tokenizer; thread-safe, caches by spec.
 
@@ -85,6 +97,8 @@ class GrammarCompiler:
                 compiled = compiler.compile_regex(spec.regex)
             elif spec.choice is not None:
                 compiled = compiler.compile_regex("|".join(_regex_escape(c) for c in spec.choice))
+            elif spec.structural_tag is not None:
+                compiled = compiler.compile_structural_tag(json.dumps(spec.structural_tag))
             else:
                 assert spec.grammar is not None
                 compiled = compiler.compile_grammar(spec.grammar)

@@ -13,7 +13,7 @@ from specdecode.errors import InvalidRequestError, TokenizerMismatchError
 # list them too; a GGUF carries only one eos id, so we add those present in the vocabulary.
 END_OF_GENERATION_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 def eos_token_ids(tokenizer: Any, model_folder: Path, config_eos: Sequence[int]) -> list[int]:
@@ -34,8 +34,10 @@ def eos_token_ids(tokenizer: Any, model_folder: Path, config_eos: Sequence[int])
     return sorted(ids)
 
 
-def encode_prompt(tokenizer: Any, prompt: str | Messages, chat: bool) -> list[int]:
-    """Token ids for a raw prompt, or for a chat (a string is one user message)."""
+def encode_prompt(tokenizer: Any, prompt: str | Messages, chat: bool,
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids for a raw prompt, or for a chat (a string is one user message). ``tools``
+    (OpenAI's tool objects) go to the chat template, whose tools section shows them to the model."""
     if isinstance(prompt, list):
         chat = True
     if not chat:
@@ -45,7 +47,9 @@ def encode_prompt(tokenizer: Any, prompt: str | Messages, chat: bool) -> list[in
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("This model's tokenizer has no chat template; give the prompt without chat=True.")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if tools and "tools" not in tokenizer.chat_template:
+        raise InvalidRequestError("This model's chat template has no tools section: it cannot be given tools.")
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from specdecode.serving.protocol import MAX_CACHE_SALT_CHARS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE
+from specdecode.serving.tools import MAX_TOOLS, NAME_PATTERN
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
@@ -19,11 +20,17 @@ _MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
     "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant"]},
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _TEXT_PART}]},
         "name": {"type": "string"},
     },
 }
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": NAME_PATTERN.pattern}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}},
+}}
 _COMMON: dict[str, Any] = {
     "max_tokens": {"type": "integer", "minimum": 1},
     "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE,
@@ -70,6 +77,14 @@ def request_body(chat: bool, served_names: tuple[str, ...], methods: tuple[str, 
     if chat:
         properties["messages"] = {"type": "array", "minItems": 1, "items": _MESSAGE}
         properties["max_completion_tokens"] = {"type": "integer", "minimum": 1}
+        properties["tools"] = {"type": "array", "maxItems": MAX_TOOLS, "items": _TOOL,
+                               "description": "functions the model may call, shown to it by its chat template"}
+        properties["tool_choice"] = {"anyOf": [
+            {"enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"const": "function"},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+        ], "description": "required or a named function: the output is one valid call (a grammar)"}
         required = ["model", "messages"]
     else:
         properties["prompt"] = {"anyOf": [

@@ -18,6 +18,7 @@ from typing import Any
 
 from specdecode.config import SamplingParams, StructuredOutput
 from specdecode.errors import SpecDecodeError, reword_params
+from specdecode.serving.tools import ToolError, ToolRequest, parse_tools, tool_message
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -91,6 +92,8 @@ class ParsedRequest:
     # the field that asked for it (named in a 400 when it does not compile).
     grammar: Any = None
     structured_field: str = "response_format"
+    # Chat only: the tools the model may call and how (serving/tools.py), or None.
+    tools: ToolRequest | None = None
 
 
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -109,8 +112,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "n": (None, 1),
@@ -151,7 +152,11 @@ def _structured(body: dict[str, Any]) -> StructuredOutput | None:
                       if key in STRUCTURED_OUTPUTS_KEYS}
             if isinstance(fields.get("choice"), list):
                 fields["choice"] = tuple(fields["choice"])
-            return StructuredOutput(**fields, any_whitespace=not extension.get("disable_any_whitespace", False))
+            disable = extension.get("disable_any_whitespace", False)
+            if not isinstance(disable, bool):
+                raise APIError(400, "structured_outputs.disable_any_whitespace must be true or false.",
+                               "structured_outputs")
+            return StructuredOutput(**fields, any_whitespace=not disable)
         if not given:
             return None
         if not isinstance(response_format, dict):
@@ -233,7 +238,7 @@ def _message_content(content: Any, index: int) -> str:
     return "\n".join(texts)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects.", "messages")
@@ -242,9 +247,17 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise APIError(400, f"messages[{i}] must be a {{role, content}} object.", "messages")
         role = message.get("role")
-        if role in ("tool", "function") or message.get("tool_calls"):
-            raise APIError(400, f"messages[{i}]: tool calling (role 'tool', 'function' or tool_calls) is not "
-                                "supported by this server.", "messages", "unsupported_parameter")
+        if role == "function":
+            raise APIError(400, f"messages[{i}]: role 'function' (OpenAI's deprecated function calling) is not "
+                                "supported; send tools and role 'tool' messages.", "messages", "unsupported_parameter")
+        if role == "tool" or role == "assistant" and message.get("tool_calls"):
+            content = message.get("content")
+            text = None if content is None or content == "" else _message_content(content, i)
+            try:
+                parsed.append(tool_message(message, i, text))
+            except ToolError as err:
+                raise APIError(400, str(err), err.param) from err
+            continue
         if role not in CHAT_ROLES:
             raise APIError(400, f"messages[{i}] needs a role in {', '.join(CHAT_ROLES)}, got {_short(role)}.",
                            "messages")
@@ -305,7 +318,16 @@ def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods:
         raise APIError(404, f"The model {_short(model)} does not exist; this server serves {', '.join(served_names)}.",
                        "model", "model_not_found")
     _check_unsupported(body)
-    prompt: str | list[int] | list[dict[str, str]] = _messages(body) if chat else _prompt(body)
+    prompt: str | list[int] | list[dict[str, Any]] = _messages(body) if chat else _prompt(body)
+    tools = None
+    if chat:
+        try:
+            tools = parse_tools(body)
+        except ToolError as err:
+            raise APIError(400, str(err), err.param) from err
+    elif body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        raise APIError(400, "Tools are a chat completions feature: send them to /v1/chat/completions.",
+                       "tools" if body.get("tools") else "tool_choice")
     max_tokens_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     default_max = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
     max_tokens = _typed(body, max_tokens_name, (int,), default_max)
@@ -327,10 +349,21 @@ def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods:
     cache_salt = _typed(body, "cache_salt", (str,), None)
     if cache_salt is not None and not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS:
         raise APIError(400, f"'cache_salt' must be a string of 1..{MAX_CACHE_SALT_CHARS} characters.", "cache_salt")
+    structured_field = "structured_outputs" if "structured_outputs" in body else "response_format"
     try:
+        structured = _structured(body)
+        try:
+            calls = tools.constraint() if tools is not None else None
+        except SpecDecodeError as err:
+            raise APIError(400, f"A tool's parameters: {client_message(err)}", "tool_choice") from err
+        if calls is not None:
+            if structured is not None:
+                raise APIError(400, f"tool_choice {tools.choice!r} constrains the output to a tool call; it cannot "
+                                    f"also follow {structured_field}. Drop one of them.", "tool_choice")
+            structured, structured_field = calls, "tool_choice"
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_tokens,
-                                seed=_seed(body), stop=_stops(body), structured=_structured(body))
+                                seed=_seed(body), stop=_stops(body), structured=structured)
     except SpecDecodeError as err:
         raise APIError(400, client_message(err)) from err
     return ParsedRequest(prompt, chat, params, stream, method, k, max_tokens_given, cache_salt=cache_salt,
-                         structured_field="structured_outputs" if "structured_outputs" in body else "response_format")
+                         structured_field=structured_field, tools=tools)

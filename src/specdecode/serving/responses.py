@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from specdecode.engine.metrics import GenerationStats
+from specdecode.serving.tools import ToolRequest, ToolStream, split_tool_calls
 
 if TYPE_CHECKING:
     from specdecode.serving.generation import Generation
@@ -34,9 +35,21 @@ def _finish(stats: GenerationStats | None) -> str | None:
     return FINISH_REASONS.get(stats.stop_reason, "stop") if stats is not None else None
 
 
-def final_body(request_id: str, created: int, model: str, chat: bool, text: str, stats: GenerationStats | None) -> dict[str, Any]:
+def _finish_with(stats: GenerationStats | None, calls: list[dict[str, Any]]) -> str | None:
+    # OpenAI's reason when the model called tools; a call cut by max_tokens is not parsed.
+    return "tool_calls" if calls and stats is not None and stats.stop_reason != "length" else _finish(stats)
+
+
+def final_body(request_id: str, created: int, model: str, chat: bool, text: str, stats: GenerationStats | None,
+               tools: ToolRequest | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats), "logprobs": None}
-    if chat:
+    if chat and tools is not None and tools.parses_calls:
+        content, calls = split_tool_calls(text, tools.names)
+        choice["message"] = {"role": "assistant", "content": content}
+        if calls:
+            choice["message"]["tool_calls"] = calls
+        choice["finish_reason"] = _finish_with(stats, calls)
+    elif chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
@@ -45,12 +58,14 @@ def final_body(request_id: str, created: int, model: str, chat: bool, text: str,
 
 
 def _chunk(request_id: str, created: int, model: str, chat: bool, delta: str | None, finish: str | None,
-           first: bool = False) -> str:
+           first: bool = False, calls: list[dict[str, Any]] | None = None) -> str:
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
     if chat:
         payload: dict[str, Any] = {"role": "assistant"} if first else {}
         if delta:
             payload["content"] = delta
+        if calls:
+            payload["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         choice["delta"] = payload
     else:
         choice["text"] = delta or ""
@@ -74,15 +89,27 @@ async def events(generation: Generation, request_id: str, created: int, model: s
     def make(delta: str | None, finish: str | None, first: bool = False) -> str:
         return _chunk(request_id, created, model, chat, delta, finish, first)
 
+    tools = generation.request.tools
+    splitter = ToolStream(tools.names) if chat and tools is not None and tools.parses_calls else None
     if chat:
         yield make(None, None, first=True)
     async for delta in generation.deltas():
+        if splitter is not None:
+            delta = splitter.feed(delta)
+            if not delta:
+                continue
         yield make(delta, None)
     failure = generation.failure()
     if failure is not None:
         yield f"data: {failure.json()}\n\n"
     else:
-        final = make(None, _finish(generation.stats))
+        finish = _finish(generation.stats)
+        if splitter is not None:
+            held, calls = splitter.finish()
+            if held or calls:  # the held-back text, and the calls as one delta each (their index tells them apart)
+                yield _chunk(request_id, created, model, chat, held, None, calls=calls)
+            finish = _finish_with(generation.stats, calls)
+        final = make(None, finish)
         body = json.loads(final[len("data: "):])
         body["usage"], body["specdecode"] = _usage(generation.stats), _spec_metrics(generation.stats)
         yield sse(body)

@@ -141,7 +141,7 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
         failure = generation.failure()
         if failure is not None:
             raise failure
-        return final_body(request_id, created, state.model_name, chat, text, generation.stats)
+        return final_body(request_id, created, state.model_name, chat, text, generation.stats, req.tools)
 
     @app.post("/v1/completions", openapi_extra=_request_body_schema(state, chat=False))
     async def completions(request: Request) -> Any:

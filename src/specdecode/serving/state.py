@@ -23,6 +23,7 @@ from specdecode.serving.guard import GuardOptions
 from specdecode.serving.metrics import ServerMetrics
 from specdecode.serving.protocol import APIError, ParsedRequest, client_message, parse_request
 from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE
+from specdecode.serving.tools import OPEN
 from specdecode.serving.worker import BatchWorker
 
 DEFAULT_DRAIN_TIMEOUT = 10.0
@@ -96,7 +97,13 @@ class ServerState:
                 # Tokenize and check the length here, so that a streaming request too gets a 4xx
                 # rather than an error event after a 200.
                 prompt = req.prompt
-                prompt_ids = prompt if prompt and isinstance(prompt[0], int) else self.decoder.encode(prompt, chat)
+                if req.tools is not None and req.tools.parses_calls:
+                    template = getattr(self.decoder.tokenizer, "chat_template", None) or ""
+                    if OPEN not in template:
+                        raise APIError(400, "This model's chat template has no <tool_call> markup, the only tool-call "
+                                            "format this server reads; send the request without tools.", "tools")
+                tools = req.tools.in_prompt if req.tools is not None else None
+                prompt_ids = prompt if prompt and isinstance(prompt[0], int) else self.decoder.encode(prompt, chat, tools)
                 vocab = self.decoder.target.config.vocab_size
                 if any(not 0 <= t < vocab for t in prompt_ids):
                     raise APIError(400, f"Prompt token ids must lie in [0, {vocab}).", "prompt")
