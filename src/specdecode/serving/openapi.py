@@ -56,7 +56,7 @@ _COMMON: dict[str, Any] = {
     "structured_outputs": {
         "type": "object", "minProperties": 1, "maxProperties": 1,
         "properties": {"json": {"type": "object"}, "regex": {"type": "string", "minLength": 1},
-                       "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                       "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
                        "grammar": {"type": "string", "minLength": 1}},
         "description": "vLLM's extension: one of a JSON schema, a regex, a list of choices or an EBNF (GBNF) grammar",
     },
