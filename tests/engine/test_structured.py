@@ -243,3 +243,16 @@ def test_specs_that_would_compile_for_minutes_are_refused() -> None:
     with pytest.raises(InvalidRequestError, match="characters"):
         StructuredOutput(choice=tuple("x" * 1000 for _ in range(100)))
     StructuredOutput(regex="[0-9]{1,1000}")  # the bound itself is fine
+
+
+def test_warm_builds_the_grammar_engine_once(tiny_qwen2_dir: Path) -> None:
+    """A server warms the compiler at start (cli/serve.py); requests then reuse it."""
+    from specdecode.engine.grammar import GrammarCompiler
+
+    dec = decoder(tiny_qwen2_dir, None, "none")
+    compiler = GrammarCompiler(dec.tokenizer, dec.target.config.vocab_size, dec.eos_token_ids)
+    seconds = compiler.warm()
+    assert seconds is not None and seconds >= 0
+    built = compiler._get()
+    compiler.compile(StructuredOutput(regex="ab"))
+    assert compiler._get() is built and compiler.warm() is not None
