@@ -56,8 +56,13 @@ def json_schema_ebnf(schema: dict[str, Any], any_whitespace: bool = False) -> st
         return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_whitespace,
                                                 max_whitespace_cnt=MAX_WHITESPACE if any_whitespace else None))
     except Exception as err:  # noqa: BLE001 - the schema is the request's; xgrammar raises several kinds
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise InvalidRequestError(f"The JSON schema could not be compiled: {first_line}") from err
+        raise _not_compiled("JSON schema", err) from err
+
+
+def _not_compiled(kind: str, err: Exception) -> InvalidRequestError:
+    """xgrammar's error as the request's: its first line (the rest is a C++ trace)."""
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return InvalidRequestError(f"The {kind} could not be compiled: {first_line}")
 
 
 class GrammarCompiler:
@@ -114,8 +119,7 @@ class GrammarCompiler:
                 assert spec.grammar is not None
                 compiled = compiler.compile_grammar(spec.grammar)
         except Exception as err:  # noqa: BLE001 - the spec is the request's; xgrammar raises several kinds
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise InvalidRequestError(f"The {spec.kind} could not be compiled: {first_line}") from err
+            raise _not_compiled(spec.kind, err) from err
         return CompiledGrammar(compiled, self.vocab_size, spec)
 
 

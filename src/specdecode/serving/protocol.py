@@ -252,8 +252,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                                 "supported; send tools and role 'tool' messages.", "messages", "unsupported_parameter")
         if role == "tool" or role == "assistant" and message.get("tool_calls"):
             content = message.get("content")
-            # A tool may return nothing (""); an assistant's calls often come with content null.
-            text = None if content is None else "" if content == "" else _message_content(content, i)
+            # An assistant's calls often come with content null; a tool may return "".
+            text = None if content is None else _message_content(content, i)
             try:
                 parsed.append(tool_message(message, i, text))
             except ToolError as err:
