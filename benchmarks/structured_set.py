@@ -1,8 +1,11 @@
 """Structured outputs on a set of agent schemas: constrained plain decoding against `auto` under
 the same schema, on the demo pair, greedy, side by side in one run. Each output is checked with
 `jsonschema`; times are whole requests (prefill included) and decode only, summed over the set.
+A label's `+nojf` decodes without drafting the grammar's forced tokens (jump-forward), so the
+two can be compared in one run.
 
     python benchmarks/structured_set.py --backend llama.cpp --tokens 200 --out benchmarks/results/structured_set.json
+    python benchmarks/structured_set.py --methods none+nojf,none,auto+nojf,auto
 """
 
 from __future__ import annotations
@@ -84,12 +87,17 @@ SET = [
 ]
 
 
-def run(dec: SpecDecoder, method: str, prompt: str, schema: dict, tokens: int) -> dict:
+def run(dec: SpecDecoder, label: str, prompt: str, schema: dict, tokens: int) -> dict:
+    method, _, flag = label.partition("+")
+    if flag not in ("", "nojf"):
+        raise SystemExit(f"unknown label flag +{flag} (only +nojf)")
     dec.forget_prefix()  # each request prefills its whole prompt: methods compared on equal terms
+    dec.grammars.jump_forward = flag != "nojf"
     params = SamplingParams(max_new_tokens=tokens, structured=StructuredOutput(json_schema=schema))
     started = time.perf_counter()
     result = dec.generate([{"role": "user", "content": prompt}], params, chat=True, method=method)
     seconds = time.perf_counter() - started
+    dec.grammars.jump_forward = True
     try:
         jsonschema.validate(json.loads(result.text), schema)
         valid = True
@@ -98,7 +106,9 @@ def run(dec: SpecDecoder, method: str, prompt: str, schema: dict, tokens: int) -
     stats = result.stats
     return {"seconds": seconds, "decode_seconds": stats.total_seconds - stats.prefill_seconds,
             "tokens": stats.new_tokens, "valid": valid, "stop": stats.stop_reason, "tau": stats.tau,
-            "grammar_seconds": stats.mask_seconds, "text": result.text, "token_ids": result.token_ids}
+            "grammar_seconds": stats.mask_seconds, "forced_proposed": stats.forced_tokens_proposed,
+            "forced_accepted": stats.forced_tokens_accepted, "steps": stats.verify_steps,
+            "text": result.text, "token_ids": result.token_ids}
 
 
 def main() -> None:
@@ -132,7 +142,12 @@ def main() -> None:
     for m in methods:
         valid = sum(r[m]["valid"] for r in rows)
         grammar = sum(r[m]["grammar_seconds"] for r in rows) / sum(r[m]["tokens"] for r in rows)
-        print(f"{m}: {valid}/{len(rows)} valid, grammar {grammar * 1e3:.2f} ms/token")
+        forced = sum(r[m]["forced_proposed"] for r in rows)
+        forced_ok = sum(r[m]["forced_accepted"] for r in rows)
+        tokens = sum(r[m]["tokens"] for r in rows)
+        steps = sum(r[m]["steps"] for r in rows)
+        print(f"{m}: {valid}/{len(rows)} valid, grammar {grammar * 1e3:.2f} ms/token, {tokens} tokens in {steps} "
+              f"steps, forced tokens {forced_ok}/{forced} accepted")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"tokens": args.tokens, "backend": args.backend, "rows": rows}, indent=1))

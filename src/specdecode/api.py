@@ -70,7 +70,8 @@ class SpecDecoder:
         self.tokenizer = target.tokenizer
         self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
         # Structured outputs' compiler over this tokenizer (built on the first structured request).
-        self.grammars = GrammarCompiler(self.tokenizer, target.config.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, target.config.vocab_size, self.eos_token_ids,
+                                        jump_forward=config.jump_forward)
         self.backend = target.backend
         # compile=: the repeated passes compiled per shape (backends/compiled.py); None: eager.
         if config.compile:

@@ -354,6 +354,9 @@ class DecoderConfig:
     suffix_cache_tokens: int = DEFAULT_SUFFIX_CACHE_TOKENS
     # A request reuses the K/V of the prompt prefix it shares with the previous one (engine/prefix.py).
     prefix_cache: bool = True
+    # Structured outputs: draft the text a grammar forces (``{"name": "``) in the tokenizer's own
+    # tokens, in place of the drafter's proposal (engine/grammar.py); lossless either way.
+    jump_forward: bool = True
     # Time the passes the cost-aware choices read again instead of reading an earlier run's
     # stored timings for the same model, backend and machine (costs/store.py).
     retime_costs: bool = False

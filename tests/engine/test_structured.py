@@ -9,6 +9,12 @@ a grammar is exactly constrained plain decoding.
 - sampled output under a grammar passes the chi-square test against the masked target
   (enumerated exactly), for draft, ngram and suffix; the test fails a sampler that recovers from
   the masked p instead of the residual (its power);
+- forced tokens (jump-forward): text the grammar forces is drafted in its own steps; greedy
+  output with them equals output without them for every method, both engines; where each
+  forced token is the only one the grammar allows (digits, which the tokenizer never merges)
+  every one is accepted, greedy or sampled; the chi-square test also runs on a grammar whose
+  forced text has other spellings (so forced drafts are rejected and resampled), plain
+  decoding included, with its power test;
 - the matcher is where it was after computing a step's masks (rolled back past the drafts);
 - a spec that cannot compile, or names two constraints, is an InvalidRequestError.
 """
@@ -53,11 +59,34 @@ REGEX = StructuredOutput(regex=r"(cat|dog|bird)s? [0-9]{2,4}")
 # Long lowercase text: many tokens allowed at each step, no end within the test's three tokens.
 LETTERS = StructuredOutput(regex=r"[a-z ]{40,80}")
 SPECS = {"schema": COMPACT_SCHEMA, "regex": REGEX, "letters": LETTERS}
+# Forced text with other spellings ("t" "he", "th" "e", "the"), then free letters.
+FORCED_TEXT = StructuredOutput(regex=r"the [a-z ]{40,80}")
+# Forced digits: the Qwen-style pre-tokenizer splits every digit off, so each forced token is
+# the only one the grammar allows at its place, and its masked probability is 1.
+FORCED_DIGITS = StructuredOutput(regex=r"20261201[a-z ]{10,30}")
+# For the distribution test: one forced letter ("t", or "th", "to"... of the same start), then
+# free letters, so that three tokens have enough outcomes.
+FORCED_LETTER = StructuredOutput(regex=r"t[a-z ]{40,80}")
 PROMPT = "def quicksort(arr):"
 
 
 def constrained(spec: StructuredOutput, max_new_tokens: int = 40, **sampling) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, structured=spec, **sampling)
+
+
+def without_jump_forward(dec):
+    """The decoder with forced tokens not drafted (DecoderConfig.jump_forward=False), restored after."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def off():
+        dec.grammars.jump_forward = False
+        try:
+            yield dec
+        finally:
+            dec.grammars.jump_forward = True
+
+    return off()
 
 
 @pytest.mark.parametrize("spec", ["schema", "regex", "letters"])
@@ -69,14 +98,61 @@ def test_greedy_constrained_speculation_equals_constrained_plain_decoding(tiny_q
     params = constrained(SPECS[spec])
     # A prompt that holds its own constrained answer once, so that lookups find drafts too.
     first = dec.encode(PROMPT)
-    prompt = first + dec.generate(first, params, method="none").token_ids + first
-    plain = dec.generate(prompt, params, method="none")
-    spec_run = dec.generate(prompt, params, method=method)
-    assert spec_run.token_ids == plain.token_ids
-    assert spec_run.stats.draft_tokens_accepted > 0  # it speculated, and drafts passed the grammar
-    batch = dec.generate_batch([prompt, "The quick brown fox"], [params, SamplingParams(max_new_tokens=12)],
-                               method=method)
-    assert batch[0].token_ids == plain.token_ids
+    # The drafter's drafts under the grammar (the schema's forced text would leave it few
+    # steps): forced tokens have their own test below.
+    with without_jump_forward(dec):
+        prompt = first + dec.generate(first, params, method="none").token_ids + first
+        plain = dec.generate(prompt, params, method="none")
+        spec_run = dec.generate(prompt, params, method=method)
+        assert spec_run.token_ids == plain.token_ids
+        assert spec_run.stats.draft_tokens_accepted > 0  # it speculated, and drafts passed the grammar
+        batch = dec.generate_batch([prompt, "The quick brown fox"], [params, SamplingParams(max_new_tokens=12)],
+                                   method=method)
+        assert batch[0].token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("method", ["none", "draft", "ngram", "suffix"])
+def test_forced_tokens_change_no_greedy_output(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path, method: str) -> None:
+    """Greedy output with the grammar's forced tokens drafted equals output without, single path
+    and batch engine (fp32 torch: exact)."""
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+    prompt = dec.encode(PROMPT)
+    for spec in (COMPACT_SCHEMA, FORCED_TEXT):
+        params = constrained(spec)
+        with without_jump_forward(dec):
+            reference = dec.generate(prompt, params, method="none")
+        assert reference.stats.forced_tokens_proposed == 0
+        run = dec.generate(prompt, params, method=method)
+        assert run.token_ids == reference.token_ids, f"{method} under {spec.kind}"
+        assert run.stats.forced_tokens_proposed > 0  # the schema's keys and the regex's "the " are forced
+        batch = dec.generate_batch([prompt, "The quick brown fox"], [params, SamplingParams(max_new_tokens=12)],
+                                   method=method)
+        assert batch[0].token_ids == reference.token_ids, f"batch {method} under {spec.kind}"
+        assert batch[0].stats.forced_tokens_proposed > 0
+
+
+@pytest.mark.parametrize("method", ["none", "draft"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tokens_the_grammar_alone_allows_are_all_accepted(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path,
+                                                          method: str, temperature: float) -> None:
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+    prompt = dec.encode(PROMPT)
+    forced = dec.encode("20261201")
+    state = dec.grammars.compile(FORCED_DIGITS).state()
+    allowed = state.chain_masks(forced)
+    assert [int(allowed[i].sum()) for i in range(len(forced))] == [1] * len(forced)  # the premise
+    assert state.forced_tokens(16) == forced
+    for seed in range(5):
+        params = constrained(FORCED_DIGITS, max_new_tokens=20, temperature=temperature, seed=seed)
+        result = dec.generate(prompt, params, method=method)
+        assert result.token_ids[: len(forced)] == forced
+        assert result.stats.forced_tokens_proposed >= len(forced)
+        assert result.stats.forced_tokens_accepted == result.stats.forced_tokens_proposed
+        # The eight digits and one token after them came from the first step.
+        assert result.stats.verify_steps < len(result.token_ids) - len(forced) + 2
+        batch = dec.generate_batch([prompt], params, method=method)[0]
+        assert batch.token_ids[: len(forced)] == forced
+        assert batch.stats.forced_tokens_accepted == batch.stats.forced_tokens_proposed >= len(forced)
 
 
 def test_outputs_follow_their_grammar(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
@@ -200,14 +276,14 @@ def exact_masked_distribution(dec, spec: StructuredOutput, prompt_ids: list[int]
     return dist
 
 
-def constrained_chi_square(dec, method: str) -> tuple[float, int, tuple[int, int]]:
-    """(statistic, degrees of freedom, drafts accepted) of DRAWS seeded generations under LETTERS."""
+def constrained_chi_square(dec, method: str, spec: StructuredOutput = LETTERS) -> tuple[float, int, tuple[int, int]]:
+    """(statistic, degrees of freedom, drafts accepted) of DRAWS seeded generations under ``spec``."""
     prompt_ids = dec.encode(PROMPT)
-    exact = exact_masked_distribution(dec, LETTERS, prompt_ids)
+    exact = exact_masked_distribution(dec, spec, prompt_ids)
     counts: Counter = Counter()
     accepted = proposed = 0
     for seed in range(DRAWS):
-        params = SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=NEW_TOKENS, seed=seed, structured=LETTERS)
+        params = SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=NEW_TOKENS, seed=seed, structured=spec)
         result = dec.generate(prompt_ids, params, method=method, k=2)
         counts[tuple(result.token_ids)] += 1
         accepted += result.stats.draft_tokens_accepted
@@ -225,6 +301,24 @@ def test_sampled_output_under_a_grammar_follows_the_masked_target(tiny_qwen2_dir
     if method == "draft":
         # Drafts under the grammar were accepted, not only rejected (a stale draft cache once gave 0).
         assert accepted[0] > DRAWS // 4, f"accepted, proposed: {accepted}"
+
+
+@pytest.mark.parametrize("method", ["none", "draft"])
+def test_sampled_output_with_forced_tokens_follows_the_masked_target(tiny_qwen2_dir: Path,
+                                                                      tiny_close_draft_dir: Path, method: str) -> None:
+    """Forced text with other spellings: a forced draft is accepted with its masked probability,
+    else the residual is sampled; plain decoding drafts forced tokens too."""
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+    stat, df, _ = constrained_chi_square(dec, method, FORCED_LETTER)
+    assert stat < CHI2_CRITICAL_P001[df], f"{method}: chi2={stat:.1f} df={df}"
+
+
+def test_the_forced_token_distribution_test_catches_a_wrong_residual(tiny_qwen2_dir: Path,
+                                                                     tiny_close_draft_dir: Path, monkeypatch) -> None:
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+    install_wrong_residual(monkeypatch)
+    stat, df, _ = constrained_chi_square(dec, "none", FORCED_LETTER)
+    assert stat > CHI2_CRITICAL_P001[df], f"the wrong sampler passed: chi2={stat:.1f} df={df}"
 
 
 def test_the_constrained_distribution_test_catches_a_wrong_residual(tiny_qwen2_dir: Path,

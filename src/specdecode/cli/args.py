@@ -138,6 +138,8 @@ def add_decoder_arguments(parser: argparse.ArgumentParser, *, exclude: frozenset
     add("prefix_cache", "--no-prefix-cache", action="store_false", help="prefill every prompt whole instead of "
         "reusing the K/V of the prefix it shares with the previous request (on by default; "
         "docs/design.md#prefix-caching)")
+    add("jump_forward", "--no-jump-forward", action="store_false", help="under a grammar or schema, do not draft "
+        "the text it forces (on by default; docs/structured.md)")
     add("retime_costs", action="store_true", help="time the passes the cost-aware draft length reads again, "
         "instead of the timings stored by an earlier run for the same model file, backend and machine")
     add("backend", choices=BACKEND_CHOICES, help="auto (default): llama.cpp for GGUF files on the CPU where "

@@ -29,6 +29,9 @@ class DraftProposal:
     # Forward passes of a draft model spent on this proposal (0 for model-free drafters): the
     # benchmark's bandwidth ceiling counts the weight bytes they read.
     forward_passes: int = 0
+    # The grammar's forced tokens (engine/grammar.py), drafted in place of the drafter's: the
+    # drafter and the acceptance statistics that steer it hear nothing of this step.
+    forced: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -43,7 +43,7 @@ from specdecode.drafters.batch_draft import BatchDraftModel
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
-from specdecode.engine.batch_proposals import max_draft, may_draft, plan_row, propose
+from specdecode.engine.batch_proposals import forced_drafts, max_draft, may_draft, plan_row, propose
 from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
 from specdecode.engine.batch_verify import verify_rows
 from specdecode.engine.grammar import CompiledGrammar, GrammarState, apply_row_masks, first_forbidden
@@ -257,6 +257,8 @@ class BatchEngine:
         read_ahead = k > 0 and any(plan.backlog for plan in plans)
         wanted = {seq.seq_id: 0 for seq in running}
         wanted.update({seq.seq_id: min(k, max_draft(seq.state)) for seq in drafting})
+        forced = forced_drafts(running)
+        wanted.update({seq_id: len(tokens) for seq_id, tokens in forced.items()})
 
         def needs(seq: ScheduledSequence) -> tuple[int, int]:
             request: BatchRequest = seq.state
@@ -272,17 +274,17 @@ class BatchEngine:
         draft_watch, verify_watch = Stopwatch(self.device, self.sync_timing), Stopwatch(self.device, self.sync_timing)
         try:
             with draft_watch:
-                proposals, draft_passes, draft_rows = self._draft(running, wanted)
+                proposals, draft_passes, draft_rows = self._draft(running, wanted, forced)
             with verify_watch:
                 emitted, proposals = self._verify(running, proposals)
         except Exception as err:  # noqa: BLE001 - raised again below unless one request is to blame
-            failed += self._isolate_failures(running, wanted, generators, err)
+            failed += self._isolate_failures(running, wanted, forced, generators, err)
             running = list(self.scheduler.running)
             if not running:
                 return failed
             restore_generators(generators)
             with draft_watch:
-                proposals, draft_passes, draft_rows = self._draft(running, wanted)
+                proposals, draft_passes, draft_rows = self._draft(running, wanted, forced)
             with verify_watch:
                 emitted, proposals = self._verify(running, proposals)
         self.chooser.observe(
@@ -303,6 +305,7 @@ class BatchEngine:
         self,
         running: list[ScheduledSequence],
         wanted: dict[int, int],
+        forced: dict[int, list[int]],
         generators: list[tuple[torch.Generator, torch.Tensor]],
         error: Exception,
     ) -> list[RequestOutput]:
@@ -313,7 +316,7 @@ class BatchEngine:
         for seq in running:
             restore_generators(generators)
             try:
-                proposals, _, _ = self._draft([seq], wanted)
+                proposals, _, _ = self._draft([seq], wanted, forced)
                 self._verify([seq], proposals)
             except Exception as err:  # noqa: BLE001 - any error a request causes is that request's
                 blamed.append((seq, err))
@@ -370,13 +373,14 @@ class BatchEngine:
         for request in requests:
             request.stats.prefill_seconds += elapsed
 
-    def _draft(self, running: list[ScheduledSequence], wanted: dict[int, int]) -> tuple[list[DraftProposal], int, int]:
+    def _draft(self, running: list[ScheduledSequence], wanted: dict[int, int],
+               forced: dict[int, list[int]]) -> tuple[list[DraftProposal], int, int]:
         # Structured rows' drafts walk their grammars (engine/grammar.py), which end back where they were.
         grammars = [seq.state.grammar for seq in running if seq.state.grammar is not None]
         for grammar in grammars:
             grammar.begin_draft()
         try:
-            return propose(running, wanted, self.drafter, self.draft_confidence, self.device)
+            return propose(running, wanted, self.drafter, self.draft_confidence, self.device, forced)
         finally:
             for grammar in grammars:
                 grammar.end_draft()
@@ -430,8 +434,11 @@ class BatchEngine:
             stats.verify_seconds += verify_seconds
             if request.method == "draft":
                 stats.draft_forward_passes += draft_passes
-            stats.record_step(proposal.num_tokens, accepted_len)
-            if proposal.num_tokens > 0:
+            if proposal.forced:
+                stats.record_forced_step(proposal.num_tokens, accepted_len)
+            else:
+                stats.record_step(proposal.num_tokens, accepted_len)
+            if proposal.num_tokens > 0 and not proposal.forced:
                 request.acceptance.observe(proposal.num_tokens, accepted_len)
                 self._pooled_acceptance[request.method].observe(proposal.num_tokens, accepted_len)
             new_tokens, stop_reason = cut_at_stop(row, request.remaining, self.eos_token_ids, request.params.ignore_eos)
@@ -448,7 +455,7 @@ class BatchEngine:
                 request.ngram.extend(request.tokens[len(request.ngram.history):])
             seq.num_tokens = len(request.tokens)
             self.target.commit(seq.seq_id, length + min(accepted_len, count - 1))
-            if request.method == "draft" and proposal.num_tokens > 0:
+            if request.method == "draft" and proposal.num_tokens > 0 and not proposal.forced:
                 assert self.drafter is not None
                 self.drafter.on_verified(seq.seq_id, accepted_len)
             stats.new_tokens += count
@@ -492,7 +499,7 @@ def constrain_proposals(
             legal = first_forbidden(allowed, drafts)
             if legal < len(drafts):
                 probs = None if proposal.probs is None else proposal.probs[:, :legal]
-                out[b] = DraftProposal(proposal.tokens[:, :legal], probs, proposal.forward_passes)
+                out[b] = DraftProposal(proposal.tokens[:, :legal], probs, proposal.forward_passes, proposal.forced)
                 allowed = allowed[: legal + 1]
         masks[b] = allowed
     return out, masks

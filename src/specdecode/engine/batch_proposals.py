@@ -10,6 +10,7 @@ from specdecode.costs.batch_k import BatchRow
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import BatchDraftModel, DraftRow
 from specdecode.engine.batch_request import BatchRequest
+from specdecode.engine.grammar import MAX_FORCED_TOKENS
 from specdecode.engine.scheduler import ScheduledSequence
 
 # Below this many tried draft positions a row's estimate is too thin to stop drafting on (one
@@ -41,20 +42,40 @@ def plan_row(seq: ScheduledSequence, drafter: BatchDraftModel | None, draft_conf
                     stops_early=request.method == "draft" and draft_confidence > 0)
 
 
+def forced_drafts(running: list[ScheduledSequence]) -> dict[int, list[int]]:
+    """The tokens each structured row's grammar forces next (engine/grammar.py), by seq_id: a
+    row with some drafts them this step, whatever its method and k (before the KV reservation,
+    which must cover them)."""
+    forced = {}
+    for seq in running:
+        request: BatchRequest = seq.state
+        if request.grammar is not None:
+            tokens = request.grammar.forced_tokens(min(MAX_FORCED_TOKENS, request.remaining - 1))
+            if tokens:
+                forced[seq.seq_id] = tokens
+    return forced
+
+
 def propose(
     running: list[ScheduledSequence],
     wanted: dict[int, int],
     drafter: BatchDraftModel | None,
     draft_confidence: float,
     device: torch.device,
+    forced: dict[int, list[int]],
 ) -> tuple[list[DraftProposal], int, int]:
     """Each row's proposal of up to ``wanted[seq_id]`` tokens (possibly empty), the draft
-    model's passes and its rows per pass."""
+    model's passes and its rows per pass. A structured row whose grammar forces what comes next
+    drafts those tokens instead (``forced`` by seq_id, from ``forced_drafts``)."""
     empty = torch.empty((1, 0), dtype=torch.long, device=device)
     proposals = [DraftProposal(tokens=empty, probs=None) for _ in running]
     model_rows, model_index = [], []
     for index, seq in enumerate(running):
         request: BatchRequest = seq.state
+        if seq.seq_id in forced:
+            proposals[index] = DraftProposal(tokens=host_to_device([forced[seq.seq_id]], torch.long, device),
+                                             probs=None, forced=True)
+            continue
         k = wanted[seq.seq_id]
         if k == 0:
             continue

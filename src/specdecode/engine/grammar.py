@@ -16,6 +16,14 @@ a draft model sampling from its unmasked q stays lossless; a deterministic draft
 suffix trees, greedy) can be cut at its first forbidden token before the pass, which changes
 nothing: its residual at that row is p itself (``first_forbidden``).
 
+Forced tokens (jump-forward). Where the grammar allows one continuation only (``{"name": "``
+of a schema with a ``name`` property), that text is drafted in the tokenizer's own tokens
+(``GrammarState.forced_tokens``), in place of the drafter's proposal, and verified like any
+deterministic draft: accepted with the masked target's probability for it, which is 1 where
+the token is the only one the grammar allows (a forced text has other spellings in a BPE
+vocabulary, ``{"`` or ``{`` then ``"``, so a token of it can still be rejected, and then the
+target's own choice is emitted: exact either way). Plain decoding under a grammar uses it too.
+
 One cost beyond plain decoding: the drafts must be on the host for the matcher, one more
 device-to-host read per step on a GPU (the grammar engines run on the CPU).
 """
@@ -25,7 +33,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +45,9 @@ from specdecode.errors import InvalidRequestError
 # indent of pretty-printed JSON 9 levels deep, and a bound on the whitespace loops some models
 # fall into under free whitespace (vLLM added its disable-any-whitespace option for those).
 MAX_WHITESPACE = 20
+# The most forced tokens one step drafts: a schema's forced runs (`", "arguments": {"city": "`)
+# are 2-10 tokens; a longer run is drafted over several steps.
+MAX_FORCED_TOKENS = 16
 INSTALL_HINT = "Structured outputs need xgrammar: pip install 'specdecode[structured]'."
 
 
@@ -72,10 +83,12 @@ class GrammarCompiler:
     tokens on a 2-core CPU), so it happens on the first structured request, not at load; a server
     calls ``warm`` at start so that no request pays it."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 jump_forward: bool = True) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.stop_token_ids = list(stop_token_ids)
+        self.jump_forward = jump_forward  # draft the tokens the grammar forces (DecoderConfig.jump_forward)
         self._compiler: Any = None
         self._lock = threading.Lock()
 
@@ -120,7 +133,11 @@ class GrammarCompiler:
                 compiled = compiler.compile_grammar(spec.grammar)
         except Exception as err:  # noqa: BLE001 - the spec is the request's; xgrammar raises several kinds
             raise _not_compiled(spec.kind, err) from err
-        return CompiledGrammar(compiled, self.vocab_size, spec)
+        tokenize = self._tokenize if self.jump_forward else None
+        return CompiledGrammar(compiled, self.vocab_size, spec, tokenize)
+
+    def _tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
 def _regex_escape(text: str) -> str:
@@ -131,10 +148,12 @@ def _regex_escape(text: str) -> str:
 class CompiledGrammar:
     """A compiled grammar for one tokenizer; ``state()`` starts a request's matcher."""
 
-    def __init__(self, compiled: Any, vocab_size: int, spec: StructuredOutput) -> None:
+    def __init__(self, compiled: Any, vocab_size: int, spec: StructuredOutput,
+                 tokenize: Callable[[str], list[int]] | None = None) -> None:
         self.compiled = compiled
         self.vocab_size = vocab_size
         self.spec = spec
+        self.tokenize = tokenize  # text -> token ids, for forced tokens (None: not drafted)
 
     def state(self) -> GrammarState:
         return GrammarState(self)
@@ -147,6 +166,7 @@ class GrammarState:
         self._xgr = _xgrammar()
         self.matcher = self._xgr.GrammarMatcher(grammar.compiled)
         self.vocab_size = grammar.vocab_size
+        self._tokenize = grammar.tokenize
         self.mask_seconds = 0.0  # time spent computing masks and advancing (stats.mask_seconds)
         self._drafted = 0  # tokens a draft walk moved the matcher by (rolled back by end_draft)
         self._walk_blocked = False
@@ -163,6 +183,25 @@ class GrammarState:
                 return
             if not self.matcher.accept_token(token):
                 raise RuntimeError(f"token {token} was emitted but the grammar forbids it: a masking bug")
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """At most ``limit`` tokens of the text the grammar forces next (xgrammar's jump-forward
+        string), as the tokenizer splits it, each checked by the matcher, which is back where it
+        was afterwards; [] when nothing is forced (or jump-forward is off)."""
+        if self._tokenize is None or limit <= 0 or self.matcher.is_terminated():
+            return []
+        started = time.perf_counter()
+        tokens: list[int] = []
+        text = self.matcher.find_jump_forward_string()
+        if text:
+            for token in self._tokenize(text)[:limit]:
+                if not self.matcher.accept_token(token):
+                    break  # a split the grammar does not allow token by token: draft up to it
+                tokens.append(token)
+            if tokens:
+                self.matcher.rollback(len(tokens))
+        self.mask_seconds += time.perf_counter() - started
+        return tokens
 
     def masks(self, parents: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:  # -> (N, V) bool, CPU
         """Allowed tokens after each node of a draft tree (a chain is a tree with parents i - 1):

@@ -42,6 +42,10 @@ class GenerationStats:
     # compile=True: seconds of this request spent compiling passes of shapes not compiled yet
     # (part of draft/verify time; 0 once the decoder is warm, see SpecDecoder.warm_up)
     compile_seconds: float = 0.0
+    # Structured outputs: tokens the grammar forced, drafted in place of the drafter's proposal
+    # in their own steps, and those the target accepted (not in the draft acceptance figures).
+    forced_tokens_proposed: int = 0
+    forced_tokens_accepted: int = 0
     # Structured outputs: seconds the grammar's matcher spent on masks and advancing (part of
     # other, or of verify for token trees; engine/grammar.py).
     mask_seconds: float = 0.0
@@ -64,6 +68,15 @@ class GenerationStats:
             self.proposed_at_position[pos] += 1
             if pos < accepted:
                 self.accepted_at_position[pos] += 1
+
+    def record_forced_step(self, proposed: int, accepted: int) -> None:
+        """A step that verified the grammar's forced tokens: a target pass and its tokens count
+        (tau is tokens per step), the drafter's figures do not."""
+        self.verify_steps += 1
+        self.target_forward_passes += 1
+        self.forced_tokens_proposed += proposed
+        self.forced_tokens_accepted += accepted
+        self.emitted_by_steps += accepted + 1
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -125,6 +138,9 @@ class GenerationStats:
         if self.tree_nodes_proposed and self.verify_steps:
             parts.append(f"tree nodes per step={self.tree_nodes_proposed / self.verify_steps:.1f} "
                          "(acceptance and per-position figures are per tree depth)")
+        if self.forced_tokens_proposed:
+            parts.append(f"grammar-forced tokens: {self.forced_tokens_accepted} of {self.forced_tokens_proposed} "
+                         "accepted (drafted in their own steps)")
         if self.steps_by_source:
             parts.append("steps by source: " + " ".join(f"{k}={v}" for k, v in sorted(self.steps_by_source.items())))
         if self.note:

@@ -28,12 +28,13 @@ from specdecode.costs.k_policy import interpolate
 from specdecode.costs.store import VERIFY_TABLE, CostStore
 from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 from specdecode.drafters.base import Drafter, TreeDrafter
-from specdecode.engine.grammar import CompiledGrammar, GrammarState, apply_masks, first_forbidden
+from specdecode.engine.grammar import MAX_FORCED_TOKENS, CompiledGrammar, GrammarState, apply_masks, first_forbidden
 from specdecode.engine.metrics import GenerationStats, Stopwatch
 from specdecode.engine.plan import RequestPlan
 from specdecode.engine.prefix import NO_MATCH, CachedPrefix, match_prefix
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.stopping import cut_at_stop
+from specdecode.engine.tree import TokenTree
 from specdecode.engine.verify import (
     PAD_TOKEN,
     greedy_tree_verify,
@@ -57,6 +58,12 @@ class StepResult:
     verify_seconds: float
     draft_passes: int = 0
     nodes: int = 0  # drafted tree nodes (tree methods)
+    forced: bool = False  # the drafts were the grammar's forced tokens, not the drafter's
+
+
+def forced_limit(remaining: int) -> int:
+    """The most grammar-forced tokens a step may draft: a step emits at most drafts + 1 tokens."""
+    return min(MAX_FORCED_TOKENS, remaining - 1)
 
 
 class SpecEngine:
@@ -192,7 +199,10 @@ class SpecEngine:
                 stats.verify_seconds += result.verify_seconds
                 stats.draft_forward_passes += result.draft_passes
                 stats.tree_nodes_proposed += result.nodes
-                stats.record_step(result.proposed, result.accepted)
+                if result.forced:
+                    stats.record_forced_step(result.proposed, result.accepted)
+                else:
+                    stats.record_step(result.proposed, result.accepted)
 
                 new_tokens, stop_reason = cut_at_stop(result.tokens, remaining, self.eos_token_ids, params.ignore_eos)
                 count = len(new_tokens)
@@ -252,7 +262,7 @@ class SpecEngine:
         drafter, schedule = plan.drafter, plan.schedule
         if drafter is None:
             return lambda length, remaining: self._chain_step(None, committed, length, 0, processor, generator, watches,
-                                                              constraint)
+                                                              constraint, forced_limit(remaining))
         if plan.tree:
             tree_drafter = cast(TreeDrafter, drafter)
             return lambda length, remaining: self._tree_step(
@@ -263,7 +273,10 @@ class SpecEngine:
             # This step's k: the schedule's choice, at most the plan's; never past max_new_tokens
             # (a step emits at most k + 1 tokens).
             k = min(schedule.next_k() if schedule is not None else plan.k, plan.k, remaining - 1)
-            result = self._chain_step(drafter, committed, length, k, processor, generator, watches, constraint)
+            result = self._chain_step(drafter, committed, length, k, processor, generator, watches, constraint,
+                                      forced_limit(remaining))
+            if result.forced:
+                return result  # the drafter did not propose: nothing for it or its schedule to learn
             if result.proposed > 0:
                 drafter.on_verified(result.accepted)
             if schedule is not None:
@@ -283,15 +296,21 @@ class SpecEngine:
         generator: torch.Generator | None,
         watches: tuple[Stopwatch, Stopwatch],
         constraint: GrammarState | None = None,
+        forced_limit: int = 0,
     ) -> StepResult:
         """Draft up to k tokens in a line, verify them in one target pass (under the grammar, the
-        rows masked by its state after each draft: engine/grammar.py)."""
+        rows masked by its state after each draft: engine/grammar.py). Where the grammar forces
+        what comes next, up to ``forced_limit`` of its tokens are the drafts instead."""
         draft_watch, verify_watch = watches
         device = self.device
         draft_seconds, draft_passes = 0.0, 0
         draft_tokens = torch.empty((1, 0), dtype=torch.long, device=device)
         draft_probs = None
-        if k > 0:
+        forced = constraint.forced_tokens(forced_limit) if constraint is not None else []
+        if forced:
+            draft_tokens = host_to_device([forced], torch.long, device)
+            k = len(forced)
+        elif k > 0:
             assert drafter is not None
             with draft_watch:
                 if constraint is not None:
@@ -330,6 +349,7 @@ class SpecEngine:
         return StepResult(
             tokens=emitted_row[:emitted_count], device_tokens=result.tokens[0], accepted=emitted_count - 1,
             proposed=k, draft_seconds=draft_seconds, verify_seconds=verify_watch.elapsed, draft_passes=draft_passes,
+            forced=bool(forced),
         )
 
     def _tree_step(
@@ -345,12 +365,19 @@ class SpecEngine:
         constraint: GrammarState | None = None,
     ) -> StepResult:
         """Draft a token tree, score every node in one target pass, keep the accepted path (under
-        the grammar, node i's row masked by its state after the path to node i)."""
+        the grammar, node i's row masked by its state after the path to node i; where it forces
+        what comes next, the tree is the chain of its forced tokens instead)."""
         draft_watch, verify_watch = watches
         device = self.device
+        # Never draft past max_new_tokens: a path of depth d emits d + 1 tokens.
+        forced = constraint.forced_tokens(min(MAX_FORCED_TOKENS, max_depth)) if constraint is not None else []
         with draft_watch:
-            # Never draft past max_new_tokens: a path of depth d emits d + 1 tokens.
-            tree = drafter.propose_tree(committed[:, :length], max_depth, processor, generator)
+            if forced:
+                tree = TokenTree(parents=list(range(-1, len(forced))), sampled=[False] * (len(forced) + 1),
+                                 tokens=torch.cat([committed[0, length - 1 : length],
+                                                   host_to_device(forced, torch.long, device)]))
+            else:
+                tree = drafter.propose_tree(committed[:, :length], max_depth, processor, generator)
         start = length - 1  # the root's slot and position
         target = self.target
         with verify_watch:
@@ -370,6 +397,7 @@ class SpecEngine:
             drafter.observe(out.hidden[:, host_to_device(result.path, torch.long, device)], start)
         return StepResult(
             tokens=result.tokens, device_tokens=host_to_device(result.tokens, torch.long, device),
-            accepted=len(result.path) - 1, proposed=tree.max_depth, nodes=tree.size - 1,
-            draft_seconds=draft_watch.elapsed, verify_seconds=verify_watch.elapsed, draft_passes=drafter.last_forward_passes,
+            accepted=len(result.path) - 1, proposed=tree.max_depth, nodes=0 if forced else tree.size - 1,
+            draft_seconds=draft_watch.elapsed, verify_seconds=verify_watch.elapsed,
+            draft_passes=0 if forced else drafter.last_forward_passes, forced=bool(forced),
         )
