@@ -10,7 +10,6 @@ from specdecode.costs.batch_k import BatchRow
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import BatchDraftModel, DraftRow
 from specdecode.engine.batch_request import BatchRequest
-from specdecode.engine.grammar import MAX_FORCED_TOKENS
 from specdecode.engine.scheduler import ScheduledSequence
 
 # Below this many tried draft positions a row's estimate is too thin to stop drafting on (one
@@ -50,7 +49,7 @@ def forced_drafts(running: list[ScheduledSequence]) -> dict[int, list[int]]:
     for seq in running:
         request: BatchRequest = seq.state
         if request.grammar is not None:
-            tokens = request.grammar.forced_tokens(min(MAX_FORCED_TOKENS, request.remaining - 1))
+            tokens = request.grammar.forced_tokens(request.remaining - 1)  # a step emits drafts + 1
             if tokens:
                 forced[seq.seq_id] = tokens
     return forced

@@ -185,9 +185,11 @@ class GrammarState:
                 raise RuntimeError(f"token {token} was emitted but the grammar forbids it: a masking bug")
 
     def forced_tokens(self, limit: int) -> list[int]:
-        """At most ``limit`` tokens of the text the grammar forces next (xgrammar's jump-forward
-        string), as the tokenizer splits it, each checked by the matcher, which is back where it
-        was afterwards; [] when nothing is forced (or jump-forward is off)."""
+        """The tokens of the text the grammar forces next (xgrammar's jump-forward string), as the
+        tokenizer splits it, each checked by the matcher, which is back where it was afterwards:
+        at most ``limit`` (what the step may draft) and ``MAX_FORCED_TOKENS``; [] when nothing is
+        forced (or jump-forward is off)."""
+        limit = min(limit, MAX_FORCED_TOKENS)
         if self._tokenize is None or limit <= 0 or self.matcher.is_terminated():
             return []
         started = time.perf_counter()

@@ -28,7 +28,7 @@ from specdecode.costs.k_policy import interpolate
 from specdecode.costs.store import VERIFY_TABLE, CostStore
 from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 from specdecode.drafters.base import Drafter, TreeDrafter
-from specdecode.engine.grammar import MAX_FORCED_TOKENS, CompiledGrammar, GrammarState, apply_masks, first_forbidden
+from specdecode.engine.grammar import CompiledGrammar, GrammarState, apply_masks, first_forbidden
 from specdecode.engine.metrics import GenerationStats, Stopwatch
 from specdecode.engine.plan import RequestPlan
 from specdecode.engine.prefix import NO_MATCH, CachedPrefix, match_prefix
@@ -60,10 +60,6 @@ class StepResult:
     nodes: int = 0  # drafted tree nodes (tree methods)
     forced: bool = False  # the drafts were the grammar's forced tokens, not the drafter's
 
-
-def forced_limit(remaining: int) -> int:
-    """The most grammar-forced tokens a step may draft: a step emits at most drafts + 1 tokens."""
-    return min(MAX_FORCED_TOKENS, remaining - 1)
 
 
 class SpecEngine:
@@ -262,7 +258,7 @@ class SpecEngine:
         drafter, schedule = plan.drafter, plan.schedule
         if drafter is None:
             return lambda length, remaining: self._chain_step(None, committed, length, 0, processor, generator, watches,
-                                                              constraint, forced_limit(remaining))
+                                                              constraint, remaining - 1)
         if plan.tree:
             tree_drafter = cast(TreeDrafter, drafter)
             return lambda length, remaining: self._tree_step(
@@ -274,7 +270,7 @@ class SpecEngine:
             # (a step emits at most k + 1 tokens).
             k = min(schedule.next_k() if schedule is not None else plan.k, plan.k, remaining - 1)
             result = self._chain_step(drafter, committed, length, k, processor, generator, watches, constraint,
-                                      forced_limit(remaining))
+                                      remaining - 1)
             if result.forced:
                 return result  # the drafter did not propose: nothing for it or its schedule to learn
             if result.proposed > 0:
@@ -300,7 +296,8 @@ class SpecEngine:
     ) -> StepResult:
         """Draft up to k tokens in a line, verify them in one target pass (under the grammar, the
         rows masked by its state after each draft: engine/grammar.py). Where the grammar forces
-        what comes next, up to ``forced_limit`` of its tokens are the drafts instead."""
+        what comes next, up to ``forced_limit`` of its tokens are the drafts instead (a step
+        emits at most its drafts + 1 tokens: the caller passes what max_new_tokens leaves)."""
         draft_watch, verify_watch = watches
         device = self.device
         draft_seconds, draft_passes = 0.0, 0
@@ -370,12 +367,11 @@ class SpecEngine:
         draft_watch, verify_watch = watches
         device = self.device
         # Never draft past max_new_tokens: a path of depth d emits d + 1 tokens.
-        forced = constraint.forced_tokens(min(MAX_FORCED_TOKENS, max_depth)) if constraint is not None else []
+        forced = constraint.forced_tokens(max_depth) if constraint is not None else []
         with draft_watch:
             if forced:
-                tree = TokenTree(parents=list(range(-1, len(forced))), sampled=[False] * (len(forced) + 1),
-                                 tokens=torch.cat([committed[0, length - 1 : length],
-                                                   host_to_device(forced, torch.long, device)]))
+                tree = TokenTree.chain(committed[0, length - 1 : length], host_to_device(forced, torch.long, device),
+                                       None)
             else:
                 tree = drafter.propose_tree(committed[:, :length], max_depth, processor, generator)
         start = length - 1  # the root's slot and position
