@@ -132,6 +132,8 @@ class ModelConfig:
 
 # Temperatures below this are greedy, as in vLLM (_SAMPLING_EPS).
 MIN_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(slots=True, frozen=True)
@@ -245,6 +247,18 @@ class SamplingParams:
     ignore_eos: bool = False
     # Constrain the output to a JSON schema, a regex, choices or a grammar (engine/grammar.py).
     structured: StructuredOutput | None = None
+    # Penalties and bias (engine/penalties.py; OpenAI's and vLLM's meanings): presence and
+    # frequency count generated tokens, repetition (1 = off) covers prompt and generated tokens.
+    presence_penalty: float = 0.0  # -2..2
+    frequency_penalty: float = 0.0  # -2..2
+    repetition_penalty: float = 1.0  # > 0
+    logit_bias: dict[int, float] | None = None  # token id -> -100..100, added to its logit
+    min_p: float = 0.0  # drop tokens below min_p times the most likely one's probability (0 = off)
+    # Log-probabilities of each generated token and of the `logprobs` most likely ones (0: the
+    # chosen token's only; None: none); "raw": the model's own distribution, "processed": the
+    # one sampled from (after the grammar, bias, penalties, temperature, top-k/top-p/min-p).
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
@@ -264,6 +278,27 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(s for s in self.stop if s)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}.")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}.")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.logit_bias is not None:
+            bias: dict[int, float] = {}
+            for token, value in dict(self.logit_bias).items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise InvalidRequestError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}.")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                    raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {value!r} for {token}.")
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}.")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidRequestError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}.")
 
     @property
     def greedy(self) -> bool:

@@ -45,9 +45,11 @@ from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch_proposals import forced_drafts, max_draft, may_draft, plan_row, propose
 from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
-from specdecode.engine.batch_verify import verify_rows
+from specdecode.engine.batch_verify import logprob_rows, penalise_rows, verify_rows
 from specdecode.engine.grammar import CompiledGrammar, GrammarState, apply_row_masks, first_forbidden
+from specdecode.engine.logprobs import unpack
 from specdecode.engine.metrics import GenerationStats, Stopwatch
+from specdecode.engine.penalties import TokenPenalties, wants_penalties
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.scheduler import ScheduledSequence, Scheduler
 from specdecode.engine.stopping import cut_at_stop
@@ -151,7 +153,9 @@ class BatchEngine:
         committed = torch.zeros(capacity + 1, dtype=torch.long, device=self.device)
         committed[:prompt_len] = host_to_device(list(prompt_ids), torch.long, self.device)
         state = grammar.state() if grammar is not None else None
-        processor = LogitsProcessor.from_params(params, state)
+        penalties = (TokenPenalties(params, prompt_ids, self.target.vocab_size, self.device)
+                     if wants_penalties(params) else None)
+        processor = LogitsProcessor.from_params(params, state, penalties)
         request = BatchRequest(
             request_id=request_id, params=params, method=method, k=k, processor=processor,
             generator=None if processor.greedy else make_generator(params.seed, self.device),
@@ -161,6 +165,8 @@ class BatchEngine:
             grammar=state,
         )
         request.stats.method, request.stats.prompt_tokens = method, prompt_len
+        if params.logprobs is not None:
+            request.stats.token_logprobs = []
         pooled = self._pooled_acceptance[method]
         if pooled.trials > 0:
             weight = min(1.0, POOLED_PRIOR_TRIALS / pooled.trials)
@@ -375,15 +381,16 @@ class BatchEngine:
 
     def _draft(self, running: list[ScheduledSequence], wanted: dict[int, int],
                forced: dict[int, list[int]]) -> tuple[list[DraftProposal], int, int]:
-        # Structured rows' drafts walk their grammars (engine/grammar.py), which end back where they were.
-        grammars = [seq.state.grammar for seq in running if seq.state.grammar is not None]
-        for grammar in grammars:
-            grammar.begin_draft()
+        # Drafts walk their rows' grammars (engine/grammar.py) and penalty counts
+        # (engine/penalties.py), which end back where they were.
+        processors = [seq.state.processor for seq in running]
+        for processor in processors:
+            processor.begin_draft()
         try:
             return propose(running, wanted, self.drafter, self.draft_confidence, self.device, forced)
         finally:
-            for grammar in grammars:
-                grammar.end_draft()
+            for processor in processors:
+                processor.end_draft()
 
     def _verify(self, running: list[ScheduledSequence],
                 proposals: list[DraftProposal]) -> tuple[list[list[int]], list[DraftProposal]]:
@@ -402,13 +409,26 @@ class BatchEngine:
             length = len(request.tokens)
             inputs.append(torch.cat([request.committed[length - 1 : length], proposal.tokens[0]]))
             starts.append(length - 1)
-        logits = self.target.forward([seq.seq_id for seq in running], inputs, starts)  # (B, T, V)
+        raw = logits = self.target.forward([seq.seq_id for seq in running], inputs, starts)  # (B, T, V)
         assert logits is not None
         if masks:
             logits = apply_row_masks(logits, masks)
+        logits = penalise_rows(logits, proposals, [r.processor.penalties for r in requests])
         emitted = verify_rows(logits, proposals, [r.processor for r in requests], [r.generator for r in requests])
-        emitted = emitted.tolist()  # the one host read of the step (and the drafts of structured rows)
-        return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in emitted], proposals
+        packed = logprob_rows(raw, logits, emitted, proposals, [r.processor for r in requests])
+        if not packed:
+            rows = emitted.tolist()  # the one host read of the step (and the drafts of structured rows)
+        else:  # the logprobs travel in the same read
+            width = emitted.shape[1]
+            host = torch.cat([emitted.float().flatten(), *(p.flatten() for p in packed.values())]).tolist()
+            rows = [[int(t) for t in host[b * width : (b + 1) * width]] for b in range(len(requests))]
+            offset = len(requests) * width
+            for b, part in packed.items():
+                columns = part.shape[1]
+                flat = host[offset : offset + part.numel()]
+                offset += part.numel()
+                requests[b].step_logprobs = unpack([flat[i * columns : (i + 1) * columns] for i in range(width)], width)
+        return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in rows], proposals
 
     def _commit(
         self,
@@ -446,6 +466,11 @@ class BatchEngine:
             length = len(request.tokens)
             request.committed[length : length + count] = host_to_device(new_tokens, torch.long, self.device)
             request.tokens.extend(new_tokens)
+            if request.step_logprobs is not None and stats.token_logprobs is not None:
+                stats.token_logprobs.extend(request.step_logprobs[:count])
+                request.step_logprobs = None
+            if request.processor.penalties is not None:
+                request.processor.penalties.advance(request.committed[length : length + count])
             if request.grammar is not None:
                 request.grammar.advance(new_tokens)
                 stats.mask_seconds = request.grammar.mask_seconds

@@ -12,6 +12,7 @@ from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine.grammar import GrammarState
+from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.sampling import LogitsProcessor
 from specdecode.engine.scheduler import ScheduledSequence
@@ -45,6 +46,9 @@ class BatchRequest:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     ngram: NgramDrafter | SuffixDrafter | None = None  # a host-side drafter: prompt lookup or suffix decoding
     grammar: GrammarState | None = None  # structured output: the matcher over committed tokens
+    # The last verify pass's logprobs of this row's emitted tokens (SamplingParams.logprobs),
+    # kept by the commit that follows it.
+    step_logprobs: list[TokenLogprob] | None = None
 
     @property
     def remaining(self) -> int:

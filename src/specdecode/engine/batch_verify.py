@@ -10,6 +10,8 @@ import torch
 
 from specdecode.backends.device import host_to_device
 from specdecode.drafters.base import DraftProposal
+from specdecode.engine.logprobs import pack
+from specdecode.engine.penalties import TokenPenalties
 from specdecode.engine.sampling import LogitsProcessor
 from specdecode.engine.verify import PAD_TOKEN, greedy_verify, rejection_verify
 from specdecode.kv.paged import stack_padded
@@ -46,6 +48,46 @@ def verify_rows(
         for i, b in enumerate(group):
             results[b] = result.tokens[i]
     return stack_padded([results[b] for b in range(len(proposals))], PAD_TOKEN)
+
+
+def penalise_rows(
+    logits: torch.Tensor,  # (B, T, V) float
+    proposals: Sequence[DraftProposal],
+    penalties: Sequence[TokenPenalties | None],
+) -> torch.Tensor:  # (B, T, V): row b's first drafts + 1 rows penalised with the drafts before each
+    if all(p is None for p in penalties):
+        return logits
+    out = logits.float().clone()  # the backend's buffer stays as it was
+    for b, (proposal, state) in enumerate(zip(proposals, penalties, strict=True)):
+        if state is not None:
+            n = proposal.num_tokens
+            out[b, : n + 1] = state.chain_rows(logits[b, : n + 1], proposal.tokens[0, :n])
+    return out
+
+
+def logprob_rows(
+    raw: torch.Tensor,  # (B, T, V): the model's logits
+    processed: torch.Tensor,  # (B, T, V): after grammar masks, bias and penalties
+    emitted: torch.Tensor,  # (B, k_max + 1) long: what verify_rows returned
+    proposals: Sequence[DraftProposal],
+    processors: Sequence[LogitsProcessor],
+) -> dict[int, torch.Tensor]:  # b -> (k_max + 1, 2 + 2 n) float32 (engine/logprobs.py's pack)
+    """The packed logprobs of each row that asked for them; rows past a row's drafts + 1 are
+    padding (never unpacked: its emitted count bounds them)."""
+    out = {}
+    width = emitted.shape[1]
+    for b, processor in enumerate(processors):
+        if processor.logprobs is None:
+            continue
+        n = proposals[b].num_tokens + 1
+        probs = None
+        if not processor.greedy and processor.logprobs_mode != "raw":
+            probs = processor.probs(processed[b, :n])
+        logp = processor.logprob_rows(raw[b, :n], processed[b, :n], probs)
+        if n < width:  # pad to the emitted width (any finite rows: never read)
+            logp = torch.cat([logp, logp[-1:].expand(width - n, -1)])
+        out[b] = pack(logp, emitted[b], processor.logprobs)
+    return out
 
 
 def _draft_probs(proposals: list[DraftProposal], width: int, vocab: int) -> torch.Tensor | None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from specdecode.engine.logprobs import TokenLogprob
+
 
 @dataclass(slots=True)
 class GenerationStats:
@@ -54,6 +56,9 @@ class GenerationStats:
     steps_by_source: dict[str, int] = field(default_factory=dict)
     # Why the request decoded plainly although it asked for speculation (measured costs), or "".
     note: str = ""
+    # SamplingParams.logprobs set: each committed token's log-probability (engine/logprobs.py),
+    # filled by the engine as tokens commit; not a metric, so not in to_dict.
+    token_logprobs: list[TokenLogprob] | None = None
 
     def record_step(self, proposed: int, accepted: int) -> None:
         self.verify_steps += 1
@@ -108,6 +113,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data.pop("token_logprobs")
         # asdict rebuilds a dict field with its own type, and a Counter built from (key, count)
         # pairs counts the pairs: auto's per-source steps would come out keyed by tuples.
         data["steps_by_source"] = dict(self.steps_by_source)

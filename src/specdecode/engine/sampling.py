@@ -2,7 +2,9 @@
 
 The same ``LogitsProcessor`` is applied to the target's and the draft's logits: rejection
 sampling is lossless only if p and q are the distributions the two models would actually
-sample from, after temperature, top-k and top-p. Under a grammar the target's rows are masked
+sample from, after temperature, top-k, top-p and min-p. Penalties and logit bias
+(engine/penalties.py) come before them, per row: the target's rows in the engines, a draft
+model's rows in ``draw`` as its draft walks. Under a grammar the target's rows are masked
 before they get here (engine/grammar.py); a drafter's rows are masked in ``draw`` by the
 request's grammar as the draft walks it, so the draft proposes only tokens the grammar allows.
 """
@@ -15,9 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.config import SamplingParams
+from specdecode.engine.logprobs import log_distribution
 
 if TYPE_CHECKING:
     from specdecode.engine.grammar import GrammarState
+    from specdecode.engine.penalties import TokenPenalties
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,17 +31,50 @@ class LogitsProcessor:
     top_p: float
     # The request's grammar (structured outputs), walked by drafts in ``draw``; None: no grammar.
     grammar: GrammarState | None = None
+    min_p: float = 0.0
+    # The request's penalties and logit bias, walked by drafts in ``draw``; None: none.
+    penalties: TokenPenalties | None = None
+    # Report each token's log-probability and the ``logprobs`` most likely (engine/logprobs.py).
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
 
     @classmethod
-    def from_params(cls, params: SamplingParams, grammar: GrammarState | None = None) -> LogitsProcessor:
-        return cls(params.temperature, params.top_k, params.top_p, grammar)
+    def from_params(cls, params: SamplingParams, grammar: GrammarState | None = None,
+                    penalties: TokenPenalties | None = None) -> LogitsProcessor:
+        return cls(params.temperature, params.top_k, params.top_p, grammar, params.min_p, penalties,
+                   params.logprobs, params.logprobs_mode)
+
+    def logprob_rows(
+        self,
+        raw: torch.Tensor,  # (T, V): the model's logits
+        processed: torch.Tensor,  # (T, V): after grammar, bias and penalties
+        probs: torch.Tensor | None,  # (T, V): the sampled-from distribution (None: greedy)
+    ) -> torch.Tensor:  # (T, V) float32 log-probabilities in this request's mode
+        if self.logprobs_mode == "raw":
+            return log_distribution(raw)
+        return log_distribution(processed, probs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def begin_draft(self) -> None:
+        """A draft walk starts at the committed tokens (its grammar place, its penalty counts)."""
+        if self.grammar is not None:
+            self.grammar.begin_draft()
+        if self.penalties is not None:
+            self.penalties.begin_draft()
+
+    def end_draft(self) -> None:
+        """Back to the committed tokens, whatever the walk did."""
+        if self.grammar is not None:
+            self.grammar.end_draft()
+        if self.penalties is not None:
+            self.penalties.end_draft()
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # (..., V) -> (..., V) float32
-        """Sampling distribution: temperature, then top-k, then top-p (nucleus), as HF orders them."""
+        """Sampling distribution: temperature, then top-k, top-p (nucleus) and min-p, as HF
+        orders them (penalties and bias are already in ``logits``)."""
         if self.greedy:
             raise ValueError("greedy decoding has no sampling distribution; use argmax")
         scaled = logits.float() / self.temperature
@@ -56,7 +93,13 @@ class LogitsProcessor:
             drop_sorted[..., 0] = False
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             scaled = scaled.masked_fill(drop, float("-inf"))
-        return scaled.softmax(-1)
+        probs = scaled.softmax(-1)
+        if self.min_p > 0.0:
+            # Relative to the most likely token, which always survives; renormalised after.
+            keep = probs >= self.min_p * probs.amax(dim=-1, keepdim=True)
+            probs = probs * keep
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -71,8 +114,11 @@ def draw(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A drafter's next token (N,) and the distribution q (N, V) it was drawn from; greedy: the
     argmax and None (a deterministic draft). Under a grammar (N == 1) the row is masked by the
-    draft's place in it and the token moves that place on (``GrammarState.begin_draft``)."""
-    grammar = processor.grammar
+    draft's place in it and the token moves that place on (``GrammarState.begin_draft``); with
+    penalties the row is penalised by the committed tokens and the walk's drafts so far."""
+    grammar, penalties = processor.grammar, processor.penalties
+    if penalties is not None:
+        logits = penalties.draft_row(logits)
     if grammar is not None:
         logits = grammar.mask_draft(logits)
     if processor.greedy:
@@ -82,6 +128,8 @@ def draw(
         token = sample(q, generator)
     if grammar is not None:
         grammar.push_draft(token)
+    if penalties is not None:
+        penalties.push_draft(token)
     return token, q
 
 

@@ -29,7 +29,9 @@ from specdecode.costs.store import VERIFY_TABLE, CostStore
 from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.engine.grammar import CompiledGrammar, GrammarState, apply_masks, first_forbidden
+from specdecode.engine.logprobs import TokenLogprob, pack, unpack
 from specdecode.engine.metrics import GenerationStats, Stopwatch
+from specdecode.engine.penalties import TokenPenalties, wants_penalties
 from specdecode.engine.plan import RequestPlan
 from specdecode.engine.prefix import NO_MATCH, CachedPrefix, match_prefix
 from specdecode.engine.sampling import LogitsProcessor, make_generator
@@ -59,6 +61,7 @@ class StepResult:
     draft_passes: int = 0
     nodes: int = 0  # drafted tree nodes (tree methods)
     forced: bool = False  # the drafts were the grammar's forced tokens, not the drafter's
+    logprobs: list[TokenLogprob] | None = None  # one per emitted token (SamplingParams.logprobs)
 
 
 
@@ -158,12 +161,16 @@ class SpecEngine:
         # A tree pass writes all its nodes past the committed length before keeping one path.
         self.target.begin(capacity + (drafter.max_tree_nodes if tree_mode else 0), keep=match.keep)
         constraint = grammar.state() if grammar is not None else None
-        processor = LogitsProcessor.from_params(params, constraint)
+        penalties = (TokenPenalties(params, prompt_ids, self.target.vocab_size, device) if wants_penalties(params)
+                     else None)
+        processor = LogitsProcessor.from_params(params, constraint, penalties)
         generator = None if processor.greedy else make_generator(params.seed, device)
         committed = torch.empty((1, capacity), dtype=torch.long, device=device)
         committed[0, :prompt_len] = host_to_device(list(prompt_ids), torch.long, device)
         stats.prompt_tokens = prompt_len
         stats.cached_tokens = match.keep
+        if params.logprobs is not None:
+            stats.token_logprobs = []
         host_tokens = list(prompt_ids)  # committed, on the host: the next request's prefix record
         valid = match.keep  # positions whose K/V the target holds
         watches = (Stopwatch(device, self.sync_timing), Stopwatch(device, self.sync_timing))
@@ -207,6 +214,10 @@ class SpecEngine:
                 valid = length + min(result.accepted, count - 1)
                 self.target.commit(valid)
                 host_tokens.extend(new_tokens)
+                if result.logprobs is not None and stats.token_logprobs is not None:
+                    stats.token_logprobs.extend(result.logprobs[:count])
+                if penalties is not None:
+                    penalties.advance(result.device_tokens[:count])
                 if constraint is not None:
                     constraint.advance(new_tokens)
                     stats.mask_seconds = constraint.mask_seconds
@@ -310,13 +321,11 @@ class SpecEngine:
         elif k > 0:
             assert drafter is not None
             with draft_watch:
-                if constraint is not None:
-                    constraint.begin_draft()
+                processor.begin_draft()
                 try:
                     proposal = drafter.propose(committed[:, :length], k, processor, generator)
                 finally:
-                    if constraint is not None:
-                        constraint.end_draft()
+                    processor.end_draft()
             draft_seconds, draft_passes = draft_watch.elapsed, proposal.forward_passes
             draft_tokens, draft_probs = proposal.tokens, proposal.probs
             k = proposal.num_tokens
@@ -333,20 +342,32 @@ class SpecEngine:
                     draft_probs = draft_probs[:, :legal]
         with verify_watch:
             inputs = torch.cat([committed[:, length - 1 : length], draft_tokens], dim=1)
-            logits = self.target.extend(inputs, length - 1).logits  # (1, k + 1, V)
+            raw = logits = self.target.extend(inputs, length - 1).logits  # (1, k + 1, V)
             if allowed is not None:
                 logits = apply_masks(logits, allowed)
+            if processor.penalties is not None:  # row i penalised with the drafts before it
+                logits = processor.penalties.chain_rows(logits[0], draft_tokens[0])[None]
+            probs = None
             if processor.greedy:
                 result = greedy_verify(draft_tokens, logits)
             else:
-                result = rejection_verify(draft_tokens, draft_probs, processor.probs(logits), generator)
-            emitted_row = result.tokens[0].tolist()  # the one host sync of the step
+                probs = processor.probs(logits)
+                result = rejection_verify(draft_tokens, draft_probs, probs, generator)
+            logprobs = None
+            if processor.logprobs is None:
+                emitted_row = result.tokens[0].tolist()  # the one host sync of the step
+            else:  # the logprobs travel in the same read
+                packed = pack(processor.logprob_rows(raw[0], logits[0], None if probs is None else probs[0]),
+                              result.tokens[0], processor.logprobs).tolist()
+                emitted_row = [int(row[0]) for row in packed]
         # Read the accepted count off the same row: a second tensor read would be a second sync.
         emitted_count = emitted_row.index(PAD_TOKEN) if PAD_TOKEN in emitted_row else len(emitted_row)
+        if processor.logprobs is not None:
+            logprobs = unpack(packed, emitted_count)
         return StepResult(
             tokens=emitted_row[:emitted_count], device_tokens=result.tokens[0], accepted=emitted_count - 1,
             proposed=k, draft_seconds=draft_seconds, verify_seconds=verify_watch.elapsed, draft_passes=draft_passes,
-            forced=bool(forced),
+            forced=bool(forced), logprobs=logprobs,
         )
 
     def _tree_step(
@@ -379,15 +400,26 @@ class SpecEngine:
         with verify_watch:
             out = target.extend_tree(tree, start)  # the backend supports trees: checked in decode()
             assert out.logits is not None and out.hidden is not None
-            logits = out.logits[0]  # (N, V)
+            raw = logits = out.logits[0]  # (N, V)
             if constraint is not None:
                 logits = apply_masks(logits, constraint.masks(tree.parents, tree.tokens.tolist()))
-            if processor.greedy:
+            if processor.penalties is not None:  # node i penalised with the path to it
+                logits = processor.penalties.tree_rows(logits, tree)
+            probs = None if processor.greedy else processor.probs(logits)
+            if probs is None:
                 result = greedy_tree_verify(tree, logits)
             elif acceptance == "typical":
-                result = typical_tree_verify(tree, processor.probs(logits), generator)
+                result = typical_tree_verify(tree, probs, generator)
             else:
-                result = rejection_tree_verify(tree, processor.probs(logits), generator)
+                result = rejection_tree_verify(tree, probs, generator)
+            logprobs = None
+            if processor.logprobs is not None:
+                # The path's rows: emitted token j follows path node j. A second host read (tree
+                # verification reads the path first).
+                path = host_to_device(result.path, torch.long, device)
+                rows = processor.logprob_rows(raw[path], logits[path], None if probs is None else probs[path])
+                logprobs = unpack(pack(rows, host_to_device(result.tokens, torch.long, device),
+                                       processor.logprobs).tolist(), len(result.tokens))
             target.keep_path(start, result.path)
             # Index with a device tensor: a Python list index is copied from pageable memory (a sync).
             drafter.observe(out.hidden[:, host_to_device(result.path, torch.long, device)], start)
@@ -395,5 +427,5 @@ class SpecEngine:
             tokens=result.tokens, device_tokens=host_to_device(result.tokens, torch.long, device),
             accepted=len(result.path) - 1, proposed=tree.max_depth, nodes=0 if forced else tree.size - 1,
             draft_seconds=draft_watch.elapsed, verify_seconds=verify_watch.elapsed,
-            draft_passes=0 if forced else drafter.last_forward_passes, forced=bool(forced),
+            draft_passes=0 if forced else drafter.last_forward_passes, forced=bool(forced), logprobs=logprobs,
         )

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.text import IncrementalDecoder
 
@@ -21,8 +22,18 @@ class GenerationResult:
     token_ids: list[int]  # new tokens only (an end-of-generation token included, as HF does)
     stats: GenerationStats
 
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Each new token's log-probability and the most likely ones there (``SamplingParams.logprobs``
+        set; engine/logprobs.py), or None."""
+        recorded = self.stats.token_logprobs
+        return None if recorded is None else recorded[: len(self.token_ids)]
+
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+        data = {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            data["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        return data
 
 
 class GenerationStream:
@@ -33,6 +44,11 @@ class GenerationStream:
         self._decoder = decoder
         self.stats = stats
         self.result: GenerationResult | None = None
+
+    @property
+    def token_count(self) -> int:
+        """New tokens taken so far (their text may be held back while a stop string could follow)."""
+        return len(self._decoder.token_ids)
 
     def __iter__(self) -> Iterator[str]:
         try:

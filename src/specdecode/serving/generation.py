@@ -13,6 +13,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.stream import GenerationStream
 from specdecode.errors import SpecDecodeError
@@ -36,6 +37,7 @@ class Generation:
         self.stats: GenerationStats | None = None
         self.error: BaseException | None = None
         self.ended_by: APIError | None = None  # why the server ended it early (a timeout, a shutdown)
+        self.token_count = 0  # new tokens the request kept (stop strings applied), once it has ended
         self.timer: asyncio.TimerHandle | None = None
         self.batch_id = state.worker.new_request_id() if state.worker is not None and state.batched(request) else None
         self._finished = False
@@ -127,17 +129,29 @@ class Generation:
                         self.state.metrics.kv_tokens = stream.stats.prompt_tokens + stream.stats.new_tokens
                 if self.cancelled.is_set():
                     return "cancelled"
-                self._put(delta)
+                self._put((delta, stream.token_count))
         finally:
             deltas.close()  # ends the engine's loop (and its timing) if we left early
+            self.token_count = stream.token_count
         return "cancelled" if self.cancelled.is_set() else "ok"
 
     async def deltas(self) -> AsyncIterator[str]:
+        async for text, _ in self.chunks():
+            yield text
+
+    async def chunks(self) -> AsyncIterator[tuple[str, int]]:
+        """Text deltas, each with the number of new tokens taken by then (for their logprobs)."""
         while True:
             item = await self.queue.get()
             if item is self._DONE:
                 return
             yield item
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """The new tokens' logprobs (the request asked for them), cut where the text was cut."""
+        recorded = self.stats.token_logprobs if self.stats is not None else None
+        return None if recorded is None else recorded[: self.token_count]
 
     def failure(self) -> APIError | None:
         """What to tell the client when the generation did not finish normally, else None."""

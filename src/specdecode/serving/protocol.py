@@ -5,7 +5,7 @@ Everything here runs before a request reaches an engine, so that a streaming req
 a 4xx instead of an error event after its 200. Fields the server does not implement
 (``UNSUPPORTED``) are refused by name when they ask for something, and accepted when they
 carry their default value, so that clients which always send ``n: 1`` or
-``presence_penalty: 0`` keep working.
+``echo: false`` keep working.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.config import SamplingParams, StructuredOutput
+from specdecode.config import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from specdecode.errors import SpecDecodeError, reword_params
 from specdecode.serving.tools import ToolError, ToolRequest, parse_tools, tool_message
 
@@ -24,6 +24,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 512
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 4
+MAX_REPETITION_PENALTY = 10.0  # beyond it every seen token is all but banned
 MAX_SEED = 2**63 - 1  # torch seeds are 64-bit; vLLM limits seeds to int64 too
 # Chat roles a request may use; `developer` is OpenAI's newer name for `system`.
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -104,14 +105,9 @@ def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
 # Fields this server does not implement, with the values that ask for nothing (accepted and
 # ignored). Any other value is refused by name rather than silently ignored.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "functions": (None, []),
     "function_call": (None, "none"),
     "n": (None, 1),
@@ -304,6 +300,51 @@ def _number(body: dict[str, Any], name: str, default: float, valid: Callable[[fl
     return value
 
 
+def _penalties(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's presence/frequency penalties and logit_bias, vLLM's repetition_penalty and min_p."""
+    out: dict[str, Any] = {
+        "presence_penalty": _number(body, "presence_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "[-2, 2]"),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "[-2, 2]"),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, lambda v: 0.0 < v <= MAX_REPETITION_PENALTY,
+                                      f"(0, {MAX_REPETITION_PENALTY:g}]"),
+        "min_p": _number(body, "min_p", 0.0, lambda v: 0.0 <= v <= 1.0, "[0, 1]"),
+    }
+    bias = body.get("logit_bias")
+    if bias is None:
+        return out
+    if not isinstance(bias, dict):
+        raise APIError(400, "'logit_bias' must be an object mapping token ids (as strings) to numbers in [-100, 100].",
+                       "logit_bias")
+    parsed: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token is None:
+            raise APIError(400, f"'logit_bias' keys must be token ids, got {_short(key)}.", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise APIError(400, f"'logit_bias' values must be numbers in [-100, 100], got {_short(value)} for {key}.",
+                           "logit_bias")
+        parsed[token] = float(value)
+    out["logit_bias"] = parsed
+    return out
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top logprobs to report per token (0: the chosen token's only), or None: chat's
+    ``logprobs: true`` + ``top_logprobs: 0..20``; completions' ``logprobs: 0..20``."""
+    if chat:
+        wanted = _typed(body, "logprobs", (bool,), False)
+        top = _typed(body, "top_logprobs", (int,), None)
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(400, f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}.", "top_logprobs")
+        if top is not None and not wanted:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+        return (top or 0) if wanted else None
+    count = _typed(body, "logprobs", (int,), None)
+    if count is not None and not 0 <= count <= MAX_LOGPROBS:
+        raise APIError(400, f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {count}.", "logprobs")
+    return count
+
+
 def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods: tuple[str, ...],
                   k_max: int | None = None) -> ParsedRequest:
     """Validate an OpenAI (chat) completion request body; raise APIError on bad input.
@@ -363,7 +404,8 @@ def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods:
                                     f"also follow {structured_field}. Drop one of them.", "tool_choice")
             structured, structured_field = calls, "tool_choice"
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_tokens,
-                                seed=_seed(body), stop=_stops(body), structured=structured)
+                                seed=_seed(body), stop=_stops(body), structured=structured,
+                                logprobs=_logprobs(body, chat), **_penalties(body))
     except SpecDecodeError as err:
         raise APIError(400, client_message(err)) from err
     return ParsedRequest(prompt, chat, params, stream, method, k, max_tokens_given, cache_salt=cache_salt,

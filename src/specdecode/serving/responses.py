@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
 from specdecode.serving.tools import ToolRequest, ToolStream, split_tool_calls
 
@@ -40,9 +41,39 @@ def _finish_with(stats: GenerationStats | None, calls: list[dict[str, Any]]) -> 
     return "tool_calls" if calls and stats is not None and stats.stop_reason != "length" else _finish(stats)
 
 
+TokenText = Callable[[int], str]  # a token id's text (the tokenizer's decode of it alone)
+
+
+def _token_entry(token: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
+    text = token_text(token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+
+def logprobs_body(entries: Sequence[TokenLogprob] | None, chat: bool, token_text: TokenText,
+                  offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of a choice: chat's ``{"content": [...]}`` (each token with its
+    ``top_logprobs`` list), or completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs``
+    (a dict of the top tokens and the chosen one, as OpenAI's legacy API gives) / ``text_offset``
+    (from ``offset``, the characters before these tokens)."""
+    if entries is None:
+        return None
+    if chat:
+        content = [_token_entry(e.token, e.logprob, token_text)
+                   | {"top_logprobs": [_token_entry(t, v, token_text) for t, v in e.top]} for e in entries]
+        return {"content": content, "refusal": None}
+    tokens, offsets = [], []
+    for entry in entries:
+        tokens.append(token_text(entry.token))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    tops = [{token_text(t): v for t, v in entry.top} | {token_text(entry.token): entry.logprob} for entry in entries]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
 def final_body(request_id: str, created: int, model: str, chat: bool, text: str, stats: GenerationStats | None,
-               tools: ToolRequest | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats), "logprobs": None}
+               tools: ToolRequest | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats), "logprobs": logprobs}
     if chat and tools is not None and tools.parses_calls:
         content, calls = split_tool_calls(text, tools.names)
         choice["message"] = {"role": "assistant", "content": content}
@@ -58,8 +89,9 @@ def final_body(request_id: str, created: int, model: str, chat: bool, text: str,
 
 
 def _chunk(request_id: str, created: int, model: str, chat: bool, delta: str | None, finish: str | None,
-           first: bool = False, calls: list[dict[str, Any]] | None = None) -> str:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+           first: bool = False, calls: list[dict[str, Any]] | None = None,
+           logprobs: dict[str, Any] | None = None) -> str:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     if chat:
         payload: dict[str, Any] = {"role": "assistant"} if first else {}
         if delta:
@@ -83,22 +115,38 @@ def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
-async def events(generation: Generation, request_id: str, created: int, model: str, chat: bool) -> AsyncIterator[str]:
+async def events(generation: Generation, request_id: str, created: int, model: str, chat: bool,
+                 token_text: TokenText | None = None) -> AsyncIterator[str]:
     """Server-sent events, ending in ``data: [DONE]`` whether the generation finished or failed
-    (then the event before it is an OpenAI error body)."""
-    def make(delta: str | None, finish: str | None, first: bool = False) -> str:
-        return _chunk(request_id, created, model, chat, delta, finish, first)
+    (then the event before it is an OpenAI error body). With logprobs asked for, each event
+    carries those of the tokens taken since the one before (``token_text`` names them)."""
+    sent_tokens, sent_chars = 0, 0
+
+    def new_logprobs(upto: int | None) -> dict[str, Any] | None:
+        nonlocal sent_tokens, sent_chars
+        stats = generation.stats
+        if token_text is None or stats is None or stats.token_logprobs is None:
+            return None
+        entries = stats.token_logprobs[sent_tokens:upto]
+        sent_tokens += len(entries)
+        body = logprobs_body(entries, chat, token_text, sent_chars)
+        sent_chars += sum(len(token_text(e.token)) for e in entries)
+        return body
+
+    def make(delta: str | None, finish: str | None, first: bool = False, upto: int | None = 0) -> str:
+        logprobs = new_logprobs(upto) if upto != 0 else None
+        return _chunk(request_id, created, model, chat, delta, finish, first, logprobs=logprobs)
 
     tools = generation.request.tools
     splitter = ToolStream(tools.names) if chat and tools is not None and tools.parses_calls else None
     if chat:
         yield make(None, None, first=True)
-    async for delta in generation.deltas():
+    async for delta, taken in generation.chunks():
         if splitter is not None:
             delta = splitter.feed(delta)
             if not delta:
                 continue
-        yield make(delta, None)
+        yield make(delta, None, upto=taken)
     failure = generation.failure()
     if failure is not None:
         yield f"data: {failure.json()}\n\n"
@@ -109,7 +157,7 @@ async def events(generation: Generation, request_id: str, created: int, model: s
             if held or calls:  # the held-back text, and the calls as one delta each (their index tells them apart)
                 yield _chunk(request_id, created, model, chat, held, None, calls=calls)
             finish = _finish_with(generation.stats, calls)
-        final = make(None, finish)
+        final = make(None, finish, upto=generation.token_count)
         body = json.loads(final[len("data: "):])
         body["usage"], body["specdecode"] = _usage(generation.stats), _spec_metrics(generation.stats)
         yield sse(body)

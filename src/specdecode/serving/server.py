@@ -45,7 +45,7 @@ from specdecode.serving.generation import Generation
 from specdecode.serving.guard import RequestGuard
 from specdecode.serving.health import engine_problem
 from specdecode.serving.protocol import APIError, parse_request
-from specdecode.serving.responses import events, final_body
+from specdecode.serving.responses import events, final_body, logprobs_body
 from specdecode.serving.state import DEFAULT_DRAIN_TIMEOUT, ServerOptions, ServerState
 from specdecode.serving.suffix_share import cache_group, suffix_group
 from specdecode.serving.worker import BatchWorker
@@ -131,7 +131,8 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:
-            return GenerationResponse(generation, events(generation, request_id, created, state.model_name, chat))
+            return GenerationResponse(generation, events(generation, request_id, created, state.model_name, chat,
+                                                         state.token_text))
         try:
             text = await _text_unless_disconnected(generation, request)
         finally:
@@ -141,7 +142,8 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
         failure = generation.failure()
         if failure is not None:
             raise failure
-        return final_body(request_id, created, state.model_name, chat, text, generation.stats, req.tools)
+        logprobs = logprobs_body(generation.logprobs, chat, state.token_text)
+        return final_body(request_id, created, state.model_name, chat, text, generation.stats, req.tools, logprobs)
 
     @app.post("/v1/completions", openapi_extra=_request_body_schema(state, chat=False))
     async def completions(request: Request) -> Any:

@@ -63,6 +63,10 @@ class ServerState:
     def method_of(self, request: ParsedRequest) -> str:
         return request.method or self.decoder.config.method
 
+    def token_text(self, token: int) -> str:
+        """A token's text alone, as logprobs name it (byte-level pieces of a character decode to U+FFFD)."""
+        return str(self.decoder.tokenizer.decode([token]))
+
     def batched(self, request: ParsedRequest) -> bool:
         """Whether the batch engine decodes this request (else the single-sequence engine)."""
         return self.worker is not None and self.method_of(request) in BATCH_METHODS
@@ -112,6 +116,10 @@ class ServerState:
                     # OpenAI's chat default is "up to the context": a default must not be a 400.
                     req.params = dataclasses.replace(req.params, max_new_tokens=room)
                 self.decoder.check_request(prompt_ids, req.params)
+                bias = req.params.logit_bias
+                if bias and max(bias) >= vocab:
+                    raise APIError(400, f"'logit_bias' names token {max(bias)}, past the vocabulary's {vocab} ids.",
+                                   "logit_bias")
                 if req.params.structured is not None:  # a schema that cannot compile is a 400 too
                     try:
                         req.grammar = self.decoder.grammars.compile(req.params.structured)
