@@ -146,6 +146,10 @@ def test_a_disconnected_stream_is_cancelled(served, monkeypatch) -> None:
         def __init__(self, stream) -> None:
             self.stream, self.stats = stream, stream.stats
 
+        @property
+        def token_count(self) -> int:
+            return self.stream.token_count
+
         def __iter__(self):
             for delta in self.stream:
                 time.sleep(0.05)
@@ -205,3 +209,40 @@ def test_load_test_script_runs_against_the_server(served) -> None:
     row = asyncio.run(load_test.run_level(base, MODEL, "draft", concurrency=3, requests=4, max_tokens=6))
     assert row["completed"] == 4 and not row["errors"] and row["completion_tokens"] > 0
     assert row["ttft_seconds"]["p50"] is not None
+
+
+def test_logprobs_and_penalties_with_the_openai_client(served) -> None:
+    """Chat logprobs (top_logprobs) and completions logprobs, streamed and not, equal the library's
+    for the same request; penalties and logit_bias reach the engine (the output is the library's
+    penalised output)."""
+    base, dec = served
+    client = _client(base)
+    params = SamplingParams(max_new_tokens=8, logprobs=3)
+    expected = dec.generate(MESSAGES, params, chat=True)
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    assert all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content)
+    assert "".join(c.token for c in content) == expected.text
+    streamed = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                                   logprobs=True, top_logprobs=3, stream=True))
+    streamed_content = [c for chunk in streamed if chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed_content] == pytest.approx([c.logprob for c in content], abs=1e-4)
+
+    plain = dec.generate(PROMPT, SamplingParams(max_new_tokens=6, logprobs=2))
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in plain.logprobs], abs=1e-4)
+    assert logprobs.text_offset[0] == 0 and "".join(logprobs.tokens) == completion.choices[0].text
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True):
+        assert token in top and len(top) <= 3  # the top two and the chosen token (OpenAI's legacy shape)
+
+    penalised = SamplingParams(max_new_tokens=10, frequency_penalty=1.0, presence_penalty=0.5, logit_bias={17: 2.0},
+                               repetition_penalty=1.2, min_p=0.05)
+    want = dec.generate(PROMPT, penalised).text
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, frequency_penalty=1.0,
+                                    presence_penalty=0.5, logit_bias={"17": 2.0},
+                                    extra_body={"repetition_penalty": 1.2, "min_p": 0.05})
+    assert got.choices[0].text == want

@@ -336,7 +336,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
         top = _typed(body, "top_logprobs", (int,), None)
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise APIError(400, f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}.", "top_logprobs")
-        if top is not None and not wanted:
+        if top and not wanted:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
         return (top or 0) if wanted else None
     count = _typed(body, "logprobs", (int,), None)
