@@ -20,7 +20,7 @@ from specdecode.backends.compiled import (
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
 from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
-from specdecode.config import METHODS, TREE_METHODS, DecoderConfig, SamplingParams, check_acceptance
+from specdecode.config import MAX_CHOICES, METHODS, TREE_METHODS, DecoderConfig, SamplingParams, check_acceptance
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
 from specdecode.costs.store import CostStore, cost_store_for
 from specdecode.drafters.auto import LookupMemory
@@ -363,6 +363,7 @@ class SpecDecoder:
         engine: BatchEngine | None = None,
         suffix_group: str | None = DEFAULT_GROUP,
         cache_salt: str | None = None,
+        n: int = 1,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once with the batch engine (methods none, ngram, draft,
         suffix: the prompts share this decoder's earlier responses, and each other's).
@@ -371,25 +372,40 @@ class SpecDecoder:
         a ``batch_engine()`` (its cost timing is paid once); without one, a cost-aware engine is
         built for this call. Stop strings end a request as in ``generate``. Greedy results equal
         ``generate``'s for each prompt alone (tested in fp32).
+
+        ``n``: samples per prompt (1..``MAX_CHOICES``), as transformers' ``num_return_sequences``:
+        the result holds ``len(prompts) * n`` entries, prompt-major (entry ``p * n + i`` is sample
+        ``i`` of prompt ``p``). The samples of a prompt share its prompt's K/V (computed once) and
+        decode in one batch; sample ``i`` is seeded with ``seed + i`` (``SamplingParams.for_choice``),
+        so sample 0 equals the request with n = 1 and each can be reproduced alone.
         """
         params_list = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts.")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise InvalidRequestError(f"n (samples per prompt) must be in 1..{MAX_CHOICES}, got {n!r}.")
         method = method or (self.config.method if self.config.method in BATCH_METHODS else "draft" if self.draft else "none")
         k = k if k is not None or method == "none" else self.config.draft_k
-        engine = engine or self.batch_engine(max_batch=max(1, min(len(prompts), DEFAULT_MAX_BATCH)))
+        engine = engine or self.batch_engine(max_batch=max(1, min(len(prompts) * n, DEFAULT_MAX_BATCH)))
         prompt_ids = [list(p) if isinstance(p, list) and p and isinstance(p[0], int) else self.encode(p, chat) for p in prompts]
         for ids, request_params in zip(prompt_ids, params_list, strict=True):
             self.check_request(ids, request_params)
+        # One entry per sample, prompt-major; each prompt's grammar compiled once (a compiled
+        # grammar makes a fresh matcher per request).
         grammars = [self.grammars.compile(p.structured) if p.structured is not None else None for p in params_list]
-        decoders = [IncrementalDecoder(self.tokenizer, p.stop) for p in params_list]
-        stats = [GenerationStats() for _ in prompts]
-        ids_to_index = {
-            engine.add_request(ids, request_params, method, k, stats=request_stats, suffix_group=suffix_group,
-                               cache_salt=cache_salt, grammar=grammar): index
-            for index, (ids, request_params, request_stats, grammar)
-            in enumerate(zip(prompt_ids, params_list, stats, grammars, strict=True))
-        }
+        samples = [(ids, request_params.for_choice(i), grammar)
+                   for ids, request_params, grammar in zip(prompt_ids, params_list, grammars, strict=True)
+                   for i in range(n)]
+        decoders = [IncrementalDecoder(self.tokenizer, p.stop) for _, p, _ in samples]
+        stats = [GenerationStats() for _ in samples]
+        ids_to_index: dict[str, int] = {}
+        first_sample = ""
+        for index, ((ids, request_params, grammar), request_stats) in enumerate(zip(samples, stats, strict=True)):
+            request_id = engine.add_request(ids, request_params, method, k, stats=request_stats,
+                                            suffix_group=suffix_group, cache_salt=cache_salt, grammar=grammar,
+                                            fork_of=first_sample if index % n else None)
+            first_sample = request_id if index % n == 0 else first_sample
+            ids_to_index[request_id] = index
         while engine.has_unfinished:
             for output in engine.step():
                 index = ids_to_index[output.request_id]

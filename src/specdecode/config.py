@@ -10,7 +10,7 @@ import difflib
 import json
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from specdecode.errors import InvalidRequestError, UnsupportedModelError
@@ -134,6 +134,10 @@ class ModelConfig:
 MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 LOGPROBS_MODES = ("raw", "processed")
+# The most samples of one prompt a request may ask for (n). OpenAI allows 128; each sample is a
+# row of every pass, so on a small machine a larger n is many requests' work in one.
+MAX_CHOICES = 16
+SEED_MODULUS = 2**64  # torch.Generator.manual_seed takes 64-bit seeds
 
 
 @dataclass(slots=True, frozen=True)
@@ -303,6 +307,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` of n samples of one prompt: its seed is ``seed +
+        index`` (vLLM's rule), so sample 0 is the request with n = 1 and each sample can be
+        reproduced alone; without a seed each sample draws its own."""
+        if index == 0 or self.seed is None:
+            return self
+        return replace(self, seed=(self.seed + index) % SEED_MODULUS)
 
 
 # none: plain decoding; draft: a draft model proposes; ngram: prompt lookup proposes; auto:

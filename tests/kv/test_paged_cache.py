@@ -115,3 +115,28 @@ def test_paged_attention_equals_the_static_cache(tiny_qwen2_dir: Path) -> None:
     for seq in range(3):
         pool.free(seq)
     assert pool.free_blocks == pool.usable_blocks
+
+
+def test_fork_of_a_prefix_shares_its_blocks_and_copies_a_registered_one_before_writing() -> None:
+    """A fork of the first 5 positions of a 7-token sequence (blocks of 4): one full block and a
+    partly used one shared; once the source has left, the second block is registered in the
+    prefix cache, so the fork copies it before writing although it is its only user."""
+    pool = small_pool()
+    tokens = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    pool.add(0, tokens[:8])
+    pool.reserve(0, 8)
+    pool.commit(0, 8)
+    for position in range(8):
+        pool.keys[0][pool._slot(pool.tables[0], position)] = float(position)
+    assert pool.fork(0, 1, 5) == 5 and pool.fork(0, 2, 50) == 8  # at most the source's length
+    assert pool.tables[1].blocks == pool.tables[0].blocks and pool.tables[1].length == 5
+    pool.free(0, tokens[:8])  # registers both full blocks of the source
+    pool.free(2)
+    shared = pool.tables[1].blocks[1]
+    pool.reserve(1, 6)
+    assert pool.tables[1].blocks[1] != shared  # copied: the registered block keeps its content
+    assert pool.keys[0][pool._slot(pool.tables[1], 4)].eq(4.0).all()
+    assert pool.add(3, tokens) == 8  # both registered blocks still serve a later request
+    pool.free(1)
+    pool.free(3)
+    assert pool.free_blocks == pool.usable_blocks

@@ -129,6 +129,11 @@ class SequencePool(Protocol):
         """A new sequence whose committed tokens are ``tokens``; returns how many leading positions
         it got from the prefix cache of ``group`` (their K/V valid, never its last token's)."""
 
+    def fork(self, source: int, dest: int, length: int | None = None) -> int:
+        """A new sequence ``dest`` starting from the first ``length`` committed positions of
+        running ``source`` (all of them by default, at most those), shared or copied; returns
+        how many it starts with. Needs no free unit beyond what ``add`` would."""
+
     def register(self, seq: int, tokens: Sequence[int], group: str | None = None) -> None:
         """Make ``seq``'s valid K/V of ``tokens`` findable by later sequences of ``group`` now."""
 

@@ -229,6 +229,20 @@ class LlamaCppModel:
                 "recurrent state, cannot be partially removed); clear the sequence and re-feed it"
             )
 
+    def copy_sequence(self, source: int, dest: int, length: int) -> None:
+        """Make ``dest`` hold ``source``'s first ``length`` positions (``dest``'s own are dropped).
+
+        The context keeps one KV stream per sequence (``kv_unified=False``), and llama.cpp copies
+        between streams only whole (a partial range aborts the process), at the start of the
+        next ``llama_decode``: so the whole stream is copied and ``dest`` cut back to ``length``."""
+        self._check_seq(source)
+        self._check_seq(dest)
+        if source == dest:
+            raise InvalidRequestError("copy_sequence needs two different sequences")
+        self._llama.llama_memory_seq_rm(self._memory, dest, -1, -1)
+        self._llama.llama_memory_seq_cp(self._memory, source, dest, -1, -1)
+        self.truncate(dest, length)
+
     def clear(self, seq: int | None = None) -> None:
         """Drop one sequence, or all of them (None)."""
         if seq is None:

@@ -9,9 +9,10 @@ most ``n_ctx`` positions. A slot is taken when the scheduler adds a sequence; ro
 Prefix caching, as llama-server's slots do it: a sequence that leaves keeps its K/V in its slot,
 with a record of its committed tokens and cache group. A new sequence takes the free slot whose
 record shares the longest prefix with its tokens in its group (cut after that prefix: its last
-token is always computed), else the slot freed longest ago. Copying a prefix between slots
-(``llama_memory_seq_cp``) is not done: while a slot that holds the prefix is free, taking it
-costs nothing, and a prefix held by a running sequence is not shared (measured need: none yet).
+token is always computed), else the slot freed longest ago. A prefix held by a running sequence
+is copied only for a fork (``fork``: n samples of one prompt start from its first sample's
+prompt K/V, ``llama_memory_seq_cp``); other requests take a free slot's prefix, which costs
+nothing.
 """
 
 from __future__ import annotations
@@ -105,6 +106,31 @@ class SlotPool:
             self.model.clear(best)
         self.slots[seq] = best
         self.lengths[best] = kept
+        return kept
+
+    def fork(self, source: int, dest: int, length: int | None = None) -> int:
+        """A new sequence ``dest`` in a free slot, holding a copy of ``source``'s first ``length``
+        positions (all of its committed ones by default, at most those); returns them. The copy
+        is the whole KV stream of a slot (``LlamaCppModel.copy_sequence``): about 1 ms per 10 MB
+        of a slot's KV, where recomputing a prompt costs a pass over it."""
+        if dest in self.slots:
+            raise ValueError(f"sequence {dest} already has a llama.cpp slot")
+        if not self._free:
+            raise OutOfBlocks("every llama.cpp sequence slot is in use")
+        source_slot = self.slots[source]
+        kept = self.lengths[source_slot] if length is None else max(0, min(length, self.lengths[source_slot]))
+        # The slot freed longest ago among those without a record, so no cached prefix is lost
+        # where an empty slot will do.
+        slot = next((s for s in self._free if s not in self.records), self._free[0])
+        self._free.remove(slot)
+        if self.records.pop(slot, None) is not None:
+            self.prefix_stats.evictions += 1
+        if kept:
+            self.model.copy_sequence(source_slot, slot, kept)
+        else:
+            self.model.clear(slot)
+        self.slots[dest] = slot
+        self.lengths[slot] = kept
         return kept
 
     def register(self, seq: int, tokens: Sequence[int], group: str | None = None) -> None:

@@ -138,16 +138,27 @@ class BatchEngine:
         suffix_group: str | None = DEFAULT_GROUP,
         cache_salt: str | None = None,
         grammar: CompiledGrammar | None = None,
+        fork_of: str | None = None,
     ) -> str:
         """Queue a request; it joins the batch at a coming step. Returns its id. ``stats`` (a
         fresh ``GenerationStats``) is filled as it decodes; one is made when not given. Method
         suffix drafts from (and adds to) ``suffix_group``'s earlier responses (None: its own text
         only). The request reuses the K/V of cached prefixes of requests with its ``cache_salt``.
-        ``grammar`` (``params.structured`` compiled, ``engine/grammar.py``) masks its rows."""
+        ``grammar`` (``params.structured`` compiled, ``engine/grammar.py``) masks its rows.
+
+        ``fork_of``: the id of a request added before this one with the same prompt and
+        ``cache_salt`` (another sample of it, parallel sampling): this one starts from that
+        request's prompt K/V, target and draft, once it has been prefilled, instead of computing
+        its own (``Scheduler.admit``). Ignored when that request has already finished."""
         k = self.check_request(len(prompt_ids), params, method, k)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"A request with id {request_id!r} is already running.")
+        source = self._requests.get(fork_of) if fork_of is not None else None
+        if source is not None and (source.tokens[: source.state.stats.prompt_tokens] != list(prompt_ids)
+                                   or source.cache_group != cache_salt):
+            raise InvalidRequestError(f"Request {request_id!r} can fork only a request with its prompt and cache_salt; "
+                                      f"{fork_of!r} has another.")
         prompt_len = len(prompt_ids)
         capacity = prompt_len + params.max_new_tokens
         committed = torch.zeros(capacity + 1, dtype=torch.long, device=self.device)
@@ -174,7 +185,7 @@ class BatchEngine:
         if request.ngram is not None:
             request.ngram.start(prompt_len, capacity)
         seq = ScheduledSequence(next(self._ids), prompt_len, capacity, uses_draft=method == "draft", state=request,
-                                tokens=request.tokens, cache_group=cache_salt)
+                                tokens=request.tokens, cache_group=cache_salt, fork_of=source)
         self.scheduler.add(seq)
         self._requests[request_id] = seq
         return request_id

@@ -16,6 +16,11 @@ With prefix caching, a pool gives a sequence the K/V of the longest cached prefi
 when it is admitted (``SequencePool.add``; recorded in ``cached_target`` / ``cached_draft``), and
 keeps a leaving sequence's K/V for later ones (``free``), in the sequence's cache group. A
 preempted sequence readmitted later finds its own blocks again while nobody evicted them.
+
+Parallel samples of one prompt (n > 1): the first is admitted as any request; the others wait
+behind it until it has been prefilled, then start from its prompt K/V (``SequencePool.fork``:
+shared blocks on torch, a copied slot on llama.cpp), so the prompt is computed once. If the
+first has left by then, they take the prefix cache's path like any request.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ class ScheduledSequence:
     cache_group: str | None = None  # whose cached prefixes it may reuse, and who may reuse its
     cached_target: int = 0  # positions the target pool served from its prefix cache at the last admission
     cached_draft: int = 0  # the same for the draft pool
+    # Another sample of the same prompt (parallel sampling, n > 1): this sequence starts from its
+    # prompt K/V (``SequencePool.fork``) instead of prefilling, once that one has been prefilled.
+    fork_of: ScheduledSequence | None = None
 
 
 class Scheduler:
@@ -94,13 +102,24 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
+            source = seq.fork_of
+            if source is not None and (source in admitted or source in self.waiting):
+                break  # its prompt K/V is not computed yet: wait for the next step
             need = seq.num_tokens + self.step_lookahead
             if any(pool.blocks_needed(None, need) > pool.free_blocks for pool in self._pools(seq)):
                 break
             self.waiting.popleft()
+            # Forked only from a running source, and only the first time: after a preemption a
+            # sequence is recomputed from its own tokens.
+            fork = source is not None and source in self.running
+            seq.fork_of = None
             kept = []
             for pool in self._pools(seq):  # reserved now, so the next request sees what is left
-                kept.append(pool.add(seq.seq_id, seq.tokens, seq.cache_group))
+                if fork and (pool is self.target_cache or source.uses_draft):
+                    assert source is not None
+                    kept.append(pool.fork(source.seq_id, seq.seq_id, seq.num_tokens - 1))
+                else:
+                    kept.append(pool.add(seq.seq_id, seq.tokens, seq.cache_group))
                 pool.reserve(seq.seq_id, need)
             seq.cached_target = kept[0]
             seq.cached_draft = kept[1] if len(kept) > 1 else 0

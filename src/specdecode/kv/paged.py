@@ -15,8 +15,10 @@ pass for 1 to 16 sequences of 200 cached tokens (``python benchmarks/bench_batch
 keeps the model's attention code the same as for the static cache. Block 0 is never handed out: padding rows of a ragged batch
 write into it and read from it, and the attention mask hides it.
 
-``fork`` shares a sequence's full blocks with a new sequence (reference counts) and copies the
-partly filled last block, so two continuations of one prefix cost one block of copying.
+``fork`` starts a new sequence from another's first positions: their blocks are shared
+(reference counts) and a partly filled last block is copied on the first write, so n samples of
+one prompt (``SamplingParams.n``-style parallel sampling) cost one prefill and one block of
+copying each.
 
 Prefix caching (vLLM's automatic prefix caching, in outline): a full block of committed tokens
 is registered under a key of (its parent block's key id, its tokens, the cache group), so a
@@ -235,11 +237,13 @@ class PagedKVCache:
         table.blocks.extend(self._take() for _ in range(needed))
 
     def _make_last_block_private(self, table: BlockTable, tokens: int) -> None:
-        """Copy-on-write: before writing into a shared, partly filled last block, copy it."""
+        """Copy-on-write: before writing into a shared or registered, partly filled last block, copy it."""
         if not table.blocks or table.length % self.block_size == 0 or tokens <= table.length:
             return
         last = table.blocks[-1]
-        if self._refs[last] == 1:
+        # A fork can end inside a block its source filled and registered: that block stays as
+        # it is for later requests even when the fork is its only user.
+        if self._refs[last] == 1 and last not in self._key_of:
             return
         if not self.free_blocks:
             raise OutOfBlocks("no free KV block for a copy-on-write")
@@ -287,15 +291,20 @@ class PagedKVCache:
             for block in reversed(table.blocks):
                 self._release(block)
 
-    def fork(self, source: int, dest: int) -> None:
-        """``dest`` continues ``source``'s prefix: full blocks are shared (copied on write)."""
+    def fork(self, source: int, dest: int, length: int | None = None) -> int:
+        """A new sequence ``dest`` that starts from ``source``'s first ``length`` positions (all
+        of its committed ones by default, at most those): their blocks are shared, reference
+        counted; a partly filled last block is copied by whichever sequence writes into it first
+        (``reserve``). Returns the positions ``dest`` starts with."""
         parent = self.tables[source]
+        kept = parent.length if length is None else max(0, min(length, parent.length))
         self.add(dest)
         child = self.tables[dest]
-        for block in parent.blocks:
+        child.blocks = parent.blocks[: blocks_for(kept, self.block_size)]
+        for block in child.blocks:
             self._refs[block] += 1
-        child.blocks = list(parent.blocks)
-        child.length = parent.length
+        child.length = kept
+        return kept
 
     # -- views for one forward pass -----------------------------------------------------------
     def _slot(self, table: BlockTable, position: int) -> int:
