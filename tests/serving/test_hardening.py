@@ -244,7 +244,7 @@ def test_events_are_single_lines_for_line_splitting_clients() -> None:
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}}, "structured_outputs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": "2"}, "n"),
         ({"method": "draft", "k": 0}, "k"), ({"method": "draft", "k": 99}, "k"), ({"method": "auto", "k": 2**40}, "k"),
         ({"method": "none", "k": -5}, "k"),
     ],

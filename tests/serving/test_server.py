@@ -93,7 +93,7 @@ def test_concurrent_requests_share_the_batch_and_match_their_single_outputs(serv
         ({"model": MODEL, "prompt": PROMPT, "temperature": 5}, 400, "temperature"),
         ({"model": MODEL, "prompt": PROMPT, "temperature": True}, 400, "temperature"),
         ({"model": MODEL, "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
-        ({"model": MODEL, "prompt": PROMPT, "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": PROMPT, "n": 0}, 400, "n"),
         ({"model": MODEL, "prompt": PROMPT, "stop": [1, 2]}, 400, "stop"),
         ({"model": MODEL, "prompt": PROMPT, "method": "magic"}, 400, "method"),
         ({"model": MODEL, "prompt": ""}, 400, "prompt"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from specdecode.engine.logprobs import TokenLogprob
@@ -30,8 +30,11 @@ class Generation:
 
     _DONE = object()
 
-    def __init__(self, state: ServerState, request: ParsedRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, state: ServerState, request: ParsedRequest, loop: asyncio.AbstractEventLoop,
+                 choice: int = 0) -> None:
         self.state, self.request, self.loop = state, request, loop
+        # Choice i of n decodes with seed + i (SamplingParams.for_choice).
+        self.choice, self.params = choice, request.params.for_choice(choice)
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.cancelled = threading.Event()
         self.stats: GenerationStats | None = None
@@ -42,7 +45,23 @@ class Generation:
         self.batch_id = state.worker.new_request_id() if state.worker is not None and state.batched(request) else None
         self._finished = False
         self._lock = threading.Lock()  # orders stop() against the thread's end
+        self._submitted: tuple[Iterator[list[int]], GenerationStats] | None = None
+        self._submit_error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def submit(self, fork_of: Generation | None = None) -> None:
+        """Queue a batched request in the batch worker, from the event loop, before ``start``:
+        the choices of one request are submitted in order, so that choice 0 is in the engine
+        when the others ask to start from its prompt K/V (``fork_of``)."""
+        req, state = self.request, self.state
+        assert state.worker is not None and self.batch_id is not None and isinstance(req.prompt, list)
+        source = fork_of.batch_id if fork_of is not None else None
+        try:
+            self._submitted = state.worker.submit(req.prompt, self.params, state.method_of(req), state.k_of(req),
+                                                  request_id=self.batch_id, suffix_group=req.suffix_group,
+                                                  cache_salt=req.cache_group, grammar=req.grammar, fork_of=source)
+        except BaseException as err:  # raised in the thread, as an error of the request's own
+            self._submit_error = err
 
     def start(self) -> Generation:
         self.thread.start()
@@ -112,13 +131,15 @@ class Generation:
         batched = state.batched(req)
         stream: GenerationStream
         if batched:
-            assert state.worker is not None and isinstance(req.prompt, list)
-            chunks, stats = state.worker.submit(req.prompt, req.params, state.method_of(req), state.k_of(req),
-                                                request_id=self.batch_id, suffix_group=req.suffix_group,
-                                                cache_salt=req.cache_group, grammar=req.grammar)
-            stream = state.decoder.token_stream(chunks, stats, req.params)
+            if self._submitted is None and self._submit_error is None:
+                self.submit()
+            if self._submit_error is not None:
+                raise self._submit_error
+            assert self._submitted is not None
+            chunks, stats = self._submitted
+            stream = state.decoder.token_stream(chunks, stats, self.params)
         else:
-            stream = state.decoder.stream(req.prompt, req.params, chat=req.chat, method=req.method, k=req.k,
+            stream = state.decoder.stream(req.prompt, self.params, chat=req.chat, method=req.method, k=req.k,
                                           suffix_group=req.suffix_group, cache_salt=req.cache_group)
         self.stats = stream.stats
         deltas = iter(stream)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from specdecode.config import MAX_CHOICES
 from specdecode.serving.protocol import MAX_CACHE_SALT_CHARS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE
 from specdecode.serving.tools import MAX_TOOLS, NAME_PATTERN
 
@@ -40,7 +41,8 @@ _COMMON: dict[str, Any] = {
     "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
     "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS}]},
     "stream": {"type": "boolean"},
-    "n": {"const": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
+          "description": "choices, each a sample of the prompt (choice i seeded with seed + i); the prompt is computed once"},
     "user": {"type": "string"},
     "method": {"type": "string", "description": "extension: a decoding method the server loaded"},
     "k": {"type": "integer", "minimum": 1, "description": "extension: tokens drafted per step, at most the server's k_max"},

@@ -4,7 +4,7 @@ error a client gets back (``APIError``, an OpenAI-style JSON body).
 Everything here runs before a request reaches an engine, so that a streaming request too gets
 a 4xx instead of an error event after its 200. Fields the server does not implement
 (``UNSUPPORTED``) are refused by name when they ask for something, and accepted when they
-carry their default value, so that clients which always send ``n: 1`` or
+carry their default value, so that clients which always send ``best_of: 1`` or
 ``echo: false`` keep working.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.config import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from specdecode.config import MAX_CHOICES, MAX_LOGPROBS, SamplingParams, StructuredOutput
 from specdecode.errors import SpecDecodeError, reword_params
 from specdecode.serving.tools import ToolError, ToolRequest, parse_tools, tool_message
 
@@ -95,6 +95,8 @@ class ParsedRequest:
     structured_field: str = "response_format"
     # Chat only: the tools the model may call and how (serving/tools.py), or None.
     tools: ToolRequest | None = None
+    # Samples of the prompt (OpenAI's n): choice i decodes with params.for_choice(i).
+    n: int = 1
 
 
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -110,7 +112,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "n": (None, 1),
 }
 
 
@@ -381,6 +382,9 @@ def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods:
     top_p = _number(body, "top_p", 1.0, lambda p: 0.0 < p <= 1.0, "(0, 1]")
     top_k = _typed(body, "top_k", (int,), 0)
     stream = _typed(body, "stream", (bool,), False)
+    n = _typed(body, "n", (int,), 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"'n' (choices to generate) must be in 1..{MAX_CHOICES}, got {_short(n)}.", "n")
     method = _typed(body, "method", (str,), None)
     if method is not None and method not in methods:
         raise APIError(400, f"'method' must be one of {', '.join(methods)}, got {_short(method)}.", "method")
@@ -409,4 +413,4 @@ def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods:
     except SpecDecodeError as err:
         raise APIError(400, client_message(err)) from err
     return ParsedRequest(prompt, chat, params, stream, method, k, max_tokens_given, cache_salt=cache_salt,
-                         structured_field=structured_field, tools=tools)
+                         structured_field=structured_field, tools=tools, n=n)

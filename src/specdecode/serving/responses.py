@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -16,20 +17,30 @@ if TYPE_CHECKING:
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length"}
 
 
-def _usage(stats: GenerationStats | None) -> dict[str, Any]:
-    prompt = stats.prompt_tokens if stats else 0
-    completion = stats.new_tokens if stats else 0
-    # OpenAI's field for prompt tokens served from the prefix cache.
-    details = {"cached_tokens": stats.cached_tokens if stats else 0}
+def _usage(all_stats: Sequence[GenerationStats | None]) -> dict[str, Any]:
+    """OpenAI's usage of a request: its prompt once, the completion tokens of every choice."""
+    first = all_stats[0] if all_stats else None
+    prompt = first.prompt_tokens if first else 0
+    completion = sum(stats.new_tokens for stats in all_stats if stats is not None)
+    # OpenAI's field for prompt tokens served from the prefix cache (choice 0's: the others
+    # start from its prompt K/V).
+    details = {"cached_tokens": first.cached_tokens if first else 0}
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": details}
 
 
-def _spec_metrics(stats: GenerationStats | None) -> dict[str, Any]:
+def _choice_metrics(stats: GenerationStats | None) -> dict[str, Any]:
     if stats is None:
         return {}
     return {"method": stats.method, "tau": stats.tau, "acceptance_rate": stats.acceptance_rate,
             "tokens_per_second": stats.tokens_per_second, "target_forward_passes": stats.target_forward_passes}
+
+
+def _spec_metrics(all_stats: Sequence[GenerationStats | None]) -> dict[str, Any]:
+    """The ``specdecode`` field: one choice's decoding metrics, or with n > 1 each choice's."""
+    if len(all_stats) == 1:
+        return _choice_metrics(all_stats[0])
+    return {"choices": [_choice_metrics(stats) for stats in all_stats]}
 
 
 def _finish(stats: GenerationStats | None) -> str | None:
@@ -71,9 +82,10 @@ def logprobs_body(entries: Sequence[TokenLogprob] | None, chat: bool, token_text
             "text_offset": offsets}
 
 
-def final_body(request_id: str, created: int, model: str, chat: bool, text: str, stats: GenerationStats | None,
-               tools: ToolRequest | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats), "logprobs": logprobs}
+def choice_body(index: int, chat: bool, text: str, stats: GenerationStats | None, tools: ToolRequest | None = None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a whole (not streamed) completion."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": _finish(stats), "logprobs": logprobs}
     if chat and tools is not None and tools.parses_calls:
         content, calls = split_tool_calls(text, tools.names)
         choice["message"] = {"role": "assistant", "content": content}
@@ -84,14 +96,20 @@ def final_body(request_id: str, created: int, model: str, chat: bool, text: str,
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
+    return choice
+
+
+def final_body(request_id: str, created: int, model: str, chat: bool, choices: list[dict[str, Any]],
+               all_stats: Sequence[GenerationStats | None]) -> dict[str, Any]:
+    """A whole completion: its choices (``choice_body``), usage and decoding metrics."""
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice], "usage": _usage(stats), "specdecode": _spec_metrics(stats)}
+            "model": model, "choices": choices, "usage": _usage(all_stats), "specdecode": _spec_metrics(all_stats)}
 
 
 def _chunk(request_id: str, created: int, model: str, chat: bool, delta: str | None, finish: str | None,
            first: bool = False, calls: list[dict[str, Any]] | None = None,
-           logprobs: dict[str, Any] | None = None) -> str:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+           logprobs: dict[str, Any] | None = None, index: int = 0) -> str:
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     if chat:
         payload: dict[str, Any] = {"role": "assistant"} if first else {}
         if delta:
@@ -115,11 +133,57 @@ def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
-async def events(generation: Generation, request_id: str, created: int, model: str, chat: bool,
+async def events(generations: Sequence[Generation], request_id: str, created: int, model: str, chat: bool,
                  token_text: TokenText | None = None) -> AsyncIterator[str]:
     """Server-sent events, ending in ``data: [DONE]`` whether the generation finished or failed
     (then the event before it is an OpenAI error body). With logprobs asked for, each event
-    carries those of the tokens taken since the one before (``token_text`` names them)."""
+    carries those of the tokens taken since the one before (``token_text`` names them).
+
+    One choice: its last chunk carries ``usage`` and the ``specdecode`` metrics. Several (n > 1):
+    the choices' chunks interleave as their tokens come, each with its ``index``, and a last
+    chunk with no choices carries the usage (OpenAI's shape with ``include_usage``); the first
+    choice to fail ends the stream with its error."""
+    if len(generations) == 1:
+        async for event in _choice_events(generations[0], request_id, created, model, chat, token_text, usage=True):
+            yield event
+        if generations[0].failure() is None:
+            yield "data: [DONE]\n\n"
+        return
+    merged: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def pump(generation: Generation) -> None:
+        try:
+            async for event in _choice_events(generation, request_id, created, model, chat, token_text, usage=False):
+                await merged.put(event)
+        finally:
+            await merged.put(None)
+
+    tasks = [asyncio.ensure_future(pump(generation)) for generation in generations]
+    try:
+        running = len(tasks)
+        while running:
+            event = await merged.get()
+            if event is None:
+                running -= 1
+                continue
+            yield event
+            if event.startswith('data: {"error"'):
+                return  # [DONE] came with it
+        body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": model, "choices": [],
+                "usage": _usage([g.stats for g in generations]), "specdecode": _spec_metrics([g.stats for g in generations])}
+        yield sse(body)
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _choice_events(generation: Generation, request_id: str, created: int, model: str, chat: bool,
+                         token_text: TokenText | None, usage: bool) -> AsyncIterator[str]:
+    """One choice's events; on failure its error event and ``[DONE]``. ``usage``: its last
+    chunk carries the usage and metrics (a request of one choice)."""
+    index = generation.choice
     sent_tokens, sent_chars = 0, 0
 
     def new_logprobs(upto: int | None) -> dict[str, Any] | None:
@@ -135,7 +199,7 @@ async def events(generation: Generation, request_id: str, created: int, model: s
 
     def make(delta: str | None, finish: str | None, first: bool = False, upto: int | None = 0) -> str:
         logprobs = new_logprobs(upto) if upto != 0 else None
-        return _chunk(request_id, created, model, chat, delta, finish, first, logprobs=logprobs)
+        return _chunk(request_id, created, model, chat, delta, finish, first, logprobs=logprobs, index=index)
 
     tools = generation.request.tools
     splitter = ToolStream(tools.names) if chat and tools is not None and tools.parses_calls else None
@@ -149,16 +213,18 @@ async def events(generation: Generation, request_id: str, created: int, model: s
         yield make(delta, None, upto=taken)
     failure = generation.failure()
     if failure is not None:
-        yield f"data: {failure.json()}\n\n"
-    else:
-        finish = _finish(generation.stats)
-        if splitter is not None:
-            held, calls = splitter.finish()
-            if held or calls:  # the held-back text, and the calls as one delta each (their index tells them apart)
-                yield _chunk(request_id, created, model, chat, held, None, calls=calls)
-            finish = _finish_with(generation.stats, calls)
-        final = make(None, finish, upto=generation.token_count)
-        body = json.loads(final[len("data: "):])
-        body["usage"], body["specdecode"] = _usage(generation.stats), _spec_metrics(generation.stats)
-        yield sse(body)
-    yield "data: [DONE]\n\n"
+        yield f"data: {failure.json()}\n\ndata: [DONE]\n\n"
+        return
+    finish = _finish(generation.stats)
+    if splitter is not None:
+        held, calls = splitter.finish()
+        if held or calls:  # the held-back text, and the calls as one delta each (their index tells them apart)
+            yield _chunk(request_id, created, model, chat, held, None, calls=calls, index=index)
+        finish = _finish_with(generation.stats, calls)
+    final = make(None, finish, upto=generation.token_count)
+    if not usage:
+        yield final
+        return
+    body = json.loads(final[len("data: "):])
+    body["usage"], body["specdecode"] = _usage([generation.stats]), _spec_metrics([generation.stats])
+    yield sse(body)

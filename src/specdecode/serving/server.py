@@ -45,7 +45,7 @@ from specdecode.serving.generation import Generation
 from specdecode.serving.guard import RequestGuard
 from specdecode.serving.health import engine_problem
 from specdecode.serving.protocol import APIError, parse_request
-from specdecode.serving.responses import events, final_body, logprobs_body
+from specdecode.serving.responses import choice_body, events, final_body, logprobs_body
 from specdecode.serving.state import DEFAULT_DRAIN_TIMEOUT, ServerOptions, ServerState
 from specdecode.serving.suffix_share import cache_group, suffix_group
 from specdecode.serving.worker import BatchWorker
@@ -106,18 +106,19 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
         return PlainTextResponse(state.metrics.prometheus(), media_type="text/plain; version=0.0.4")
 
     class GenerationResponse(StreamingResponse):
-        """Server-sent events that release their generation however the response ends (a
+        """Server-sent events that release their generations however the response ends (a
         client that leaves before the first event included)."""
 
-        def __init__(self, generation: Generation, events: AsyncIterator[str]) -> None:
+        def __init__(self, generations: list[Generation], events: AsyncIterator[str]) -> None:
             super().__init__(events, media_type="text/event-stream")
-            self.generation = generation
+            self.generations = generations
 
         async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
             try:
                 await super().__call__(scope, receive, send)
             finally:
-                state.untrack(self.generation)
+                for generation in self.generations:
+                    state.untrack(generation)
 
     async def respond(request: Request, chat: bool) -> Any:
         raw = await request.body()  # the guard has read it, within the size limit
@@ -125,25 +126,33 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
         authorization = request.headers.get("authorization")
         req.suffix_group = suffix_group(options.suffix_share, authorization)
         req.cache_group = cache_group(options.suffix_share, authorization, req.cache_salt)
-        generation = Generation(state, req, asyncio.get_running_loop())
-        state.track(generation)
-        generation.start()
+        loop = asyncio.get_running_loop()
+        # One generation per choice (n); batched choices after the first start from its prompt K/V.
+        generations = [Generation(state, req, loop, choice) for choice in range(req.n)]
+        for generation in generations:
+            state.track(generation)
+            if generation.batch_id is not None:
+                generation.submit(fork_of=generations[0] if generation.choice else None)
+            generation.start()
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:
-            return GenerationResponse(generation, events(generation, request_id, created, state.model_name, chat,
-                                                         state.token_text))
+            return GenerationResponse(generations, events(generations, request_id, created, state.model_name, chat,
+                                                          state.token_text))
         try:
-            text = await _text_unless_disconnected(generation, request)
+            texts = await _texts_unless_disconnected(generations, request)
         finally:
-            state.untrack(generation)  # cancels it when the client left (or this task was cancelled)
-        if text is None:
+            for generation in generations:
+                state.untrack(generation)  # cancels it when the client left (or this task was cancelled)
+        if texts is None:
             return Response(status_code=499)  # nobody reads it: the client is gone
-        failure = generation.failure()
-        if failure is not None:
-            raise failure
-        logprobs = logprobs_body(generation.logprobs, chat, state.token_text)
-        return final_body(request_id, created, state.model_name, chat, text, generation.stats, req.tools, logprobs)
+        for generation in generations:
+            failure = generation.failure()
+            if failure is not None:
+                raise failure
+        choices = [choice_body(g.choice, chat, text, g.stats, req.tools, logprobs_body(g.logprobs, chat, state.token_text))
+                   for g, text in zip(generations, texts, strict=True)]
+        return final_body(request_id, created, state.model_name, chat, choices, [g.stats for g in generations])
 
     @app.post("/v1/completions", openapi_extra=_request_body_schema(state, chat=False))
     async def completions(request: Request) -> Any:
@@ -156,17 +165,18 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
     return RequestGuard(app, options.guard, lambda: state.draining)
 
 
-async def _text_unless_disconnected(generation: Generation, request: Any) -> str | None:
-    """The generation's whole text, or None when the client disconnects first."""
+async def _texts_unless_disconnected(generations: list[Generation], request: Any) -> list[str] | None:
+    """Each generation's whole text, or None when the client disconnects first."""
 
-    async def text() -> str:
+    async def text(generation: Generation) -> str:
         return "".join([delta async for delta in generation.deltas()])
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    collect, watch = asyncio.ensure_future(text()), asyncio.ensure_future(disconnected())
+    collect = asyncio.ensure_future(asyncio.gather(*(text(g) for g in generations)))
+    watch = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:

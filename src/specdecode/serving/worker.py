@@ -43,6 +43,7 @@ class _Add:
     suffix_group: str | None = DEFAULT_GROUP
     cache_salt: str | None = None
     grammar: CompiledGrammar | None = None
+    fork_of: str | None = None
 
 
 @dataclass(slots=True)
@@ -73,18 +74,20 @@ class BatchWorker:
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, method: str, k: int | None = None,
         request_id: str | None = None, suffix_group: str | None = DEFAULT_GROUP, cache_salt: str | None = None,
-        grammar: CompiledGrammar | None = None,
+        grammar: CompiledGrammar | None = None, fork_of: str | None = None,
     ) -> tuple[Iterator[list[int]], GenerationStats]:
         """Queue a request (validated now: InvalidRequestError is raised here, not later).
         ``request_id`` (from ``new_request_id``) lets the caller ``abort`` it later;
         ``suffix_group`` is whose earlier responses method suffix drafts from; ``cache_salt``
-        whose cached prompt prefixes it reuses; ``grammar`` its compiled structured output."""
+        whose cached prompt prefixes it reuses; ``grammar`` its compiled structured output;
+        ``fork_of`` the id of a request submitted before it, from this thread, with the same
+        prompt (another sample of it: ``BatchEngine.add_request``)."""
         self.engine.check_request(len(prompt_ids), params, method, k)
         request_id = request_id or self.new_request_id()
         stats = GenerationStats(method=method, prompt_tokens=len(prompt_ids))
         outbox: queue.Queue[RequestOutput | BaseException] = queue.Queue()
         self._inbox.put(_Add(request_id, list(prompt_ids), params, method, k, stats, outbox, suffix_group, cache_salt,
-                              grammar))
+                              grammar, fork_of))
         return self._chunks(request_id, outbox), stats
 
     def _chunks(self, request_id: str, outbox: queue.Queue[RequestOutput | BaseException]) -> Iterator[list[int]]:
@@ -135,7 +138,7 @@ class BatchWorker:
                     self.engine.add_request(
                         command.prompt_ids, command.params, command.method, command.k,
                         request_id=command.request_id, stats=command.stats, suffix_group=command.suffix_group,
-                        cache_salt=command.cache_salt, grammar=command.grammar,
+                        cache_salt=command.cache_salt, grammar=command.grammar, fork_of=command.fork_of,
                     )
                 except Exception as err:  # refused (e.g. no room): tell that caller only
                     self._outboxes.pop(command.request_id).put(err)
