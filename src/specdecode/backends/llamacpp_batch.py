@@ -111,8 +111,8 @@ class SlotPool:
     def fork(self, source: int, dest: int, length: int | None = None) -> int:
         """A new sequence ``dest`` in a free slot, holding a copy of ``source``'s first ``length``
         positions (all of its committed ones by default, at most those); returns them. The copy
-        is the whole KV stream of a slot (``LlamaCppModel.copy_sequence``): about 1 ms per 10 MB
-        of a slot's KV, where recomputing a prompt costs a pass over it."""
+        is the whole KV stream of a slot (``LlamaCppModel.copy_sequence``), a memory copy of the
+        slot's n_ctx positions, where recomputing the prompt would cost a pass over it."""
         if dest in self.slots:
             raise ValueError(f"sequence {dest} already has a llama.cpp slot")
         if not self._free:
