@@ -37,4 +37,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # uvicorn re-raises a SIGINT it handled once it has shut down; as the CLI does
+        sys.exit(130)

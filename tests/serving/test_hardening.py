@@ -143,9 +143,16 @@ def test_a_chunked_body_over_the_limit_is_refused(served) -> None:
     assert client(base).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
 
 
-def test_a_large_prompt_is_tokenized_off_the_event_loop(served) -> None:
-    """A 1 MB prompt takes about a second to tokenize; /health answers quickly meanwhile."""
-    base, _ = served
+def test_a_large_prompt_is_tokenized_off_the_event_loop(start_server) -> None:
+    """A 1 MB prompt takes about a second to tokenize; /health answers quickly meanwhile. (With
+    the bound by characters off, as for a tokenizer whose vocabulary cannot be read: it refuses
+    such a prompt before tokenizing, see the test below.)"""
+    with start_server() as (base, state):
+        state.longest_token_chars = None
+        large_prompt_stalls_nothing(base)
+
+
+def large_prompt_stalls_nothing(base: str) -> None:
     body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 22_000, "max_tokens": 1}
     result: dict[str, object] = {}
 
@@ -311,14 +318,18 @@ def test_model_names_are_never_resolved_at_request_time(served, monkeypatch, tin
 
 
 # --- 7. API key, Content-Type, Host -----------------------------------------------------------
-def test_api_key_is_required_on_v1_routes_only(start_server) -> None:
+def test_api_key_is_required_on_every_route_but_health(start_server) -> None:
     with start_server(ServerOptions(guard=GuardOptions(api_key="s3cret"))) as (base, _):
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic s3cret"},
                         {"authorization": "Bearer s3cret-and-more"}):
-            error = assert_openai_error(httpx.get(base + "/v1/models", headers=headers), 401)
-            assert error["code"] == "invalid_api_key"
+            for path in ("/v1/models", "/metrics", "/openapi.json", "/docs", "/v1", "/nowhere"):
+                error = assert_openai_error(httpx.get(base + path, headers=headers), 401)
+                assert error["code"] == "invalid_api_key"
             assert_openai_error(post(base, {"model": MODEL, "prompt": PROMPT}, headers=headers), 401)
         assert httpx.get(base + "/health").status_code == 200
+        key = {"authorization": "Bearer s3cret"}
+        assert "specdecode_requests_total" in httpx.get(base + "/metrics", headers=key).text
+        assert httpx.get(base + "/openapi.json", headers=key).json()["info"]["title"] == "specdecode"
         assert [m.id for m in client(base, api_key="s3cret").models.list()] == [MODEL]
         reply = client(base, api_key="s3cret").completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
         assert reply.usage.completion_tokens > 0
@@ -386,3 +397,43 @@ def test_a_request_past_the_timeout_is_stopped(start_server, monkeypatch) -> Non
         wait_for(lambda: metric(base, "specdecode_kv_blocks_used") == 0, "a stopped request kept its KV blocks")
         monkeypatch.undo()
         assert post(base, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}).status_code == 200
+
+
+def test_the_default_model_id_is_a_name_not_a_path(tiny_qwen2_dir, tiny_ggufs, monkeypatch) -> None:
+    from specdecode.cli.serve import served_model_name
+
+    assert served_model_name(str(tiny_qwen2_dir)) == tiny_qwen2_dir.name
+    assert served_model_name(str(tiny_qwen2_dir) + "/") == tiny_qwen2_dir.name
+    assert served_model_name(str(tiny_ggufs["target"])) == "target.gguf"
+    assert served_model_name("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # a hub id, not on disk
+    monkeypatch.chdir(tiny_qwen2_dir.parent)
+    assert served_model_name(tiny_qwen2_dir.name) == tiny_qwen2_dir.name
+
+
+def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing(start_server, monkeypatch) -> None:
+    """Past max_prompt_tokens x the longest token's characters (x the normalization slack) a
+    prompt cannot fit whatever it says: a 400 naming it, the tokenizer never called. Below that
+    bound the prompt is tokenized and refused by its token count as before."""
+    from specdecode.serving.state import NORMALIZATION_SLACK
+
+    with start_server() as (base, state):
+        bound = state.max_prompt_tokens(batched=True) * state.longest_token_chars * NORMALIZATION_SLACK
+        real_encode, encoded = state.decoder.encode, []
+
+        def encode(*args, **kwargs):
+            encoded.append(1)
+            return real_encode(*args, **kwargs)
+
+        monkeypatch.setattr(state.decoder, "encode", encode)
+        for path, body in (("/v1/completions", {"prompt": "ab" * (bound // 2 + 1)}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (bound + 1)}]})):
+            for stream in (False, True):
+                started = time.perf_counter()
+                response = post(base, {"model": MODEL, "max_tokens": 2, "stream": stream} | body, path)
+                error = assert_openai_error(response, 400, "prompt" if "prompt" in body else "messages")
+                assert error["code"] == "context_length_exceeded"
+                print(f"{path}: refused {bound + 1} characters in {time.perf_counter() - started:.3f} s")
+        assert not encoded
+        # Within the bound: tokenized, then refused by its token count.
+        assert_openai_error(post(base, {"model": MODEL, "max_tokens": 2, "prompt": "word " * 2000}), 400, "prompt")
+        assert encoded

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from specdecode.cli.args import add_decoder_arguments, non_negative_float, positive_float
@@ -37,7 +38,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_decoder_arguments(parser, method_help="the default method; a request may pass 'method' (default draft; "
                           "see `specdecode generate --help` for each)")
-    parser.add_argument("--model-name", help="the name clients pass as 'model' (default: the target's name)")
+    parser.add_argument("--model-name",
+                        help="the name clients pass as 'model' (default: the target's folder or file name, or its hub id)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch", type=non_negative_int, default=DEFAULT_MAX_BATCH,
@@ -97,6 +99,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def served_model_name(target: str) -> str:
+    """The model id a server answers to without ``--model-name``: a local folder's or file's
+    name (its full path, echoed in every response and 404, would tell clients about the
+    server's disk), or the hub id as given."""
+    path = Path(target).expanduser()
+    return path.resolve().name if path.exists() else target
+
+
 def load_server(args: argparse.Namespace) -> ServerParts:
     """Load the models and build the batch worker and the server options that ``args`` (the
     flags of ``specdecode serve``) ask for; a Ray Serve replica calls this with the same flags."""
@@ -115,7 +125,7 @@ def load_server(args: argparse.Namespace) -> ServerParts:
             print("--compile: the continuous-batching engine's passes run eagerly; requests that run one at a time "
                   "(--max-batch 0, methods auto, layerskip, medusa, eagle) run compiled.", file=sys.stderr)
         print(f"specdecode: {decoder.warm_up(show_progress=True, all_shapes=True).summary()}", file=sys.stderr)
-    name = args.model_name or (config.target or demo.DEFAULT_TARGET)
+    name = args.model_name or served_model_name(config.target or demo.DEFAULT_TARGET)
     worker = None
     if args.max_batch > 0:
         if config.kv_dtype != "auto":

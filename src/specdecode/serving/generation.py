@@ -81,7 +81,10 @@ class Generation:
         self.queue.put_nowait(self._DONE)
 
     def _put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (the server exited): nobody reads it
+            self.cancelled.set()
 
     def _run(self) -> None:
         metrics = self.state.metrics

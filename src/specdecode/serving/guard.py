@@ -2,7 +2,7 @@
 
 In order: a Host header the server does not answer to (DNS rebinding: a web page on another
 site that resolves its own name to 127.0.0.1 must not reach a loopback server) gets a 400; a
-``/v1/`` request without the API key, when one is set, a 401; while the server drains for
+request without the API key, when one is set, a 401 (on every route but ``/health``); while the server drains for
 shutdown, a new ``/v1/`` POST gets a 503; a POST body that is not ``application/json`` a 415;
 and a body over ``max_body_bytes`` a 413, refused from its Content-Length before a byte of it
 is read, or as soon as a chunked body passes the limit. Every refusal carries the OpenAI error
@@ -28,6 +28,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's default payload limit
 LOOPBACK_NAMES = ("localhost",)
+UNGUARDED_PATHS = frozenset({"/health"})  # answered without the API key
 
 
 def is_loopback(host: str) -> bool:
@@ -99,7 +100,10 @@ class RequestGuard:
                 return APIError(400, f"This server does not answer to the Host {host!r}; start it with "
                                      "--allowed-hosts to add that name.", code="invalid_host")
         api = scope["path"] == "/v1" or scope["path"].startswith("/v1/")
-        if self._key is not None and api:
+        # Every route but /health needs the key: /metrics tells request counts, acceptance and,
+        # through the suffix-cache gauges, how many tenants there are and how often each sends;
+        # /docs and /openapi.json describe the server. A load balancer's health probe has no key.
+        if self._key is not None and scope["path"] not in UNGUARDED_PATHS:
             scheme, _, token = headers.get("authorization", "").partition(" ")
             # compare_digest: the time taken says nothing about how much of the key matched.
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):

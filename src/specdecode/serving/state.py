@@ -27,6 +27,7 @@ from specdecode.serving.tools import OPEN
 from specdecode.serving.worker import BatchWorker
 
 DEFAULT_DRAIN_TIMEOUT = 10.0
+NORMALIZATION_SLACK = 4  # characters a tokenizer's Unicode normalization may fold into one, at most
 
 
 class InFlight(Protocol):
@@ -59,6 +60,9 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     inflight: set[InFlight] = field(default_factory=set)  # touched on the event loop only
     draining: bool = False
+    # The most characters one token stands for (None: unknown): bounds a prompt's length before
+    # it is tokenized (_check_prompt_chars).
+    longest_token_chars: int | None = field(init=False, default=None)
 
     def method_of(self, request: ParsedRequest) -> str:
         return request.method or self.decoder.config.method
@@ -92,6 +96,38 @@ class ServerState:
             context = min(context, self.decoder.draft.config.max_position_embeddings)
         return context
 
+    def __post_init__(self) -> None:
+        self.longest_token_chars = longest_token_chars(self.decoder.tokenizer)
+
+    def max_prompt_tokens(self, batched: bool) -> int:
+        """The most prompt tokens a request could have: the context less one new token, and for
+        a request the batch engine decodes, what one sequence of its KV pool holds."""
+        limit = self.context_length - 1
+        if batched and self.worker is not None:
+            limit = min(limit, self.worker.engine.target_cache.capacity_tokens() - 1)
+        return limit
+
+    def _check_prompt_chars(self, prompt: str | list[dict[str, Any]], chat: bool, batched: bool) -> None:
+        """Refuse a prompt whose text alone is too long to fit, from its length in characters,
+        before tokenizing it (seconds of both cores for a prompt of megabytes): no token stands
+        for more than ``longest_token_chars`` characters, so it has at least chars / that many
+        tokens."""
+        longest = self.longest_token_chars
+        if longest is None:
+            return
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        else:
+            chars = sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))
+        # Unicode normalization before tokenizing may compose up to a few characters into one
+        # (NFC: a Hangul syllable from three jamo, a letter with two marks): leave room for it.
+        most = self.max_prompt_tokens(batched)
+        bound = most * longest * NORMALIZATION_SLACK
+        if chars > bound:
+            raise APIError(400, f"The prompt's text has {chars} characters, more than {most} tokens "
+                                f"can hold (no token of this model stands for more than {longest} characters); "
+                                "send a shorter prompt.", "messages" if chat else "prompt", "context_length_exceeded")
+
     def prepare(self, raw: bytes, chat: bool) -> ParsedRequest:
         """Parse, validate and tokenize a request body (CPU work: run it off the event loop).
         The returned request's prompt is token ids."""
@@ -107,6 +143,8 @@ class ServerState:
                         raise APIError(400, "This model's chat template has no <tool_call> markup, the only tool-call "
                                             "format this server reads; send the request without tools.", "tools")
                 tools = req.tools.in_prompt if req.tools is not None else None
+                if not (prompt and isinstance(prompt[0], int)):
+                    self._check_prompt_chars(prompt, chat, self.batched(req))
                 prompt_ids = prompt if prompt and isinstance(prompt[0], int) else self.decoder.encode(prompt, chat, tools)
                 vocab = self.decoder.target.config.vocab_size
                 if any(not 0 <= t < vocab for t in prompt_ids):
@@ -150,6 +188,15 @@ class ServerState:
             generation.timer.cancel()
         self.inflight.discard(generation)
 
+    def end_all(self) -> None:
+        """End every request in flight with the shutdown error (a stream's last events are that
+        error and ``[DONE]``); from the event loop."""
+        self.draining = True
+        reason = APIError(503, "The server is shutting down; the request was stopped before it finished. Retry it "
+                               "on another instance.", code="server_shutting_down", kind="server_error")
+        for generation in list(self.inflight):
+            generation.stop(reason)
+
     async def drain(self, timeout: float, poll: float = 0.05) -> None:
         """Take no new requests (the guard answers 503), give those in flight ``timeout``
         seconds, then end the rest: a stream gets a final error event and ``[DONE]``."""
@@ -158,14 +205,23 @@ class ServerState:
         deadline = loop.time() + timeout
         while self.inflight and loop.time() < deadline:
             await asyncio.sleep(poll)
-        reason = APIError(503, "The server is shutting down; the request was stopped before it finished. Retry it "
-                               "on another instance.", code="server_shutting_down", kind="server_error")
-        for generation in list(self.inflight):
-            generation.stop(reason)
+        self.end_all()
         # Their responses end at once (the readers are woken); let the last events go out.
         flush_deadline = loop.time() + 2.0
         while self.inflight and loop.time() < flush_deadline:
             await asyncio.sleep(poll)
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token of ``tokenizer`` can stand for (None: not known). Read from
+    the vocabulary's token strings, which never have fewer characters than their text (byte-level
+    BPE writes each byte as a character, SentencePiece a byte it falls back to as <0xNN>)."""
+    try:
+        pieces = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary gets no bound
+        return None
+    longest = max((len(piece) for piece in pieces), default=0)
+    return longest or None
 
 
 def _load_json(raw: bytes) -> Any:
