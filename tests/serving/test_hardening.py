@@ -346,7 +346,47 @@ def test_api_key_from_the_environment(monkeypatch) -> None:
     args = parser.parse_args(["serve"])
     assert args.api_key == "from-env" and args.max_body_bytes == 2 * 1024 * 1024 and args.drain_timeout == 10.0
     assert args.request_timeout is None
+    assert args.keep_alive_timeout == 5.0 and args.max_connections == 512
     assert parser.parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+
+
+def test_idle_connections_are_closed_and_their_number_bounded(tiny_decoder) -> None:
+    """The server's uvicorn settings (serving/shutdown.py: uvicorn_config): a keep-alive
+    connection idle past --keep-alive-timeout is closed; past --max-connections a request gets a
+    503; below it, requests are served."""
+    import uvicorn
+    from server_helpers import free_port
+
+    from specdecode.serving.server import create_app
+    from specdecode.serving.shutdown import uvicorn_config
+
+    port = free_port()
+    app = create_app(tiny_decoder, MODEL)
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", keep_alive_timeout=0.3,
+                                           max_connections=3))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, "the server did not start")
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(request)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            started = time.perf_counter()
+            assert sock.recv(4096) == b""  # closed by the server after the keep-alive timeout
+            assert time.perf_counter() - started < 3
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+        try:
+            wait_for(lambda: len(server.server_state.connections) >= 3, "the idle connections were not accepted")
+            assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503
+        finally:
+            for sock in idle:
+                sock.close()
+        wait_for(lambda: len(server.server_state.connections) == 0, "the idle connections stayed")
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def test_post_bodies_must_be_json(served) -> None:

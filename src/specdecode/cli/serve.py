@@ -24,6 +24,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
     from specdecode.serving.guard import DEFAULT_MAX_BODY_BYTES
     from specdecode.serving.server import DEFAULT_DRAIN_TIMEOUT
+    from specdecode.serving.state import DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
     from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE, SUFFIX_SHARES
 
     parser = sub.add_parser(
@@ -55,7 +56,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     limits = parser.add_argument_group("security and limits (docs/server.md#security-and-limits)")
     limits.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; unset: no key)")
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}; "
+                             "unset: no key)")
     limits.add_argument("--allowed-hosts", default="",
                         help="comma-separated Host names to answer to besides loopback ones and --host "
                              "(DNS-rebinding protection); '*' answers to any Host")
@@ -65,6 +67,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         help="seconds a request may run (queueing included) before it is stopped (default: no limit)")
     limits.add_argument("--drain-timeout", type=non_negative_float, default=DEFAULT_DRAIN_TIMEOUT,
                         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are ended")
+    limits.add_argument("--keep-alive-timeout", type=positive_float, default=DEFAULT_KEEP_ALIVE_TIMEOUT,
+                        help="seconds an idle keep-alive connection stays open (default: 5)")
+    limits.add_argument("--max-connections", type=non_negative_int, default=DEFAULT_MAX_CONNECTIONS,
+                        help=f"connections and requests at once; past it new ones get 503 (default: "
+                             f"{DEFAULT_MAX_CONNECTIONS}; 0: no limit)")
     add_ray_arguments(parser)
 
 
@@ -146,5 +153,6 @@ def load_server(args: argparse.Namespace) -> ServerParts:
     guard = GuardOptions(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
                          allowed_hosts=default_allowed_hosts(args.host, hosts))
     options = ServerOptions(guard=guard, request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
-                            suffix_share=args.suffix_share)
+                            suffix_share=args.suffix_share, keep_alive_timeout=args.keep_alive_timeout,
+                            max_connections=args.max_connections or None)
     return ServerParts(decoder, name, worker, options)

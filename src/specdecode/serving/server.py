@@ -200,7 +200,7 @@ def serve(decoder: SpecDecoder, model_name: str, host: str, port: int, aliases: 
     options = options or ServerOptions()
     app = create_app(decoder, model_name, aliases, worker, options)
     try:
-        run_draining(app, app.state.specdecode, host, port, log_level, options.drain_timeout)
+        run_draining(app, app.state.specdecode, host, port, log_level)
     finally:
         if worker is not None:
             worker.close()

@@ -102,7 +102,17 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run_draining(app: Any, state: Any, host: str, port: int, log_level: str, drain_timeout: float) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=int(FLUSH_TIMEOUT_SECONDS))
-    DrainingServer(config, state, drain_timeout).run()
+def uvicorn_config(app: Any, host: str, port: int, log_level: str, keep_alive_timeout: float,
+                   max_connections: int | None) -> uvicorn.Config:
+    """uvicorn's settings for the server: an idle keep-alive connection closed after
+    ``keep_alive_timeout`` seconds, at most ``max_connections`` connections and requests at once
+    (503 past it), and a short graceful wait after the drain (the ended responses only flush)."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          timeout_graceful_shutdown=int(FLUSH_TIMEOUT_SECONDS),
+                          timeout_keep_alive=keep_alive_timeout, limit_concurrency=max_connections)  # type: ignore[arg-type]
+
+
+def run_draining(app: Any, state: Any, host: str, port: int, log_level: str) -> None:
+    options = state.options
+    config = uvicorn_config(app, host, port, log_level, options.keep_alive_timeout, options.max_connections)
+    DrainingServer(config, state, options.drain_timeout).run()

@@ -27,6 +27,10 @@ from specdecode.serving.tools import OPEN
 from specdecode.serving.worker import BatchWorker
 
 DEFAULT_DRAIN_TIMEOUT = 10.0
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0  # uvicorn's default: an idle keep-alive connection is closed after it
+# Connections and requests in flight at once; past it uvicorn answers 503. Each request in flight
+# holds a thread; a 2-core server has long queued everyone by then.
+DEFAULT_MAX_CONNECTIONS = 512
 NORMALIZATION_SLACK = 4  # characters a tokenizer's Unicode normalization may fold into one, at most
 
 
@@ -46,6 +50,8 @@ class ServerOptions:
     request_timeout: float | None = None  # seconds from admission; None: no limit
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT  # seconds in-flight requests get to finish on shutdown
     suffix_share: str = DEFAULT_SUFFIX_SHARE  # whose earlier responses suffix decoding reads: tenant, global, none
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT  # seconds an idle keep-alive connection stays open
+    max_connections: int | None = DEFAULT_MAX_CONNECTIONS  # None: no limit
 
 
 @dataclass(slots=True)
