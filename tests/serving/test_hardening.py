@@ -346,40 +346,70 @@ def test_api_key_from_the_environment(monkeypatch) -> None:
     args = parser.parse_args(["serve"])
     assert args.api_key == "from-env" and args.max_body_bytes == 2 * 1024 * 1024 and args.drain_timeout == 10.0
     assert args.request_timeout is None
-    assert args.keep_alive_timeout == 5.0 and args.max_connections == 512
+    assert args.keep_alive_timeout == 5.0 and args.max_connections == 512 and args.header_timeout == 10.0
     assert parser.parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
 
 
-def test_idle_connections_are_closed_and_their_number_bounded(tiny_decoder) -> None:
-    """The server's uvicorn settings (serving/shutdown.py: uvicorn_config): a keep-alive
-    connection idle past --keep-alive-timeout is closed; past --max-connections a request gets a
-    503; below it, requests are served."""
+def test_idle_and_slow_connections_are_closed_and_their_number_bounded(tiny_decoder) -> None:
+    """The server's uvicorn settings (serving/connections.py: uvicorn_config): a keep-alive
+    connection idle past --keep-alive-timeout is closed; one that sends its headers a byte at a
+    time (slowloris) is closed after --header-timeout, also on a kept-alive connection after a
+    first request; past --max-connections a request gets a 503; below it, requests are served."""
     import uvicorn
     from server_helpers import free_port
 
+    from specdecode.serving.connections import uvicorn_config
     from specdecode.serving.server import create_app
-    from specdecode.serving.shutdown import uvicorn_config
 
     port = free_port()
     app = create_app(tiny_decoder, MODEL)
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", keep_alive_timeout=0.3,
-                                           max_connections=3))
+                                           max_connections=3, header_timeout=0.6))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, "the server did not start")
     request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+    def health(sock: socket.socket) -> None:
+        sock.sendall(request)
+        response = b""
+        while not response.endswith(b"}"):  # the head and the JSON body, in however many reads
+            chunk = sock.recv(4096)
+            assert chunk, response
+            response += chunk
+        assert response.startswith(b"HTTP/1.1 200")
+
+    def closed_by_server(sock: socket.socket) -> bool:
+        try:
+            return sock.recv(4096) == b""
+        except TimeoutError:  # still open (the socket's 5 s timeout)
+            return False
+        except OSError:  # reset
+            return True
+
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-            sock.sendall(request)
-            response = b""
-            while not response.endswith(b"}"):  # the head and the JSON body, in however many reads
-                chunk = sock.recv(4096)
-                assert chunk, response
-                response += chunk
-            assert response.startswith(b"HTTP/1.1 200")
+            health(sock)
             started = time.perf_counter()
-            assert sock.recv(4096) == b""  # closed by the server after the keep-alive timeout
+            assert closed_by_server(sock)  # after the keep-alive timeout
             assert time.perf_counter() - started < 3
+        for kept_alive in (False, True):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                if kept_alive:  # a whole request first, then the next one slowly
+                    health(sock)
+                started = time.perf_counter()
+                closed = False
+                for byte in request[:-4]:  # never the blank line that ends the headers
+                    try:
+                        sock.sendall(bytes([byte]))
+                    except OSError:
+                        closed = True
+                        break
+                    time.sleep(0.05)
+                    if time.perf_counter() - started > 3:
+                        break
+                closed = closed or closed_by_server(sock)
+                assert closed and time.perf_counter() - started < 3, "a slow sender kept its connection"
         idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
         try:
             wait_for(lambda: len(server.server_state.connections) >= 3, "the idle connections were not accepted")

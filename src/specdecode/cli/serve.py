@@ -22,9 +22,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from specdecode.cli.serve_ray import add_ray_arguments
     from specdecode.cli.train import non_negative_int, positive_int
     from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
+    from specdecode.serving.connections import (
+        DEFAULT_HEADER_TIMEOUT,
+        DEFAULT_KEEP_ALIVE_TIMEOUT,
+        DEFAULT_MAX_CONNECTIONS,
+    )
     from specdecode.serving.guard import DEFAULT_MAX_BODY_BYTES
     from specdecode.serving.server import DEFAULT_DRAIN_TIMEOUT
-    from specdecode.serving.state import DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
     from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE, SUFFIX_SHARES
 
     parser = sub.add_parser(
@@ -69,6 +73,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are ended")
     limits.add_argument("--keep-alive-timeout", type=positive_float, default=DEFAULT_KEEP_ALIVE_TIMEOUT,
                         help="seconds an idle keep-alive connection stays open (default: 5)")
+    limits.add_argument("--header-timeout", type=positive_float, default=DEFAULT_HEADER_TIMEOUT,
+                        help="seconds a client has to send a request's headers before its connection is closed "
+                             "(default: 10)")
     limits.add_argument("--max-connections", type=non_negative_int, default=DEFAULT_MAX_CONNECTIONS,
                         help=f"connections and requests at once; past it new ones get 503 (default: "
                              f"{DEFAULT_MAX_CONNECTIONS}; 0: no limit)")
@@ -154,5 +161,5 @@ def load_server(args: argparse.Namespace) -> ServerParts:
                          allowed_hosts=default_allowed_hosts(args.host, hosts))
     options = ServerOptions(guard=guard, request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
                             suffix_share=args.suffix_share, keep_alive_timeout=args.keep_alive_timeout,
-                            max_connections=args.max_connections or None)
+                            max_connections=args.max_connections or None, header_timeout=args.header_timeout)
     return ServerParts(decoder, name, worker, options)

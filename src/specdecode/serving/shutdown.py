@@ -25,8 +25,8 @@ from typing import Any
 
 import uvicorn
 
-# uvicorn's own graceful wait, after the drain: the ended responses only need to flush.
-FLUSH_TIMEOUT_SECONDS = 3.0
+from specdecode.serving.connections import uvicorn_config
+
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # After a second signal: how long the ended responses get, at most, to send their last events.
 EXIT_FLUSH_SECONDS = 0.5
@@ -102,17 +102,8 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def uvicorn_config(app: Any, host: str, port: int, log_level: str, keep_alive_timeout: float,
-                   max_connections: int | None) -> uvicorn.Config:
-    """uvicorn's settings for the server: an idle keep-alive connection closed after
-    ``keep_alive_timeout`` seconds, at most ``max_connections`` connections and requests at once
-    (503 past it), and a short graceful wait after the drain (the ended responses only flush)."""
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                          timeout_graceful_shutdown=int(FLUSH_TIMEOUT_SECONDS),
-                          timeout_keep_alive=keep_alive_timeout, limit_concurrency=max_connections)  # type: ignore[arg-type]
-
-
 def run_draining(app: Any, state: Any, host: str, port: int, log_level: str) -> None:
     options = state.options
-    config = uvicorn_config(app, host, port, log_level, options.keep_alive_timeout, options.max_connections)
+    config = uvicorn_config(app, host, port, log_level, options.keep_alive_timeout, options.max_connections,
+                            options.header_timeout)
     DrainingServer(config, state, options.drain_timeout).run()

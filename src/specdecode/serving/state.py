@@ -19,6 +19,7 @@ from specdecode.api import SpecDecoder
 from specdecode.config import METHODS
 from specdecode.engine.batch import BATCH_METHODS
 from specdecode.errors import SpecDecodeError
+from specdecode.serving.connections import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 from specdecode.serving.guard import GuardOptions
 from specdecode.serving.metrics import ServerMetrics
 from specdecode.serving.protocol import APIError, ParsedRequest, client_message, parse_request
@@ -27,10 +28,6 @@ from specdecode.serving.tools import OPEN
 from specdecode.serving.worker import BatchWorker
 
 DEFAULT_DRAIN_TIMEOUT = 10.0
-DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0  # uvicorn's default: an idle keep-alive connection is closed after it
-# Connections and requests in flight at once; past it uvicorn answers 503. Each request in flight
-# holds a thread; a 2-core server has long queued everyone by then.
-DEFAULT_MAX_CONNECTIONS = 512
 NORMALIZATION_SLACK = 4  # characters a tokenizer's Unicode normalization may fold into one, at most
 
 
@@ -50,8 +47,11 @@ class ServerOptions:
     request_timeout: float | None = None  # seconds from admission; None: no limit
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT  # seconds in-flight requests get to finish on shutdown
     suffix_share: str = DEFAULT_SUFFIX_SHARE  # whose earlier responses suffix decoding reads: tenant, global, none
-    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT  # seconds an idle keep-alive connection stays open
-    max_connections: int | None = DEFAULT_MAX_CONNECTIONS  # None: no limit
+    # HTTP connections (serving/connections.py): seconds an idle keep-alive connection stays
+    # open, connections and requests at once (None: no limit), seconds to send a request's headers.
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
+    max_connections: int | None = DEFAULT_MAX_CONNECTIONS
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
 
 
 @dataclass(slots=True)

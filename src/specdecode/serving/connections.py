@@ -1,0 +1,78 @@
+"""How the server's HTTP connections are bounded: uvicorn's settings, and a header timeout.
+
+uvicorn closes a keep-alive connection idle past ``timeout_keep_alive`` and answers 503 past
+``limit_concurrency`` connections and requests, but it has no bound on how long a client may take
+to send a request's headers: a client sending one header byte at a time (slowloris) holds its
+connection for ever. ``HeaderTimeoutProtocol`` closes a connection whose request headers have
+not all arrived ``header_timeout`` seconds after it opened, or after its previous response
+ended. It wraps uvicorn's own protocol (httptools where installed, else h11): both start a
+request's ``cycle`` when its headers are complete, which is what the timer waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0  # uvicorn's default: an idle keep-alive connection is closed after it
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a client has to send a request's headers
+# Connections and requests in flight at once; past it uvicorn answers 503. Each request in flight
+# holds a thread; a 2-core server has long queued everyone by then.
+DEFAULT_MAX_CONNECTIONS = 512
+# uvicorn's graceful wait, after the drain (serving/shutdown.py): the ended responses only flush.
+FLUSH_TIMEOUT_SECONDS = 3.0
+
+
+class HeaderTimeoutProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        before = self.cycle
+        super().data_received(data)
+        if self.cycle is not before:  # a request's headers are complete
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()  # the next request's headers, on a kept-alive connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def uvicorn_config(app: Any, host: str, port: int, log_level: str, keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT,
+                   max_connections: int | None = DEFAULT_MAX_CONNECTIONS,
+                   header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> uvicorn.Config:
+    """uvicorn's settings for the server: headers within ``header_timeout`` seconds, an idle
+    keep-alive connection closed after ``keep_alive_timeout``, at most ``max_connections``
+    connections and requests at once (503 past it; None: no limit), and a short graceful wait
+    after the drain."""
+    protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": header_timeout})
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                          timeout_graceful_shutdown=int(FLUSH_TIMEOUT_SECONDS),
+                          timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type] # a float works
+                          limit_concurrency=max_connections)
