@@ -103,6 +103,15 @@ def assert_greedy_equal_up_to_near_tie(actual: list[int], expected: list[int], m
     return len(expected)
 
 
+def small_batch_engine(dec, **kwargs):
+    """A batch engine over ``dec``'s torch target and draft models, without cost timing: 4 rows,
+    1,024 KV slots a model in 4-token blocks (so prompts end inside blocks), unless overridden."""
+    from specdecode.engine.batch import BatchEngine
+
+    options = {"max_batch": 4, "kv_cache_tokens": 1024, "block_size": 4} | kwargs
+    return BatchEngine(dec.target.model, dec.draft.model, dec.eos_token_ids, **options)
+
+
 PROMPTS = [
     "def quicksort(arr):",
     "The quick brown fox",

@@ -399,12 +399,13 @@ class SpecDecoder:
         decoders = [IncrementalDecoder(self.tokenizer, p.stop) for _, p, _ in samples]
         stats = [GenerationStats() for _ in samples]
         ids_to_index: dict[str, int] = {}
-        first_sample = ""
+        first_of_prompt: str | None = None  # a prompt's later samples start from its first one's K/V
         for index, ((ids, request_params, grammar), request_stats) in enumerate(zip(samples, stats, strict=True)):
             request_id = engine.add_request(ids, request_params, method, k, stats=request_stats,
                                             suffix_group=suffix_group, cache_salt=cache_salt, grammar=grammar,
-                                            fork_of=first_sample if index % n else None)
-            first_sample = request_id if index % n == 0 else first_sample
+                                            fork_of=None if index % n == 0 else first_of_prompt)
+            if index % n == 0:
+                first_of_prompt = request_id
             ids_to_index[request_id] = index
         while engine.has_unfinished:
             for output in engine.step():

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import PROMPTS, assert_greedy_equal_up_to_near_tie, decoder, greedy_margins
+from helpers import PROMPTS, assert_greedy_equal_up_to_near_tie, decoder, greedy_margins, small_batch_engine
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.engine.batch import BatchEngine
@@ -22,8 +22,7 @@ def dec(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> SpecDecoder:
 
 
 def engine(dec: SpecDecoder, **kwargs) -> BatchEngine:
-    options = {"max_batch": 4, "kv_cache_tokens": 1024, "block_size": 4} | kwargs
-    return BatchEngine(dec.target.model, dec.draft.model, dec.eos_token_ids, **options)
+    return small_batch_engine(dec, **kwargs)
 
 
 def run(eng: BatchEngine, prompts: list[list[int]], method: str, salt: str | None = None) -> tuple[list[list[int]], list[int]]:

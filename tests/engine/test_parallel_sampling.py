@@ -6,7 +6,7 @@ token for token (fp32 torch: exact, sampled or greedy), whatever the batch aroun
 from pathlib import Path
 
 import pytest
-from helpers import assert_greedy_equal_up_to_near_tie, decoder, greedy_margins
+from helpers import assert_greedy_equal_up_to_near_tie, decoder, greedy_margins, small_batch_engine
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.config import MAX_CHOICES
@@ -23,8 +23,7 @@ def dec(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> SpecDecoder:
 
 
 def engine(dec: SpecDecoder, **kwargs) -> BatchEngine:
-    options = {"max_batch": 4, "kv_cache_tokens": 2048, "block_size": 4} | kwargs
-    return BatchEngine(dec.target.model, dec.draft.model, dec.eos_token_ids, **options)
+    return small_batch_engine(dec, **{"kv_cache_tokens": 2048} | kwargs)
 
 
 @pytest.mark.parametrize("method", ["none", "draft", "ngram"])

@@ -17,8 +17,7 @@ write into it and read from it, and the attention mask hides it.
 
 ``fork`` starts a new sequence from another's first positions: their blocks are shared
 (reference counts) and a partly filled last block is copied on the first write, so n samples of
-one prompt (``SamplingParams.n``-style parallel sampling) cost one prefill and one block of
-copying each.
+one prompt (parallel sampling, OpenAI's ``n``) cost one prefill and one block of copying each.
 
 Prefix caching (vLLM's automatic prefix caching, in outline): a full block of committed tokens
 is registered under a key of (its parent block's key id, its tokens, the cache group), so a

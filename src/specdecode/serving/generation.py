@@ -50,9 +50,10 @@ class Generation:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def submit(self, fork_of: Generation | None = None) -> None:
-        """Queue a batched request in the batch worker, from the event loop, before ``start``:
-        the choices of one request are submitted in order, so that choice 0 is in the engine
-        when the others ask to start from its prompt K/V (``fork_of``)."""
+        """Queue a batched request in the batch worker, from the event loop, before ``start`` (a
+        batched generation must be submitted): the choices of one request are submitted in
+        order, so that choice 0 is in the engine when the others ask to start from its prompt
+        K/V (``fork_of``). A refusal is raised in the thread, as the request's own error."""
         req, state = self.request, self.state
         assert state.worker is not None and self.batch_id is not None and isinstance(req.prompt, list)
         source = fork_of.batch_id if fork_of is not None else None
@@ -134,11 +135,9 @@ class Generation:
         batched = state.batched(req)
         stream: GenerationStream
         if batched:
-            if self._submitted is None and self._submit_error is None:
-                self.submit()
             if self._submit_error is not None:
                 raise self._submit_error
-            assert self._submitted is not None
+            assert self._submitted is not None, "a batched generation is submitted before it starts"
             chunks, stats = self._submitted
             stream = state.decoder.token_stream(chunks, stats, self.params)
         else:

@@ -148,10 +148,12 @@ class ServerState:
                     if OPEN not in template:
                         raise APIError(400, "This model's chat template has no <tool_call> markup, the only tool-call "
                                             "format this server reads; send the request without tools.", "tools")
-                tools = req.tools.in_prompt if req.tools is not None else None
-                if not (prompt and isinstance(prompt[0], int)):
+                if prompt and isinstance(prompt[0], int):
+                    prompt_ids = prompt
+                else:
                     self._check_prompt_chars(prompt, chat, self.batched(req))
-                prompt_ids = prompt if prompt and isinstance(prompt[0], int) else self.decoder.encode(prompt, chat, tools)
+                    tools = req.tools.in_prompt if req.tools is not None else None
+                    prompt_ids = self.decoder.encode(prompt, chat, tools)
                 vocab = self.decoder.target.config.vocab_size
                 if any(not 0 <= t < vocab for t in prompt_ids):
                     raise APIError(400, f"Prompt token ids must lie in [0, {vocab}).", "prompt")
