@@ -7,7 +7,7 @@
 """
 
 from specdecode.api import SpecDecoder
-from specdecode.config import DecoderConfig, SamplingParams, StructuredOutput
+from specdecode.config import DecoderConfig, SamplingParams, SchedulerConfig, StructuredOutput
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.stream import GenerationResult, GenerationStream
 from specdecode.errors import SpecDecodeError
@@ -18,6 +18,7 @@ __all__ = [
     "GenerationStats",
     "GenerationStream",
     "SamplingParams",
+    "SchedulerConfig",
     "SpecDecodeError",
     "SpecDecoder",
     "StructuredOutput",

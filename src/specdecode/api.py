@@ -20,7 +20,15 @@ from specdecode.backends.compiled import (
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
 from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
-from specdecode.config import MAX_CHOICES, METHODS, TREE_METHODS, DecoderConfig, SamplingParams, check_acceptance
+from specdecode.config import (
+    MAX_CHOICES,
+    METHODS,
+    TREE_METHODS,
+    DecoderConfig,
+    SamplingParams,
+    SchedulerConfig,
+    check_acceptance,
+)
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
 from specdecode.costs.store import CostStore, cost_store_for
 from specdecode.drafters.auto import LookupMemory
@@ -303,10 +311,16 @@ class SpecDecoder:
         block_size: int = DEFAULT_BLOCK_SIZE,
         policy: str = "async",
         cost_aware: bool = True,
+        scheduling: SchedulerConfig | None = None,
     ) -> BatchEngine:
         """A continuous-batching engine over this decoder's models (methods none, ngram, draft, suffix),
         with KV pools of ``kv_cache_tokens`` slots per model: paged on torch; on llama.cpp a context
-        per model with ``max_batch`` sequences of ``kv_cache_tokens // max_batch`` positions each.
+        per model with ``max_batch`` sequences of ``kv_cache_tokens // max_batch`` positions each
+        (and ``scheduling.spare_slots`` more).
+
+        ``scheduling`` (``SchedulerConfig``): how requests share the batch, chunked prefill and
+        time slices, so that a full batch of long generations does not make a new request wait
+        for them to finish (docs/design.md#fair-scheduling).
 
         ``cost_aware`` times the target (and draft) on a few pass shapes first (about 25 seconds
         for the demo pair and a batch of 16 on a 2-core CPU) so that the batch's draft length follows measured
@@ -315,8 +329,10 @@ class SpecDecoder:
         """
         if self.kv_dtype != "auto":
             raise InvalidRequestError('The batch engine\'s KV pool stores the model dtype only; drop kv_dtype="int8".')
-        target = batch_model(self.target, max_batch, kv_cache_tokens, block_size)
-        draft = None if self.draft is None else batch_model(self.draft, max_batch, kv_cache_tokens, block_size)
+        scheduling = scheduling or SchedulerConfig()
+        target = batch_model(self.target, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots)
+        draft = (None if self.draft is None
+                 else batch_model(self.draft, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots))
         verify_costs = draft_costs = None
         if cost_aware:
             verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.config.k_max, live=self.costs.live)
@@ -326,6 +342,7 @@ class SpecDecoder:
             k_max=self.config.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
             ngram_max=self.config.ngram_max, ngram_min=self.config.ngram_min, draft_confidence=self.config.draft_confidence,
             sync_timing=self.engine.sync_timing, suffix_cache=self.suffix_cache, prefix_cache=self.config.prefix_cache,
+            scheduling=scheduling,
         )
 
     def token_stream(self, chunks: Iterator[list[int]], stats: GenerationStats, params: SamplingParams) -> GenerationStream:

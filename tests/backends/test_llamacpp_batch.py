@@ -118,3 +118,49 @@ def test_llamacpp_batch_distribution_test_has_power(tiny_ggufs: dict[str, Path],
     dec = llamacpp_decoder(tiny_ggufs["target"], tiny_ggufs["far"])
     stat, df = chi_square_in_batches(dec, dec.batch_engine(max_batch=16, kv_cache_tokens=16 * 256, cost_aware=False))
     assert stat > CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}: the test has no power"
+
+
+@pytest.mark.parametrize("spare_slots", [1, 0])
+def test_fair_preemption_keeps_the_preempted_requests_kv_in_a_spare_slot(tiny_ggufs: dict[str, Path],
+                                                                         spare_slots: int) -> None:
+    """Two long generations fill a two-seat batch; a short request arriving after they ran a time
+    slice takes a seat in the next step, and the one it preempted waits in a spare slot with its
+    K/V, resuming without recomputing them (the slot's prefix hit covers all but its last token).
+    Without a spare slot a preemption would cost a whole recompute, so none happens: the short
+    request waits as before. Outputs equal single-request ones up to the first near-tie."""
+    from specdecode import SchedulerConfig
+
+    dec = llamacpp_decoder(tiny_ggufs["target"], tiny_ggufs["close"])
+    on_torch = llamacpp_decoder(tiny_ggufs["target"], None, backend="torch")
+    eng = dec.batch_engine(max_batch=2, kv_cache_tokens=2 * 256, cost_aware=False,
+                           scheduling=SchedulerConfig(time_slice=4, spare_slots=spare_slots))
+    assert eng.target_cache.usable_blocks == 2 + spare_slots
+    cases = [(PROMPTS[0], 30, "draft"), (PROMPTS[1], 30, "none"), (PROMPTS[2], 3, "ngram")]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n, _ in cases]
+    ids = [eng.add_request(dec.encode(p), sp, m, 3) for (p, _, m), sp in zip(cases[:2], params, strict=False)]
+    generated: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for output in eng.step():
+            generated.setdefault(output.request_id, []).extend(output.new_tokens)
+
+    for _ in range(6):
+        step()
+    hits = eng.target_cache.prefix_stats.hit_tokens
+    ids.append(eng.add_request(dec.encode(cases[2][0]), params[2], cases[2][2], 3))
+    step()
+    if spare_slots:
+        assert generated.get(ids[2]) and eng.scheduler.fair_preemptions == 1
+    else:
+        assert not generated.get(ids[2]) and eng.scheduler.fair_preemptions == 0
+    while eng.has_unfinished:
+        step()
+    if spare_slots:  # the preempted request's whole context came back from its slot
+        shortest = min(len(dec.encode(prompt)) for prompt, _, _ in cases[:2])
+        assert eng.target_cache.prefix_stats.hit_tokens - hits >= shortest + 6 - 1
+    assert_slots_free(eng)
+    for (prompt, n, method), request_id, sp in zip(cases, ids, params, strict=True):
+        expected = dec.generate(prompt, sp, method="none").token_ids
+        margins = greedy_margins(on_torch, on_torch.encode(prompt), expected)
+        compared = assert_greedy_equal_up_to_near_tie(generated[request_id], expected, margins, f"{method} {prompt!r}")
+        assert compared >= len(expected) // 2

@@ -12,11 +12,15 @@ from specdecode.models.loader import LoadedModel
 MIN_SEQUENCE_POSITIONS = 256  # below this a llama.cpp batch slot would refuse most requests
 
 
-def batch_model(loaded: LoadedModel, max_batch: int, kv_cache_tokens: int, block_size: int) -> BatchModel:
+def batch_model(loaded: LoadedModel, max_batch: int, kv_cache_tokens: int, block_size: int,
+                spare_slots: int = 0) -> BatchModel:
     """torch: the model over a paged pool of ``kv_cache_tokens`` slots. llama.cpp: a new context on
     the same file with ``max_batch`` sequences, each of ``kv_cache_tokens // max_batch`` positions
     (at most the model's context): llama.cpp gives every sequence its own KV stream, allocated up
-    front, so the same total memory is split evenly instead of paged."""
+    front, so the same total memory is split evenly instead of paged. ``spare_slots`` more
+    sequences of that size hold the K/V of requests preempted for fairness (and of finished ones,
+    for the prefix cache): ``SchedulerConfig.spare_slots``, KV memory ``spare_slots / max_batch``
+    above ``kv_cache_tokens``."""
     if max_batch < 1:
         raise InvalidRequestError(f"max_batch must be >= 1, got {max_batch}.")
     if isinstance(loaded.model, LlamaCppModel):
@@ -26,5 +30,5 @@ def batch_model(loaded: LoadedModel, max_batch: int, kv_cache_tokens: int, block
                 f"kv_cache_tokens={kv_cache_tokens} over max_batch={max_batch} leaves {per_sequence} positions per "
                 f"llama.cpp sequence; give each at least {MIN_SEQUENCE_POSITIONS} (raise kv_cache_tokens or lower max_batch)."
             )
-        return LlamaCppBatchModel(loaded.model.with_sequences(max_batch, per_sequence))
+        return LlamaCppBatchModel(loaded.model.with_sequences(max_batch + spare_slots, per_sequence))
     return PagedBatchModel.with_pool(loaded.model, kv_cache_tokens, block_size)

@@ -21,6 +21,7 @@ API_KEY_ENV = "SPECDECODE_API_KEY"
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from specdecode.cli.serve_ray import add_ray_arguments
     from specdecode.cli.train import non_negative_int, positive_int
+    from specdecode.config import DEFAULT_PREFILL_CHUNK, DEFAULT_SPARE_SLOTS, DEFAULT_TIME_SLICE
     from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
     from specdecode.serving.connections import (
         DEFAULT_HEADER_TIMEOUT,
@@ -54,6 +55,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                              "llama.cpp: split evenly over --max-batch sequences)")
     parser.add_argument("--batch-policy", choices=BATCH_POLICIES, default="async",
                         help="async: each request keeps all it accepts; sync: a step keeps the batch's fewest")
+    fair = parser.add_argument_group("fair scheduling of the batch (docs/design.md#fair-scheduling)")
+    fair.add_argument("--prefill-chunk", type=non_negative_int, default=DEFAULT_PREFILL_CHUNK,
+                      help="most prompt tokens prefilled in one step, so a long prompt does not stall the batch "
+                           "(0: whole prompts at once)")
+    fair.add_argument("--time-slice", type=non_negative_int, default=DEFAULT_TIME_SLICE,
+                      help="decode steps a request keeps its batch seat before a waiting request served less may take "
+                           "it (0: a full batch makes new requests wait for running ones to finish)")
+    fair.add_argument("--spare-slots", type=non_negative_int, default=DEFAULT_SPARE_SLOTS,
+                      help="llama.cpp: sequence slots beyond --max-batch that keep preempted requests' K/V "
+                           "(0: no preemption for fairness on llama.cpp)")
     parser.add_argument("--suffix-share", choices=SUFFIX_SHARES, default=DEFAULT_SUFFIX_SHARE,
                         help="method suffix drafts from earlier responses of: the same API key (tenant), every "
                              "request (global), or none; sharing across users leaks through timing (docs/server.md)")
@@ -124,7 +135,7 @@ def served_model_name(target: str) -> str:
 def load_server(args: argparse.Namespace) -> ServerParts:
     """Load the models and build the batch worker and the server options that ``args`` (the
     flags of ``specdecode serve``) ask for; a Ray Serve replica calls this with the same flags."""
-    from specdecode import DecoderConfig, SpecDecoder
+    from specdecode import DecoderConfig, SchedulerConfig, SpecDecoder
     from specdecode.models import demo
     from specdecode.serving.guard import GuardOptions, default_allowed_hosts
     from specdecode.serving.server import ServerOptions
@@ -148,8 +159,10 @@ def load_server(args: argparse.Namespace) -> ServerParts:
         else:
             print(f"Timing the models for the batch's cost-aware draft length (max batch {args.max_batch}) ...",
                   file=sys.stderr)
+            scheduling = SchedulerConfig(prefill_chunk=args.prefill_chunk, time_slice=args.time_slice,
+                                         spare_slots=args.spare_slots)
             engine = decoder.batch_engine(max_batch=args.max_batch, kv_cache_tokens=args.kv_cache_tokens,
-                                          policy=args.batch_policy)
+                                          policy=args.batch_policy, scheduling=scheduling)
             worker = BatchWorker(engine)
     # Structured outputs and tool calls need the vocabulary in the grammar engine (about a second
     # for a 151k vocabulary): read it now rather than on the first such request.

@@ -35,7 +35,7 @@ import torch
 from specdecode.backends.base import BatchModel, SequencePool
 from specdecode.backends.device import host_to_device
 from specdecode.backends.torch_batch import PagedBatchModel
-from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SamplingParams
+from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SamplingParams, SchedulerConfig
 from specdecode.costs.batch_k import BatchK, PassCosts
 from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.base import DraftProposal
@@ -89,6 +89,7 @@ class BatchEngine:
         sync_timing: bool = False,
         suffix_cache: SuffixCache | None = None,
         prefix_cache: bool = True,
+        scheduling: SchedulerConfig | None = None,
     ) -> None:
         if policy not in BATCH_POLICIES:
             raise InvalidRequestError(f"policy must be one of {', '.join(BATCH_POLICIES)}, got {policy!r}.")
@@ -106,7 +107,11 @@ class BatchEngine:
         self.target_cache.prefix_cache = prefix_cache
         if self.drafter is not None:
             self.drafter.cache.prefix_cache = prefix_cache
-        self.scheduler = Scheduler(self.target_cache, self.drafter.cache if self.drafter else None, max_batch, k_max + 1)
+        # Fair sharing of the batch (engine/scheduler.py): chunked prefill, time slices.
+        self.scheduling = scheduling or SchedulerConfig()
+        self.scheduler = Scheduler(self.target_cache, self.drafter.cache if self.drafter else None, max_batch, k_max + 1,
+                                   time_slice=self.scheduling.time_slice)
+        self._prefilling: list[ScheduledSequence] = []  # admitted, their prefill not finished yet
         self.chooser = BatchK(k_max, verify_costs, draft_costs)
         self.ngram_sizes = (ngram_max, ngram_min)
         self.draft_confidence = draft_confidence  # the draft model's per-row cut-off (batch_draft.DraftRow)
@@ -248,6 +253,8 @@ class BatchEngine:
         request: BatchRequest = seq.state
         request.stats.total_seconds = time.perf_counter() - request.started
         self.scheduler.finish(seq)
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
         if self.drafter is not None:
             self.drafter.forget(seq.seq_id)
         self._requests.pop(request.request_id, None)
@@ -261,10 +268,15 @@ class BatchEngine:
         step is rerun without it, and the others get exactly what they would have got (see
         ``_isolate_failures``). An error no single request causes is raised to the caller."""
         failed: list[RequestOutput] = []
-        admitted = self.scheduler.admit()
-        if admitted:
-            failed += self._prefill_isolated(admitted)
-        running = list(self.scheduler.running)
+        preempted: list[ScheduledSequence] = []
+        self._prefilling += [seq for seq in self.scheduler.admit(preempted) if seq not in self._prefilling]
+        for seq in preempted:
+            if self.drafter is not None:
+                self.drafter.forget(seq.seq_id)
+        self._prefilling = [seq for seq in self._prefilling if seq in self.scheduler.running]  # not preempted, not ended
+        if self._prefilling:
+            failed += self._prefill_isolated(self._prefilling)
+        running = self._decoding()
         if not running:
             return failed
         requests: list[BatchRequest] = [seq.state for seq in running]
@@ -279,12 +291,14 @@ class BatchEngine:
 
         def needs(seq: ScheduledSequence) -> tuple[int, int]:
             request: BatchRequest = seq.state
+            if seq.seq_id not in wanted:  # still prefilling: room for its whole prompt's coming chunks
+                return len(request.tokens), 0
             return len(request.tokens) + wanted[seq.seq_id], len(request.tokens) + wanted[seq.seq_id] - 1
 
         for seq in self.scheduler.reserve(needs):
             if self.drafter is not None:
                 self.drafter.forget(seq.seq_id)
-        running = list(self.scheduler.running)
+        running = self._decoding()
         if not running:
             return failed
         generators = generator_states(running)
@@ -310,7 +324,12 @@ class BatchEngine:
             # A step that read a backlog first says little about one draft pass: not learnt from.
             draft_passes=0 if read_ahead else draft_passes, draft_seconds=draft_watch.elapsed,
         )
+        self.scheduler.record_step(running)
         return failed + self._commit(running, proposals, emitted, draft_watch.elapsed, verify_watch.elapsed, draft_passes)
+
+    def _decoding(self) -> list[ScheduledSequence]:
+        """The running sequences that decode this step: those whose prompt is prefilled."""
+        return [seq for seq in self.scheduler.running if seq not in self._prefilling]
 
     # -- failures of one request ---------------------------------------------------------------
     # Drafting and verifying change nothing a rerun would not redo: the target and draft caches
@@ -342,13 +361,13 @@ class BatchEngine:
         return [self._fail(seq, err) for seq, err in blamed]
 
     def _prefill_isolated(self, seqs: list[ScheduledSequence]) -> list[RequestOutput]:
-        """Prefill newly admitted sequences together; if that fails, one at a time, failing those
-        that fail alone (a prefill writes only its own sequences' caches, by position)."""
+        """Prefill (a chunk of) admitted sequences together; if that fails, one at a time, failing
+        those that fail alone (a prefill writes only its own sequences' caches, by position)."""
         try:
             self._prefill(seqs)
         except Exception:  # noqa: BLE001 - retried one sequence at a time to find the one to blame
             failed = []
-            for seq in seqs:
+            for seq in list(seqs):
                 try:
                     self._prefill([seq])
                 except Exception as err:  # noqa: BLE001
@@ -363,32 +382,44 @@ class BatchEngine:
         return RequestOutput(request.request_id, [], True, request.stats, error=error)
 
     def _prefill(self, seqs: list[ScheduledSequence]) -> None:
-        """Fill newly admitted (or readmitted) sequences' target caches with their committed tokens
-        but the last, which the first verify pass feeds, from where their cached prefix ends: one
-        padded pass for all of them. The draft model reads them the first time a sequence drafts
-        (``BatchDraftModel.add``)."""
+        """Fill admitted (or readmitted) sequences' target caches with their committed tokens but
+        the last, which the first verify pass feeds, from where their cached prefix (or their last
+        chunk) ends: one padded pass for all of them, of at most ``prefill_chunk`` tokens in all,
+        shortest remaining first, so a long prompt is prefilled over several steps while the
+        batch keeps decoding. A sequence whose prefill ends here decodes in this step; the draft
+        model reads it the first time it drafts (``BatchDraftModel.add``)."""
         started = time.perf_counter()
-        requests: list[BatchRequest] = [seq.state for seq in seqs]
-        rows = [(seq, request) for seq, request in zip(seqs, requests, strict=True)
-                if len(request.tokens) - 1 > seq.cached_target]
+        budget = self.scheduling.prefill_chunk or None
+        chunks: list[tuple[ScheduledSequence, int, int]] = []  # (sequence, first position, end)
+        for seq in sorted(seqs, key=lambda seq: len(seq.state.tokens) - seq.prefilled):
+            end = len(seq.state.tokens) - 1
+            if budget is not None:
+                end = min(end, seq.prefilled + budget)
+                budget -= end - seq.prefilled
+            chunks.append((seq, seq.prefilled, end))
+        rows = [(seq, start, end) for seq, start, end in chunks if end > start]
         if rows:
-            self.target.forward([seq.seq_id for seq, _ in rows],
-                                [request.committed[seq.cached_target : len(request.tokens) - 1] for seq, request in rows],
-                                [seq.cached_target for seq, _ in rows], logits="none")
-        for seq, request in zip(seqs, requests, strict=True):
-            self.target.commit(seq.seq_id, len(request.tokens) - 1)
+            self.target.forward([seq.seq_id for seq, _, _ in rows],
+                                [seq.state.committed[start:end] for seq, start, end in rows],
+                                [start for _, start, _ in rows], logits="none")
+        elapsed = time.perf_counter() - started
+        for seq, start, end in chunks:
+            request: BatchRequest = seq.state
+            seq.prefilled = end
+            self.target.commit(seq.seq_id, end)
+            request.stats.target_forward_passes += int(end > start)
+            request.stats.prefill_seconds += elapsed * (end > start)
+            if seq.prefilling:
+                continue
+            if seq in self._prefilling:
+                self._prefilling.remove(seq)
             # Now findable by requests admitted later, while this one still runs.
             self.target_cache.register(seq.seq_id, request.tokens, seq.cache_group)
-            request.stats.target_forward_passes += int(len(request.tokens) - 1 > seq.cached_target)
             if request.stats.new_tokens == 0:  # a readmission after preemption is not the prompt's hit
                 request.stats.cached_tokens = seq.cached_target
-        for seq, request in zip(seqs, requests, strict=True):
             if request.method == "draft":
                 assert self.drafter is not None
                 self.drafter.add(seq.seq_id, cached=seq.cached_draft)  # reads the rest when it first drafts
-        elapsed = time.perf_counter() - started
-        for request in requests:
-            request.stats.prefill_seconds += elapsed
 
     def _draft(self, running: list[ScheduledSequence], wanted: dict[int, int],
                forced: dict[int, list[int]]) -> tuple[list[DraftProposal], int, int]:
@@ -490,10 +521,13 @@ class BatchEngine:
             if request.ngram is not None:  # as tokens commit, so other requests draft from them too
                 request.ngram.extend(request.tokens[len(request.ngram.history):])
             seq.num_tokens = len(request.tokens)
-            self.target.commit(seq.seq_id, length + min(accepted_len, count - 1))
+            seq.prefilled = length + min(accepted_len, count - 1)
+            self.target.commit(seq.seq_id, seq.prefilled)
             if request.method == "draft" and proposal.num_tokens > 0 and not proposal.forced:
                 assert self.drafter is not None
                 self.drafter.on_verified(seq.seq_id, accepted_len)
+            if stats.new_tokens == 0 and count:  # from add_request, waiting in the queue included
+                stats.first_token_seconds = time.perf_counter() - request.started
             stats.new_tokens += count
             stats.stop_reason = stop_reason or "running"
             if stop_reason:

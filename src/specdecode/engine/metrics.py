@@ -37,7 +37,8 @@ class GenerationStats:
     proposed_at_position: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
-    first_token_seconds: float = 0.0  # from the start of decoding to the first committed tokens
+    # To the first committed tokens, from the start of decoding (batch engine: from add_request).
+    first_token_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0

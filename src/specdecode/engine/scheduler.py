@@ -1,16 +1,23 @@
 """Continuous batching: which requests decode in the next step, and room for them in the KV pools.
 
-Requests wait in arrival order and join the running batch between steps while the batch has
-room (``max_batch``) and the KV pools have free blocks for the request's committed tokens plus
-one step of drafting. First come, first served: a request that does not fit holds back the ones
-behind it, so a long prompt is not starved by short ones.
+Requests wait in a queue and join the running batch between steps while the batch has room
+(``max_batch``) and the KV pools have free blocks for the request's committed tokens plus one
+step of drafting. The next to join is the waiting request that has taken part in the fewest
+decode steps (``served``), in arrival order among equals: new requests in arrival order, ahead
+of requests that were preempted after running. A request that does not fit in the pools holds
+back the ones behind it, so a long prompt is not starved by short ones.
 
-Before each step every running sequence reserves the slots the step will write (target and
-draft pools). When the pool runs dry, the most recently admitted sequence is *preempted*: its
-blocks go back to the pool and it returns to the front of the queue, keeping the tokens it has
-committed; when readmitted it is prefilled again from them (recomputation), so its output is
-the same as if it had never been interrupted. A request that could not fit even in an empty
-pool is refused when it is added, never mid-flight.
+Fairness (``SchedulerConfig``; docs/design.md#fair-scheduling): a full batch does not make a
+new request wait for other requests to finish. When the batch has no free seat, the next
+waiting request fits in the pools, and a running request has taken part in at least
+``time_slice`` more steps than it and has run ``time_slice`` steps since its admission, the
+running request that has been served most is preempted (``preempt(..., fair=True)``): it goes
+to the back of the queue and its K/V stay cached (a torch pool's LRU blocks, a llama.cpp spare
+slot), so it resumes with next to no recomputation when a seat is free or it is its turn again.
+Requests that outgrow the batch share it round robin, ``time_slice`` steps at a time. Fairness
+trades seats only: a request that lacks KV blocks waits as before. Prompts are prefilled in
+chunks (the engine's job: ``prefilled`` records how far), so a long prompt does not stall the
+steps of the running batch either.
 
 With prefix caching, a pool gives a sequence the K/V of the longest cached prefix of its tokens
 when it is admitted (``SequencePool.add``; recorded in ``cached_target`` / ``cached_draft``), and
@@ -51,6 +58,14 @@ class ScheduledSequence:
     # Another sample of the same prompt (parallel sampling, n > 1): this sequence starts from its
     # prompt K/V (``SequencePool.fork``) instead of prefilling, once that one has been prefilled.
     fork_of: ScheduledSequence | None = None
+    prefilled: int = 0  # target positions with valid K/V since the last admission (chunked prefill)
+    served: int = 0  # decode steps it has taken part in, over all its admissions
+    served_at_admission: int = 0  # ``served`` when it was last admitted
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether its committed tokens but the last still lack target K/V (it does not decode yet)."""
+        return self.prefilled < self.num_tokens - 1
 
 
 class Scheduler:
@@ -60,6 +75,7 @@ class Scheduler:
         draft_cache: SequencePool | None,
         max_batch: int,
         step_lookahead: int,
+        time_slice: int = 0,
     ) -> None:
         if max_batch < 1:
             raise InvalidRequestError(f"max_batch must be >= 1, got {max_batch}.")
@@ -68,9 +84,11 @@ class Scheduler:
         self.max_batch = max_batch
         # Slots past the committed tokens one step may write: the verify pass's k + 1 rows.
         self.step_lookahead = step_lookahead
+        self.time_slice = time_slice  # 0: no preemption for fairness (the module docstring)
         self.waiting: deque[ScheduledSequence] = deque()
         self.running: list[ScheduledSequence] = []
-        self.preemptions = 0
+        self.preemptions = 0  # for KV blocks: recomputed from the tokens unless their blocks are still cached
+        self.fair_preemptions = 0  # for a waiting request's turn: K/V kept cached
 
     def _pools(self, seq: ScheduledSequence) -> list[SequencePool]:
         pools = [self.target_cache]
@@ -97,18 +115,28 @@ class Scheduler:
                     "(kv_cache_tokens=)."
                 )
 
-    def admit(self) -> list[ScheduledSequence]:
-        """Move waiting requests into the batch while they fit; returns the ones admitted now."""
-        admitted = []
-        while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
+    def admit(self, preempted: list[ScheduledSequence] | None = None) -> list[ScheduledSequence]:
+        """Move waiting requests into the batch while they fit, preempting for fairness where
+        the batch is full (the module docstring); returns the ones admitted now, and appends
+        the ones preempted for them to ``preempted``."""
+        admitted: list[ScheduledSequence] = []
+        while self.waiting:
+            seq = self._next_waiting()
             source = seq.fork_of
-            if source is not None and (source in admitted or source in self.waiting):
-                break  # its prompt K/V is not computed yet: wait for the next step
+            if source is not None and (source in admitted or source in self.waiting or source.prefilling):
+                break  # its prompt K/V is not computed yet: wait for a coming step
             need = seq.num_tokens + self.step_lookahead
             if any(pool.blocks_needed(None, need) > pool.free_blocks for pool in self._pools(seq)):
                 break
-            self.waiting.popleft()
+            if len(self.running) >= self.max_batch:
+                victim = self._fair_victim(seq, admitted)
+                if victim is None:
+                    break
+                self.preempt(victim, fair=True)
+                if preempted is not None:
+                    preempted.append(victim)
+                continue  # the pools' free blocks changed: check again
+            self.waiting.remove(seq)
             # Forked only from a running source, and only the first time: after a preemption a
             # sequence is recomputed from its own tokens.
             fork = source is not None and source in self.running
@@ -121,11 +149,36 @@ class Scheduler:
                 else:
                     kept.append(pool.add(seq.seq_id, seq.tokens, seq.cache_group))
                 pool.reserve(seq.seq_id, need)
-            seq.cached_target = kept[0]
+            seq.cached_target = seq.prefilled = kept[0]
             seq.cached_draft = kept[1] if len(kept) > 1 else 0
+            seq.served_at_admission = seq.served
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _next_waiting(self) -> ScheduledSequence:
+        """The waiting request to admit next: the least served, first in the queue among equals
+        (the queue's head when fairness is off)."""
+        if not self.time_slice:
+            return self.waiting[0]
+        return min(self.waiting, key=lambda seq: seq.served)  # min keeps the first of equals
+
+    def _fair_victim(self, waiting: ScheduledSequence, admitted: list[ScheduledSequence]) -> ScheduledSequence | None:
+        """The running request whose seat ``waiting`` takes now, or None: the most served among
+        those that ran ``time_slice`` steps since their admission and were served ``time_slice``
+        steps more than ``waiting``."""
+        if not self.time_slice:
+            return None
+        slice_ = self.time_slice
+        candidates = [seq for seq in self.running
+                      if seq not in admitted and not seq.prefilling
+                      and seq.served - seq.served_at_admission >= slice_ and seq.served >= waiting.served + slice_]
+        return max(candidates, key=lambda seq: (seq.served, seq.num_tokens), default=None)
+
+    def record_step(self, seqs: list[ScheduledSequence]) -> None:
+        """``seqs`` took part in a decode step (their share of the batch, for fairness)."""
+        for seq in seqs:
+            seq.served += 1
 
     def reserve(
         self,
@@ -151,11 +204,17 @@ class Scheduler:
             index += 1
         return preempted
 
-    def preempt(self, seq: ScheduledSequence) -> None:
-        """Free the sequence's blocks and queue it first, to be recomputed from its tokens."""
+    def preempt(self, seq: ScheduledSequence, fair: bool = False) -> None:
+        """Free the sequence's blocks (its K/V stay cached where the pool can keep them) and
+        queue it: first when the pool ran out of blocks, last when it gave its seat to a waiting
+        request (``fair``). Readmitted, it computes only what is no longer cached."""
         self._release(seq)
-        self.preemptions += 1
-        self.waiting.appendleft(seq)
+        if fair:
+            self.fair_preemptions += 1
+            self.waiting.append(seq)
+        else:
+            self.preemptions += 1
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: ScheduledSequence) -> None:
         """The request ended (done, cancelled or failed): return its blocks, forget it."""

@@ -93,6 +93,9 @@ class ServerMetrics:
                 ("kv_blocks_total", "gauge", "Target KV blocks in the batch engine's pool.", pool.usable_blocks if pool else 0),
                 ("preemptions_total", "counter", "Batched requests preempted for KV blocks (recomputed later).",
                  engine.scheduler.preemptions if engine is not None else 0),
+                ("fair_preemptions_total", "counter",
+                 "Batched requests that gave their seat to a waiting request (time slice; K/V kept cached).",
+                 engine.scheduler.fair_preemptions if engine is not None else 0),
                 ("kv_cache_tokens", "gauge", "Tokens in the single-sequence engine's target KV cache.", self.kv_tokens),
             ]
             if pool is not None:

@@ -33,7 +33,8 @@ def _choice_metrics(stats: GenerationStats | None) -> dict[str, Any]:
     if stats is None:
         return {}
     return {"method": stats.method, "tau": stats.tau, "acceptance_rate": stats.acceptance_rate,
-            "tokens_per_second": stats.tokens_per_second, "target_forward_passes": stats.target_forward_passes}
+            "tokens_per_second": stats.tokens_per_second, "target_forward_passes": stats.target_forward_passes,
+            "prefill_seconds": stats.prefill_seconds, "first_token_seconds": stats.first_token_seconds}
 
 
 def _spec_metrics(all_stats: Sequence[GenerationStats | None]) -> dict[str, Any]:
