@@ -15,6 +15,24 @@ within each repeat), time to first token and inter-token latency percentiles (p5
 p99; inter-token gaps are measured between streamed chunks and divided by the tokens a chunk
 carried, since one speculative step streams several tokens at once). Every request either
 completes or is counted as an error: nothing is silently lost.
+
+``--fairness`` measures instead how long a short request waits behind a full batch of long
+generations (docs/design.md#fair-scheduling; issue 32's bound: its first token within two of
+the batch's longest steps plus its own prefill):
+
+    specdecode serve --backend llama.cpp --method none --port 8000 &
+    python benchmarks/load_test.py --fairness --long-requests 10 --long-tokens 256 \
+        --ban-tokens 151643,151645 --out results/fair.json
+
+It starts ``--long-requests`` streamed generations of ``--long-tokens`` (the ban keeps them
+from ending early: the demo models' end tokens), waits until ``--seats`` of them have streamed
+``--warm-chunks`` chunks, then sends ``--short-requests`` short ones, one at a time. Per short
+request: the client's time to first token, the engine's (``first_token_seconds``, from its
+admission to the queue) and its prefill, and the step time while it waited (per long stream,
+the longest gap between its chunks overlapping the wait; the median over streams, so a
+preempted stream's pause does not count as a step). Also the long generations' throughput
+(their tokens over the time until the last ended), to compare servers started with and without
+``--time-slice 0 --prefill-chunk 0``.
 """
 
 from __future__ import annotations
@@ -117,6 +135,96 @@ async def run_level(url: str, model: str, method: str, concurrency: int, request
     }
 
 
+@dataclass(slots=True)
+class Stream:
+    """One streamed completion of the fairness run: when it was sent, when each chunk came."""
+
+    sent: float = 0.0
+    chunks: list[float] = field(default_factory=list)
+    tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+    error: str = ""
+
+
+async def stream_one(client, url: str, model: str, prompt: str, max_tokens: int, ban: list[int],
+                     result: Stream | None = None) -> Stream:
+    """Stream one chat completion into ``result`` (filled as chunks arrive) and return it."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "method": "none"}
+    if ban:
+        body["logit_bias"] = {str(t): -100 for t in ban}
+    result = result or Stream()
+    result.sent = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=1800) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.tokens, result.metrics = chunk["usage"]["completion_tokens"], chunk.get("specdecode", {})
+                elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    result.chunks.append(time.perf_counter())
+    except Exception as err:  # reported; the run goes on
+        result.error = f"{type(err).__name__}: {err}"
+    return result
+
+
+LONG_PROMPT = "Count from 1 to 2000, one number per line, with nothing else."
+SHORT_PROMPT = "Say hi."
+
+
+async def run_fairness(args: argparse.Namespace, model: str) -> dict:
+    import statistics
+
+    import httpx
+
+    ban = [int(t) for t in args.ban_tokens.split(",") if t]
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=args.long_requests + 4)) as client:
+        started = time.perf_counter()
+        longs = [Stream() for _ in range(args.long_requests)]
+        tasks = [asyncio.create_task(stream_one(client, args.url, model, f"{LONG_PROMPT} (list {i})", args.long_tokens,
+                                                ban, longs[i])) for i in range(args.long_requests)]
+        # The batch is full of long generations that have decoded a while: the short requests go.
+        while sum(len(s.chunks) >= args.warm_chunks for s in longs) < min(args.seats, args.long_requests):
+            if all(t.done() for t in tasks):
+                break
+            await asyncio.sleep(0.1)
+        shorts = []
+        for _ in range(args.short_requests):
+            shorts.append(await stream_one(client, args.url, model, SHORT_PROMPT, args.short_tokens, []))
+            await asyncio.sleep(1.0)
+        await asyncio.gather(*tasks)
+        wall = max((s.chunks[-1] for s in longs if s.chunks), default=started) - started
+    rows = []
+    for short in shorts:
+        if short.error or not short.chunks:
+            rows.append({"error": short.error or "no tokens"})
+            continue
+        first = short.chunks[0]
+        step_gaps = []
+        for stream in longs:
+            times = [stream.sent] + stream.chunks
+            overlapping = [b - a for a, b in zip(times, times[1:]) if b > short.sent and a < first]
+            if overlapping:
+                step_gaps.append(max(overlapping))
+        step = statistics.median(step_gaps) if step_gaps else None
+        engine_ttft, prefill = short.metrics.get("first_token_seconds"), short.metrics.get("prefill_seconds")
+        rows.append({"client_ttft_seconds": first - short.sent, "engine_ttft_seconds": engine_ttft,
+                     "prefill_seconds": prefill, "step_seconds": step,
+                     "bound_seconds": None if step is None or prefill is None else 2 * step + prefill})
+    long_tokens = sum(s.tokens for s in longs)
+    return {"long_requests": args.long_requests, "long_tokens": args.long_tokens, "wall_seconds": wall,
+            "long_tokens_per_second": long_tokens / wall if wall > 0 else 0.0, "long_completion_tokens": long_tokens,
+            "errors": [s.error for s in longs + shorts if s.error], "shorts": rows}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
@@ -128,6 +236,16 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1, help="runs of every (method, concurrency), methods taking turns")
     parser.add_argument("--out", help="write the table as JSON here")
+    fair = parser.add_argument_group("--fairness: a short request behind a full batch of long ones")
+    fair.add_argument("--fairness", action="store_true")
+    fair.add_argument("--long-requests", type=int, default=10)
+    fair.add_argument("--long-tokens", type=int, default=256)
+    fair.add_argument("--short-requests", type=int, default=3)
+    fair.add_argument("--short-tokens", type=int, default=4)
+    fair.add_argument("--seats", type=int, default=8, help="the server's --max-batch")
+    fair.add_argument("--warm-chunks", type=int, default=24,
+                      help="chunks the running long streams have streamed before the short requests go")
+    fair.add_argument("--ban-tokens", default="", help="token ids the long requests may not sample (their end tokens)")
     args = parser.parse_args()
     if urlparse(args.url).hostname not in LOOPBACK_HOSTS:
         print("load_test: only loopback servers are driven (127.0.0.1, localhost, ::1)", file=sys.stderr)
@@ -135,6 +253,21 @@ def main() -> int:
     import httpx
 
     model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
+    if args.fairness:
+        result = asyncio.run(run_fairness(args, model))
+        for row in result["shorts"]:
+            if "error" in row:
+                print(f"short request failed: {row['error']}")
+                continue
+            print(f"short: client TTFT {fmt(row['client_ttft_seconds'], 's')}, engine {fmt(row['engine_ttft_seconds'], 's')} "
+                  f"(prefill {fmt(row['prefill_seconds'], 's')}; bound 2 x step {fmt(row['step_seconds'], 's')} + prefill "
+                  f"= {fmt(row['bound_seconds'], 's')})", flush=True)
+        print(f"long: {result['long_completion_tokens']} tokens in {result['wall_seconds']:.1f} s, "
+              f"{result['long_tokens_per_second']:.2f} tok/s", flush=True)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"url": args.url, "model": model, **result}, indent=2) + "\n")
+        return 0 if not result["errors"] else 1
     methods = [m for m in args.methods.split(",") if m]
     rows, summary = [], []
     for level in [int(c) for c in args.concurrency.split(",") if c]:

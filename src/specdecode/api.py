@@ -387,7 +387,8 @@ class SpecDecoder:
 
         ``params`` is one ``SamplingParams`` for all prompts or one per prompt. ``engine`` reuses
         a ``batch_engine()`` (its cost timing is paid once); without one, a cost-aware engine is
-        built for this call. Stop strings end a request as in ``generate``. Greedy results equal
+        built for this call, without time slices (a request keeps its seat until it ends). Stop
+        strings end a request as in ``generate``. Greedy results equal
         ``generate``'s for each prompt alone (tested in fp32).
 
         ``n``: samples per prompt (1..``MAX_CHOICES``), as transformers' ``num_return_sequences``:
@@ -403,7 +404,10 @@ class SpecDecoder:
             raise InvalidRequestError(f"n (samples per prompt) must be in 1..{MAX_CHOICES}, got {n!r}.")
         method = method or (self.config.method if self.config.method in BATCH_METHODS else "draft" if self.draft else "none")
         k = k if k is not None or method == "none" else self.config.draft_k
-        engine = engine or self.batch_engine(max_batch=max(1, min(len(prompts) * n, DEFAULT_MAX_BATCH)))
+        # Offline, first-token latency does not matter: the engine built for the call keeps each
+        # seat until its request ends (no time slices), which is the cheapest order.
+        engine = engine or self.batch_engine(max_batch=max(1, min(len(prompts) * n, DEFAULT_MAX_BATCH)),
+                                             scheduling=SchedulerConfig(time_slice=0))
         prompt_ids = [list(p) if isinstance(p, list) and p and isinstance(p[0], int) else self.encode(p, chat) for p in prompts]
         for ids, request_params in zip(prompt_ids, params_list, strict=True):
             self.check_request(ids, request_params)

@@ -164,3 +164,24 @@ def test_fair_preemption_keeps_the_preempted_requests_kv_in_a_spare_slot(tiny_gg
         margins = greedy_margins(on_torch, on_torch.encode(prompt), expected)
         compared = assert_greedy_equal_up_to_near_tie(generated[request_id], expected, margins, f"{method} {prompt!r}")
         assert compared >= len(expected) // 2
+
+
+def test_a_preempted_sequences_slot_waits_for_it(tiny_ggufs: dict[str, Path]) -> None:
+    """A slot left by a preempted sequence (``returning``) is not taken by a new sequence sharing
+    a prefix with it while another slot is free (the new one would win it by prefix length and
+    leave the preempted one a whole context to recompute); its owner gets it back whole; once
+    the owner leaves the queue instead, the slot serves the prefix cache like any other."""
+    with LlamaCppModel(tiny_ggufs["target"], n_ctx=64, n_seq_max=3, kv_type="f32", flash_attn=False) as model:
+        batch = LlamaCppBatchModel(model)
+        pool = batch.pool
+        system = [5, 9, 13, 2, 7, 1, 1, 4]
+        owner_tokens = system + [3, 3, 8, 6]
+        pool.add(0, owner_tokens)
+        batch.forward([0], [torch.tensor(owner_tokens[:-1])], [0], logits="none")
+        batch.commit(0, len(owner_tokens) - 1)
+        pool.free(0, owner_tokens, returning=True)
+        assert pool.add(1, system + [11, 12]) == 0  # an empty slot, not the owner's
+        assert pool.add(0, owner_tokens) == len(owner_tokens) - 1  # the owner's whole context
+        pool.free(0, owner_tokens, returning=True)
+        pool.free(0)  # the owner left the queue (cancelled while waiting)
+        assert pool.add(2, system + [11, 12]) == len(system)  # now anyone's prefix

@@ -140,8 +140,11 @@ class SequencePool(Protocol):
     def reserve(self, seq: int, tokens: int) -> None:
         """Room for positions [0, tokens) of ``seq``, all or nothing (raises ``OutOfBlocks``)."""
 
-    def free(self, seq: int, tokens: Sequence[int] = (), group: str | None = None) -> None:
-        """``seq`` left; its valid K/V of ``tokens`` stay cached for ``group`` where the pool can."""
+    def free(self, seq: int, tokens: Sequence[int] = (), group: str | None = None, returning: bool = False) -> None:
+        """``seq`` left; its valid K/V of ``tokens`` stay cached for ``group`` where the pool can,
+        kept for ``seq`` itself first when it was preempted and will be readmitted
+        (``returning``). Called for a ``seq`` without K/V here (one that left the queue), it
+        gives up what was kept for it."""
 
 
 class BatchModel(Protocol):

@@ -37,6 +37,9 @@ class SlotRecord:
 
     tokens: tuple[int, ...]  # every one with its K/V in the slot
     group: str | None
+    # A preempted sequence that will be readmitted: the slot waits for it, and other sequences
+    # take it only when no other slot is free (``add``).
+    owner: int | None = None
 
 
 class SlotPool:
@@ -80,16 +83,22 @@ class SlotPool:
         return 0 if seq is not None and seq in self.slots else 1
 
     def add(self, seq: int, tokens: Sequence[int] = (), group: str | None = None) -> int:
-        """Give ``seq`` a slot: the free one whose kept K/V share the longest prefix with
-        ``tokens`` in ``group``, else the one freed longest ago; returns the positions kept."""
+        """Give ``seq`` a slot: the one it left when it was preempted, if still there; else the
+        free one whose kept K/V share the longest prefix with ``tokens`` in ``group``, else the
+        one freed longest ago, passing over slots kept for other preempted sequences while any
+        other is free; returns the positions kept."""
         if seq in self.slots:
             raise ValueError(f"sequence {seq} already has a llama.cpp slot")
         if not self._free:
             raise OutOfBlocks("every llama.cpp sequence slot is in use")
-        best, kept = self._free[0], 0
-        if self.prefix_cache and len(tokens) > 1:
+        own = [slot for slot in self._free if self._owner(slot) == seq]
+        # Without this, a new request sharing a system prompt with a preempted one would take
+        # its slot for that prefix and leave it a whole context to recompute.
+        candidates = own or [slot for slot in self._free if self._owner(slot) is None] or self._free
+        best, kept = candidates[0], 0
+        if (self.prefix_cache or own) and len(tokens) > 1:
             self.prefix_stats.queried_tokens += len(tokens) - 1
-            for slot in self._free:
+            for slot in candidates:
                 record = self.records.get(slot)
                 if record is None or record.group != group:
                     continue
@@ -108,6 +117,10 @@ class SlotPool:
         self.lengths[best] = kept
         return kept
 
+    def _owner(self, slot: int) -> int | None:
+        record = self.records.get(slot)
+        return None if record is None else record.owner
+
     def fork(self, source: int, dest: int, length: int | None = None) -> int:
         """A new sequence ``dest`` in a free slot, holding a copy of ``source``'s first ``length``
         positions (all of its committed ones by default, at most those); returns them. The copy
@@ -120,8 +133,9 @@ class SlotPool:
         source_slot = self.slots[source]
         kept = self.lengths[source_slot] if length is None else max(0, min(length, self.lengths[source_slot]))
         # The slot freed longest ago among those without a record, so no cached prefix is lost
-        # where an empty slot will do.
-        slot = next((s for s in self._free if s not in self.records), self._free[0])
+        # where an empty slot will do; then one not kept for a preempted sequence.
+        slot = next((s for s in self._free if s not in self.records),
+                    next((s for s in self._free if self._owner(s) is None), self._free[0]))
         self._free.remove(slot)
         if self.records.pop(slot, None) is not None:
             self.prefix_stats.evictions += 1
@@ -145,15 +159,24 @@ class SlotPool:
         self.model.truncate(slot, length)
         self.lengths[slot] = length
 
-    def free(self, seq: int, tokens: Sequence[int] = (), group: str | None = None) -> None:
+    def free(self, seq: int, tokens: Sequence[int] = (), group: str | None = None, returning: bool = False) -> None:
         """The sequence left: its slot keeps the K/V of ``tokens`` (its committed tokens) for a
-        later sequence of ``group``, or is cleared with the prefix cache off."""
+        later sequence of ``group``, or is cleared with the prefix cache off. ``returning`` (it
+        was preempted and will be readmitted): the slot is kept for it first (``add``), with
+        the prefix cache on or off. A sequence without a slot (one that left the queue) gives up
+        the slot kept for it."""
         slot = self.slots.pop(seq, None)
         if slot is None:
+            for kept_slot in [s for s, record in self.records.items() if record.owner == seq]:
+                if self.prefix_cache:
+                    self.records[kept_slot].owner = None
+                else:
+                    del self.records[kept_slot]
+                    self.model.clear(kept_slot)
             return
         valid = min(self.lengths.pop(slot, 0), len(tokens))
-        if self.prefix_cache and valid > 0:
-            self.records[slot] = SlotRecord(tuple(tokens[:valid]), group)
+        if (self.prefix_cache or returning) and valid > 0:
+            self.records[slot] = SlotRecord(tuple(tokens[:valid]), group, seq if returning else None)
         else:
             self.model.clear(slot)
         self._free.append(slot)

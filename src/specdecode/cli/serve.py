@@ -52,7 +52,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         help="most requests decoded together (0: no batching, one request at a time)")
     parser.add_argument("--kv-cache-tokens", type=positive_int, default=DEFAULT_KV_CACHE_TOKENS,
                         help="KV cache slots per model for the batch (torch: paged, requests wait or are preempted beyond it; "
-                             "llama.cpp: split evenly over --max-batch sequences)")
+                             "llama.cpp: split evenly over --max-batch sequences, --spare-slots more on top)")
     parser.add_argument("--batch-policy", choices=BATCH_POLICIES, default="async",
                         help="async: each request keeps all it accepts; sync: a step keeps the batch's fewest")
     fair = parser.add_argument_group("fair scheduling of the batch (docs/design.md#fair-scheduling)")

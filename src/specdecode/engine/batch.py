@@ -144,6 +144,7 @@ class BatchEngine:
         cache_salt: str | None = None,
         grammar: CompiledGrammar | None = None,
         fork_of: str | None = None,
+        arrived: float | None = None,
     ) -> str:
         """Queue a request; it joins the batch at a coming step. Returns its id. ``stats`` (a
         fresh ``GenerationStats``) is filled as it decodes; one is made when not given. Method
@@ -154,7 +155,11 @@ class BatchEngine:
         ``fork_of``: the id of a request added before this one with the same prompt and
         ``cache_salt`` (another sample of it, parallel sampling): this one starts from that
         request's prompt K/V, target and draft, once it has been prefilled, instead of computing
-        its own (``Scheduler.admit``). Ignored when that request has already finished."""
+        its own (``Scheduler.admit``). Ignored when that request has already finished.
+
+        ``arrived``: the ``time.perf_counter()`` time the request arrived (default: now), from
+        which its ``first_token_seconds`` and ``total_seconds`` count: a worker thread passes
+        the time it was submitted, so the wait for the step running then counts too."""
         k = self.check_request(len(prompt_ids), params, method, k)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -176,7 +181,7 @@ class BatchEngine:
             request_id=request_id, params=params, method=method, k=k, processor=processor,
             generator=None if processor.greedy else make_generator(params.seed, self.device),
             tokens=list(prompt_ids), committed=committed,
-            stats=stats or GenerationStats(), started=time.perf_counter(),
+            stats=stats or GenerationStats(), started=time.perf_counter() if arrived is None else arrived,
             ngram=self._host_drafter(method, k, suffix_group),
             grammar=state,
         )

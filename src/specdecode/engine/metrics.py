@@ -37,7 +37,7 @@ class GenerationStats:
     proposed_at_position: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
-    # To the first committed tokens, from the start of decoding (batch engine: from add_request).
+    # To the first committed tokens, from the start of decoding (batch engine: from its arrival).
     first_token_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0

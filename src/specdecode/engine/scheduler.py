@@ -208,7 +208,7 @@ class Scheduler:
         """Free the sequence's blocks (its K/V stay cached where the pool can keep them) and
         queue it: first when the pool ran out of blocks, last when it gave its seat to a waiting
         request (``fair``). Readmitted, it computes only what is no longer cached."""
-        self._release(seq)
+        self._release(seq, returning=True)
         if fair:
             self.fair_preemptions += 1
             self.waiting.append(seq)
@@ -222,11 +222,13 @@ class Scheduler:
             self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            for pool in self._pools(seq):  # what a pool kept for it since a preemption is anyone's now
+                pool.free(seq.seq_id)
 
-    def _release(self, seq: ScheduledSequence) -> None:
+    def _release(self, seq: ScheduledSequence, returning: bool = False) -> None:
         self.running.remove(seq)
         for pool in self._pools(seq):
-            pool.free(seq.seq_id, seq.tokens, seq.cache_group)
+            pool.free(seq.seq_id, seq.tokens, seq.cache_group, returning=returning)
 
     @property
     def has_work(self) -> bool:

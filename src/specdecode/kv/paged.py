@@ -278,9 +278,11 @@ class PagedKVCache:
         while len(table.blocks) > keep:
             self._release(table.blocks.pop())
 
-    def free(self, seq: int, tokens: Sequence[int] = (), group: str | None = None) -> None:
+    def free(self, seq: int, tokens: Sequence[int] = (), group: str | None = None, returning: bool = False) -> None:
         """The sequence ended (finished, cancelled, failed or preempted): return its blocks, its
-        full blocks of ``tokens`` (its committed tokens) first registered for ``group``."""
+        full blocks of ``tokens`` (its committed tokens) first registered for ``group``. A
+        preempted sequence (``returning``) is treated alike: it finds its blocks again on the LRU
+        list while nobody evicted them."""
         if seq in self.tables and tokens:
             self.register(seq, tokens, group)
         table = self.tables.pop(seq, None)

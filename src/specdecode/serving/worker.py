@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ IDLE_WAIT_SECONDS = 0.5  # how long an idle worker sleeps on its inbox before ch
 # they start in one batch instead of the first running a step alone (its prefill, and a draft
 # step priced for a batch of one) while the others queue.
 DEFAULT_BATCH_WINDOW_SECONDS = 0.05
+RECENT_STEPS = 1024  # steps whose (start, end) times the worker keeps (``recent_steps``)
 
 
 @dataclass(slots=True)
@@ -44,6 +47,7 @@ class _Add:
     cache_salt: str | None = None
     grammar: CompiledGrammar | None = None
     fork_of: str | None = None
+    arrived: float = 0.0  # perf_counter time of submit: the engine's clock for it starts here
 
 
 @dataclass(slots=True)
@@ -63,6 +67,9 @@ class BatchWorker:
         # Steps that failed as a whole (no single request to blame), since the last good one:
         # a count that keeps growing says the engine itself is broken (serving/health.py).
         self.failed_steps_in_a_row = 0
+        # (start, end) perf_counter times of the latest steps: how long a step of the running
+        # batch takes, which bounds a new request's wait (docs/design.md#fair-scheduling).
+        self.recent_steps: deque[tuple[float, float]] = deque(maxlen=RECENT_STEPS)
         self._thread = threading.Thread(target=self._loop, name="specdecode-batch", daemon=True)
         self._thread.start()
 
@@ -87,7 +94,7 @@ class BatchWorker:
         stats = GenerationStats(method=method, prompt_tokens=len(prompt_ids))
         outbox: queue.Queue[RequestOutput | BaseException] = queue.Queue()
         self._inbox.put(_Add(request_id, list(prompt_ids), params, method, k, stats, outbox, suffix_group, cache_salt,
-                              grammar, fork_of))
+                              grammar, fork_of, time.perf_counter()))
         return self._chunks(request_id, outbox), stats
 
     def _chunks(self, request_id: str, outbox: queue.Queue[RequestOutput | BaseException]) -> Iterator[list[int]]:
@@ -139,6 +146,7 @@ class BatchWorker:
                         command.prompt_ids, command.params, command.method, command.k,
                         request_id=command.request_id, stats=command.stats, suffix_group=command.suffix_group,
                         cache_salt=command.cache_salt, grammar=command.grammar, fork_of=command.fork_of,
+                        arrived=command.arrived,
                     )
                 except Exception as err:  # refused (e.g. no room): tell that caller only
                     self._outboxes.pop(command.request_id).put(err)
@@ -162,7 +170,9 @@ class BatchWorker:
                 self._stopped.wait(self.batch_window)
                 self._take_commands(block=False)
             try:
+                started = time.perf_counter()
                 outputs = self.engine.step()
+                self.recent_steps.append((started, time.perf_counter()))
                 self.failed_steps_in_a_row = 0
             except Exception as err:  # one bad step must not take the server down
                 self.failed_steps_in_a_row += 1
