@@ -185,3 +185,27 @@ def test_a_preempted_sequences_slot_waits_for_it(tiny_ggufs: dict[str, Path]) ->
         pool.free(0, owner_tokens, returning=True)
         pool.free(0)  # the owner left the queue (cancelled while waiting)
         assert pool.add(2, system + [11, 12]) == len(system)  # now anyone's prefix
+
+
+def test_a_preempted_sequences_kv_is_saved_when_its_slot_is_needed(tiny_ggufs: dict[str, Path]) -> None:
+    """With every free slot kept for a preempted sequence, a new sequence takes one, but the K/V
+    there are first saved to host memory; the preempted sequence comes back to another slot with
+    them restored (all its positions kept) and its next logits equal what they were before."""
+    with LlamaCppModel(tiny_ggufs["target"], n_ctx=64, n_seq_max=2, kv_type="f32", flash_attn=False) as model:
+        batch = LlamaCppBatchModel(model)
+        pool = batch.pool
+        tokens = [5, 9, 13, 2, 7, 1, 1, 4, 3, 3]
+        pool.add(0, tokens)
+        pool.add(1, [8, 8])
+        batch.forward([0], [torch.tensor(tokens[:-1])], [0], logits="none")
+        batch.commit(0, len(tokens) - 1)
+        before = batch.forward([0], [torch.tensor(tokens[-1:])], [len(tokens) - 1])[0, -1]
+        batch.commit(0, len(tokens) - 1)
+        pool.free(0, tokens, returning=True)
+        # Only the kept slot is free: saved first, then its prefix serves the new sequence too.
+        assert pool.add(2, tokens[:4] + [11]) == 4 and pool.swaps == 1
+        pool.free(1)  # slot of sequence 1 is free again
+        assert pool.add(0, tokens) == len(tokens) - 1  # restored into the other slot
+        after = batch.forward([0], [torch.tensor(tokens[-1:])], [len(tokens) - 1])[0, -1]
+        assert torch.equal(before, after)
+        assert not pool.saved

@@ -243,6 +243,23 @@ class LlamaCppModel:
         self._llama.llama_memory_seq_cp(self._memory, source, dest, -1, -1)
         self.truncate(dest, length)
 
+    def save_sequence(self, seq: int) -> ctypes.Array:
+        """A copy of ``seq``'s K/V (and positions) in host memory, for ``restore_sequence``:
+        ``llama_state_seq_get_data``; about 30 ms per 1,000 positions of the demo target here."""
+        self._check_seq(seq)
+        size = self._llama.llama_state_seq_get_size(self._ctx, seq)
+        data = (ctypes.c_uint8 * size)()
+        if self._llama.llama_state_seq_get_data(self._ctx, data, size, seq) != size:
+            raise LlamaCppDecodeError(f"llama.cpp could not save sequence {seq}'s state")
+        return data
+
+    def restore_sequence(self, seq: int, data: ctypes.Array) -> None:
+        """Make ``seq`` hold what ``save_sequence`` copied (from this or another sequence)."""
+        self._check_seq(seq)
+        self.clear(seq)
+        if self._llama.llama_state_seq_set_data(self._ctx, data, len(data), seq) == 0:
+            raise LlamaCppDecodeError(f"llama.cpp could not restore a saved state into sequence {seq}")
+
     def clear(self, seq: int | None = None) -> None:
         """Drop one sequence, or all of them (None)."""
         if seq is None:

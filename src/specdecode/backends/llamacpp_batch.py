@@ -13,10 +13,16 @@ token is always computed), else the slot freed longest ago. A prefix held by a r
 is copied only for a fork (``fork``: n samples of one prompt start from its first sample's
 prompt K/V, ``llama_memory_seq_cp``); other requests take a free slot's prefix, which costs
 nothing.
+
+Preemption (engine/scheduler.py): a preempted sequence's slot is kept for it (``free(...,
+returning=True)``); others take it only when no other slot is free, and then its K/V are first
+saved to host memory (``llama_state_seq_get_data``, ~80 ms for 300 positions of the demo target)
+and restored into whichever slot it gets back (~5 ms), so it resumes without recomputing.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,8 +44,17 @@ class SlotRecord:
     tokens: tuple[int, ...]  # every one with its K/V in the slot
     group: str | None
     # A preempted sequence that will be readmitted: the slot waits for it, and other sequences
-    # take it only when no other slot is free (``add``).
+    # take it only when no other slot is free, saving its K/V to host memory first (``add``).
     owner: int | None = None
+
+
+@dataclass(slots=True)
+class SavedSequence:
+    """A preempted sequence's K/V, saved to host memory when its slot was needed."""
+
+    data: ctypes.Array  # LlamaCppModel.save_sequence
+    tokens: tuple[int, ...]
+    group: str | None
 
 
 class SlotPool:
@@ -56,6 +71,11 @@ class SlotPool:
         self.lengths: dict[int, int] = {}  # slot -> committed positions
         self.records: dict[int, SlotRecord] = {}  # free slot -> what its KV holds
         self.prefix_stats = PrefixCacheStats()
+        # Preempted sequences whose slot another took: their K/V in host memory, at most as
+        # many positions as the context holds (beyond that a preempted sequence is recomputed).
+        self.saved: dict[int, SavedSequence] = {}
+        self.saved_limit = model.n_ctx * model.n_seq_max
+        self.swaps = 0  # preempted sequences' K/V saved to host memory, since start
 
     @property
     def usable_blocks(self) -> int:
@@ -83,20 +103,24 @@ class SlotPool:
         return 0 if seq is not None and seq in self.slots else 1
 
     def add(self, seq: int, tokens: Sequence[int] = (), group: str | None = None) -> int:
-        """Give ``seq`` a slot: the one it left when it was preempted, if still there; else the
-        free one whose kept K/V share the longest prefix with ``tokens`` in ``group``, else the
-        one freed longest ago, passing over slots kept for other preempted sequences while any
-        other is free; returns the positions kept."""
+        """Give ``seq`` a slot: the one it left when it was preempted, if still there, or any with
+        its saved K/V restored; else the free one whose kept K/V share the longest prefix with
+        ``tokens`` in ``group``, else the one freed longest ago, passing over slots kept for
+        other preempted sequences while any other is free; returns the positions kept."""
         if seq in self.slots:
             raise ValueError(f"sequence {seq} already has a llama.cpp slot")
         if not self._free:
             raise OutOfBlocks("every llama.cpp sequence slot is in use")
         own = [slot for slot in self._free if self._owner(slot) == seq]
+        saved = self.saved.pop(seq, None)
         # Without this, a new request sharing a system prompt with a preempted one would take
         # its slot for that prefix and leave it a whole context to recompute.
-        candidates = own or [slot for slot in self._free if self._owner(slot) is None] or self._free
+        unkept = [slot for slot in self._free if self._owner(slot) is None]
+        candidates = own or unkept or self._free
         best, kept = candidates[0], 0
-        if (self.prefix_cache or own) and len(tokens) > 1:
+        if saved is not None:  # its own slot went to another: any slot, the K/V restored
+            best = next((slot for slot in unkept if slot not in self.records), candidates[0])
+        elif (self.prefix_cache or own) and len(tokens) > 1:
             self.prefix_stats.queried_tokens += len(tokens) - 1
             for slot in candidates:
                 record = self.records.get(slot)
@@ -106,8 +130,14 @@ class SlotPool:
                 if shared > kept:
                     best, kept = slot, shared
         self._free.remove(best)
-        if self.records.pop(best, None) is not None and not kept:
+        record = self.records.pop(best, None)
+        if record is not None and record.owner not in (None, seq):
+            self._save(record, best)
+        elif record is not None and not kept:
             self.prefix_stats.evictions += 1  # a slot's kept K/V dropped for new content
+        if saved is not None:
+            self.model.restore_sequence(best, saved.data)
+            kept = min(common_prefix_length(saved.tokens, tokens), len(tokens) - 1)
         if kept:
             self.model.truncate(best, kept)
             self.prefix_stats.hit_tokens += kept
@@ -116,6 +146,17 @@ class SlotPool:
         self.slots[seq] = best
         self.lengths[best] = kept
         return kept
+
+    def _save(self, record: SlotRecord, slot: int) -> None:
+        """Keep a preempted sequence's K/V in host memory before its slot is reused (within
+        ``saved_limit`` positions; otherwise it will be recomputed)."""
+        assert record.owner is not None
+        used = sum(len(s.tokens) for s in self.saved.values())
+        if used + len(record.tokens) <= self.saved_limit:
+            self.saved[record.owner] = SavedSequence(self.model.save_sequence(slot), record.tokens, record.group)
+            self.swaps += 1
+        else:
+            self.prefix_stats.evictions += 1
 
     def _owner(self, slot: int) -> int | None:
         record = self.records.get(slot)
@@ -137,7 +178,10 @@ class SlotPool:
         slot = next((s for s in self._free if s not in self.records),
                     next((s for s in self._free if self._owner(s) is None), self._free[0]))
         self._free.remove(slot)
-        if self.records.pop(slot, None) is not None:
+        record = self.records.pop(slot, None)
+        if record is not None and record.owner is not None:
+            self._save(record, slot)
+        elif record is not None:
             self.prefix_stats.evictions += 1
         if kept:
             self.model.copy_sequence(source_slot, slot, kept)
@@ -167,6 +211,7 @@ class SlotPool:
         the slot kept for it."""
         slot = self.slots.pop(seq, None)
         if slot is None:
+            self.saved.pop(seq, None)
             for kept_slot in [s for s, record in self.records.items() if record.owner == seq]:
                 if self.prefix_cache:
                     self.records[kept_slot].owner = None
@@ -184,6 +229,7 @@ class SlotPool:
     def clear_records(self) -> None:
         """Forget what free slots hold (after scratch passes wrote into them)."""
         self.records.clear()
+        self.saved.clear()
 
 
 class LlamaCppBatchModel:

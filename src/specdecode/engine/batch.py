@@ -531,7 +531,7 @@ class BatchEngine:
             if request.method == "draft" and proposal.num_tokens > 0 and not proposal.forced:
                 assert self.drafter is not None
                 self.drafter.on_verified(seq.seq_id, accepted_len)
-            if stats.new_tokens == 0 and count:  # from add_request, waiting in the queue included
+            if stats.new_tokens == 0 and count:  # from its arrival, waiting in the queue included
                 stats.first_token_seconds = time.perf_counter() - request.started
             stats.new_tokens += count
             stats.stop_reason = stop_reason or "running"
