@@ -187,3 +187,28 @@ def test_prefill_chunk_zero_prefills_a_long_prompt_in_one_pass(dec) -> None:
 def test_scheduler_config_refuses_negative_values(field: str) -> None:
     with pytest.raises(InvalidRequestError, match=field):
         SchedulerConfig(**{field: -1})
+
+
+def test_a_sample_whose_source_was_preempted_does_not_wait_for_it(dec) -> None:
+    """Parallel samples (n > 1) wait for their first sample's prompt K/V. If that first sample is
+    preempted for fairness while another waits, the other starts from the prefix cache instead
+    of waiting for it forever (it is served less, so it would be first in the queue and stall
+    every admission). Greedy, so both samples equal plain decoding."""
+    eng = engine(dec)
+    other_ids, prompt_ids = dec.encode(PROMPTS[4]), dec.encode(PROMPTS[6])  # the source has more tokens
+    assert len(prompt_ids) > len(other_ids)
+    other = eng.add_request(other_ids, params(LONG), "none")
+    first = eng.add_request(prompt_ids, params(LONG), "none")
+    second = eng.add_request(prompt_ids, params(LONG), "none", fork_of=first)
+    generated: dict[str, list[int]] = {}
+    for _ in range(4 * LONG):
+        if not eng.has_unfinished:
+            break
+        for output in eng.step():
+            generated.setdefault(output.request_id, []).extend(output.new_tokens)
+    assert not eng.has_unfinished, "admission stalled"
+    assert eng.scheduler.fair_preemptions >= 1
+    expected = alone(dec, prompt_ids, LONG)
+    assert generated[first] == expected and generated[second] == expected
+    assert generated[other] == alone(dec, other_ids, LONG)
+    assert_pools_empty(eng)

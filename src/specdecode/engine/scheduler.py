@@ -123,6 +123,11 @@ class Scheduler:
         while self.waiting:
             seq = self._next_waiting()
             source = seq.fork_of
+            if source is not None and source in self.waiting and source.served > 0:
+                # Its source was preempted after it ran (for fairness): waiting for it to return
+                # could wait forever, as this request is served less and so comes first.
+                # Start from the prefix cache instead, which holds the source's prompt.
+                seq.fork_of = source = None
             if source is not None and (source in admitted or source in self.waiting or source.prefilling):
                 break  # its prompt K/V is not computed yet: wait for a coming step
             need = seq.num_tokens + self.step_lookahead
