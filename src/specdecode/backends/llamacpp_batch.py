@@ -129,12 +129,7 @@ class SlotPool:
                 shared = min(common_prefix_length(record.tokens, tokens), len(tokens) - 1)
                 if shared > kept:
                     best, kept = slot, shared
-        self._free.remove(best)
-        record = self.records.pop(best, None)
-        if record is not None and record.owner not in (None, seq):
-            self._save(record, best)
-        elif record is not None and not kept:
-            self.prefix_stats.evictions += 1  # a slot's kept K/V dropped for new content
+        self._claim(best, seq, reusing=kept > 0)
         if saved is not None:
             self.model.restore_sequence(best, saved.data)
             kept = min(common_prefix_length(saved.tokens, tokens), len(tokens) - 1)
@@ -146,6 +141,16 @@ class SlotPool:
         self.slots[seq] = best
         self.lengths[best] = kept
         return kept
+
+    def _claim(self, slot: int, seq: int, reusing: bool) -> None:
+        """Take free ``slot`` for ``seq``: what it kept for another preempted sequence is saved to
+        host memory first; other kept K/V count as evicted unless ``seq`` reuses their prefix."""
+        self._free.remove(slot)
+        record = self.records.pop(slot, None)
+        if record is not None and record.owner not in (None, seq):
+            self._save(record, slot)
+        elif record is not None and not reusing:
+            self.prefix_stats.evictions += 1  # a slot's kept K/V dropped for new content
 
     def _save(self, record: SlotRecord, slot: int) -> None:
         """Keep a preempted sequence's K/V in host memory before its slot is reused (within
@@ -177,12 +182,7 @@ class SlotPool:
         # where an empty slot will do; then one not kept for a preempted sequence.
         slot = next((s for s in self._free if s not in self.records),
                     next((s for s in self._free if self._owner(s) is None), self._free[0]))
-        self._free.remove(slot)
-        record = self.records.pop(slot, None)
-        if record is not None and record.owner is not None:
-            self._save(record, slot)
-        elif record is not None:
-            self.prefix_stats.evictions += 1
+        self._claim(slot, dest, reusing=False)
         if kept:
             self.model.copy_sequence(source_slot, slot, kept)
         else:

@@ -134,7 +134,7 @@ class Scheduler:
             if any(pool.blocks_needed(None, need) > pool.free_blocks for pool in self._pools(seq)):
                 break
             if len(self.running) >= self.max_batch:
-                victim = self._fair_victim(seq, admitted)
+                victim = self._fair_victim(seq)
                 if victim is None:
                     break
                 self.preempt(victim, fair=True)
@@ -168,16 +168,16 @@ class Scheduler:
             return self.waiting[0]
         return min(self.waiting, key=lambda seq: seq.served)  # min keeps the first of equals
 
-    def _fair_victim(self, waiting: ScheduledSequence, admitted: list[ScheduledSequence]) -> ScheduledSequence | None:
+    def _fair_victim(self, waiting: ScheduledSequence) -> ScheduledSequence | None:
         """The running request whose seat ``waiting`` takes now, or None: the most served among
         those that ran ``time_slice`` steps since their admission and were served ``time_slice``
-        steps more than ``waiting``."""
+        steps more than ``waiting``. (Requests admitted in this call, or still prefilling, have
+        decoded no step since their admission, so they are never chosen.)"""
         if not self.time_slice:
             return None
         slice_ = self.time_slice
         candidates = [seq for seq in self.running
-                      if seq not in admitted and not seq.prefilling
-                      and seq.served - seq.served_at_admission >= slice_ and seq.served >= waiting.served + slice_]
+                      if seq.served - seq.served_at_admission >= slice_ and seq.served >= waiting.served + slice_]
         return max(candidates, key=lambda seq: (seq.served, seq.num_tokens), default=None)
 
     def record_step(self, seqs: list[ScheduledSequence]) -> None:
