@@ -88,10 +88,11 @@ def run_serve(args: argparse.Namespace, port: int) -> tuple[list[dict], dict[str
 def run_ray(args: argparse.Namespace, port: int, replicas: int, threads: int) -> tuple[list[dict], dict[str, float]]:
     from ray import serve
 
-    from specdecode.serving.ray import APP_NAME, RayOptions, build_app
+    from specdecode.cli.ray_app import build_app_from_flags
+    from specdecode.serving.ray import APP_NAME, RayOptions
 
     base = f"http://127.0.0.1:{port}"
-    serve.run(build_app(args.serve_args, RayOptions(replicas=replicas, cpus_per_replica=threads)), name=APP_NAME,
+    serve.run(build_app_from_flags(args.serve_args, RayOptions(replicas=replicas, cpus_per_replica=threads)), name=APP_NAME,
               route_prefix="/")
     try:
         wait_healthy(base)

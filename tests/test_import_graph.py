@@ -6,10 +6,6 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-# Known and not yet cut (issue 28, item 4): serving/ray.py's public build_app(serve_args) parses
-# `specdecode serve` flags with the CLI's parser and builds each replica with cli/serve.py's
-# load_server, while the CLI starts Ray Serve through serving/ray.py.
-KNOWN = [{"specdecode.cli.app", "specdecode.cli.serve", "specdecode.cli.serve_ray", "specdecode.serving.ray"}]
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -72,10 +68,9 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_the_import_graph_has_no_cycle_but_the_known_one() -> None:
-    found = cycles(import_graph())
-    new = [sorted(c) for c in found if c not in KNOWN]
-    assert not new, f"import cycles: {new}"
+def test_the_import_graph_has_no_cycle() -> None:
+    found = [sorted(c) for c in cycles(import_graph())]
+    assert not found, f"import cycles: {found}"
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

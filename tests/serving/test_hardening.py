@@ -475,7 +475,7 @@ def test_a_request_past_the_timeout_is_stopped(start_server, monkeypatch) -> Non
 
 
 def test_the_default_model_id_is_a_name_not_a_path(tiny_qwen2_dir, tiny_ggufs, monkeypatch) -> None:
-    from specdecode.cli.serve import served_model_name
+    from specdecode.serving.spec import served_model_name
 
     assert served_model_name(str(tiny_qwen2_dir)) == tiny_qwen2_dir.name
     assert served_model_name(str(tiny_qwen2_dir) + "/") == tiny_qwen2_dir.name

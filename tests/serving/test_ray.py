@@ -33,6 +33,7 @@ from specdecode.errors import InvalidRequestError
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+from specdecode.cli.ray_app import build_app_from_flags  # noqa: E402
 from specdecode.serving.ray import (  # noqa: E402
     APP_NAME,
     DEPLOYMENT_NAME,
@@ -40,7 +41,6 @@ from specdecode.serving.ray import (  # noqa: E402
     PROXY_CALLBACK_ENV,
     RayOptions,
     SpecDecodeReplica,
-    build_app,
 )
 
 pytestmark = pytest.mark.ray
@@ -120,7 +120,7 @@ def cluster() -> Iterator[str]:
 def ray_served(cluster: str, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> str:
     """Two replicas of `specdecode serve` over the tiny pair, health-checked every second."""
     options = RayOptions(replicas=REPLICAS, health_check_period_s=1.0)
-    serve.run(build_app(serve_flags(tiny_qwen2_dir, tiny_close_draft_dir), options), name=APP_NAME, route_prefix="/")
+    serve.run(build_app_from_flags(serve_flags(tiny_qwen2_dir, tiny_close_draft_dir), options), name=APP_NAME, route_prefix="/")
     wait_for(lambda: running_replicas() == REPLICAS, "the replicas did not start", timeout=120)
     return cluster
 
@@ -146,9 +146,11 @@ def replica_counts(base: str, status: str = "ok", polls: int = 60) -> dict[str, 
 
 def test_deployment_options_follow_the_flags() -> None:
     """No cluster needed: what the replicas are deployed with."""
-    from specdecode.serving.ray import deployment_options, parse_serve_args
+    from specdecode.cli.ray_app import parse_serve_args
+    from specdecode.cli.serve import server_spec
+    from specdecode.serving.ray import deployment_options
 
-    args = parse_serve_args("--max-batch 6 --drain-timeout 5")
+    args = server_spec(parse_serve_args("--max-batch 6 --drain-timeout 5"))
     fixed = deployment_options(RayOptions(replicas=3, cpus_per_replica=2), args)
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"] == {"num_cpus": 2} and fixed["max_ongoing_requests"] == 6 + 2
@@ -167,13 +169,13 @@ def test_deployment_options_follow_the_flags() -> None:
 
 
 def test_app_builder_takes_serve_run_arguments() -> None:
-    """`serve run specdecode.serving.ray:app_builder replicas=2 serve_args='--method ngram'` passes strings."""
-    from specdecode.serving.ray import app_builder
+    """`serve run specdecode.cli.ray_app:app_builder replicas=2 serve_args='--method ngram'` passes strings."""
+    from specdecode.cli.ray_app import app_builder
 
     app = app_builder({"replicas": "2", "serve_args": "--method ngram --max-batch 2"})
     deployment = app._bound_deployment
     assert deployment.num_replicas == 2 and deployment.max_ongoing_requests == 4
-    assert deployment.init_args[0].method == "ngram"
+    assert deployment.init_args[0].decoder.method == "ngram"
     with pytest.raises(InvalidRequestError, match="unknown arguments"):
         app_builder({"replica": 2})
 

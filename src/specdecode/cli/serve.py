@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from specdecode.cli.args import add_decoder_arguments, non_negative_float, positive_float
 
 if TYPE_CHECKING:
-    from specdecode import SpecDecoder
-    from specdecode.serving.server import ServerOptions
-    from specdecode.serving.worker import BatchWorker
+    from specdecode.serving.spec import ServerSpec
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
 
@@ -22,7 +18,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from specdecode.cli.serve_ray import add_ray_arguments
     from specdecode.cli.train import non_negative_int, positive_int
     from specdecode.config import DEFAULT_PREFILL_CHUNK, DEFAULT_SPARE_SLOTS, DEFAULT_TIME_SLICE
-    from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
+    from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_BATCH_POLICY, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
     from specdecode.serving.connections import (
         DEFAULT_HEADER_TIMEOUT,
         DEFAULT_KEEP_ALIVE_TIMEOUT,
@@ -53,7 +49,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-tokens", type=positive_int, default=DEFAULT_KV_CACHE_TOKENS,
                         help="KV cache slots per model for the batch (torch: paged, requests wait or are preempted beyond it; "
                              "llama.cpp: split evenly over --max-batch sequences, --spare-slots more on top)")
-    parser.add_argument("--batch-policy", choices=BATCH_POLICIES, default="async",
+    parser.add_argument("--batch-policy", choices=BATCH_POLICIES, default=DEFAULT_BATCH_POLICY,
                         help="async: each request keeps all it accepts; sync: a step keeps the batch's fewest")
     fair = parser.add_argument_group("fair scheduling of the batch (docs/design.md#fair-scheduling)")
     fair.add_argument("--prefill-chunk", type=non_negative_int, default=DEFAULT_PREFILL_CHUNK,
@@ -93,18 +89,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_ray_arguments(parser)
 
 
-class ServerParts(NamedTuple):
-    """What ``specdecode serve``'s flags build: the process serves these (or each Ray Serve replica does)."""
-
-    decoder: SpecDecoder
-    model_name: str
-    worker: BatchWorker | None
-    options: ServerOptions
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from specdecode.cli.serve_ray import cmd_serve_ray, refuse_ray_flags_without_ray
     from specdecode.errors import InvalidRequestError
+    from specdecode.serving.spec import load_server
 
     try:
         import fastapi  # noqa: F401
@@ -115,64 +103,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f'`specdecode serve` needs the server extras: pip install "specdecode[serve]" ({err}).') from err
     if not 0 < args.port < 65536:
         raise InvalidRequestError(f"--port must be in 1..65535, got {args.port}.")
+    spec = server_spec(args)
     if args.ray:
-        return cmd_serve_ray(args)
+        return cmd_serve_ray(args, spec)
     refuse_ray_flags_without_ray(args)
-    parts = load_server(args)
+    parts = load_server(spec)
     serve(parts.decoder, parts.model_name, args.host, args.port, log_level=args.log_level, worker=parts.worker,
           options=parts.options)
     return 0
 
 
-def served_model_name(target: str) -> str:
-    """The model id a server answers to without ``--model-name``: a local folder's or file's
-    name (its full path, echoed in every response and 404, would tell clients about the
-    server's disk), or the hub id as given."""
-    path = Path(target).expanduser()
-    return path.resolve().name if path.exists() else target
-
-
-def load_server(args: argparse.Namespace) -> ServerParts:
-    """Load the models and build the batch worker and the server options that ``args`` (the
-    flags of ``specdecode serve``) ask for; a Ray Serve replica calls this with the same flags."""
-    from specdecode import DecoderConfig, SchedulerConfig, SpecDecoder
-    from specdecode.models import demo
+def server_spec(args: argparse.Namespace) -> ServerSpec:
+    """The server that ``specdecode serve``'s flags describe (``serving/spec.py``); a Ray Serve
+    replica builds the same from it."""
+    from specdecode import DecoderConfig, SchedulerConfig
     from specdecode.serving.guard import GuardOptions, default_allowed_hosts
-    from specdecode.serving.server import ServerOptions
-    from specdecode.serving.worker import BatchWorker
+    from specdecode.serving.spec import ServerSpec
+    from specdecode.serving.state import ServerOptions
 
-    decoder = SpecDecoder.from_config(DecoderConfig.from_args(args))
-    config = decoder.config
-    if config.compile:
-        # Batched requests run the batch engine's passes, which are not compiled; requests served
-        # one at a time (--max-batch 0, or methods the batch does not take) run compiled.
-        if args.max_batch > 0:
-            print("--compile: the continuous-batching engine's passes run eagerly; requests that run one at a time "
-                  "(--max-batch 0, methods auto, layerskip, medusa, eagle) run compiled.", file=sys.stderr)
-        print(f"specdecode: {decoder.warm_up(show_progress=True, all_shapes=True).summary()}", file=sys.stderr)
-    name = args.model_name or served_model_name(config.target or demo.DEFAULT_TARGET)
-    worker = None
-    if args.max_batch > 0:
-        if config.kv_dtype != "auto":
-            print("--kv-dtype int8: the batch engine's paged cache has no int8 storage yet; requests run one at a time.",
-                  file=sys.stderr)
-        else:
-            print(f"Timing the models for the batch's cost-aware draft length (max batch {args.max_batch}) ...",
-                  file=sys.stderr)
-            scheduling = SchedulerConfig(prefill_chunk=args.prefill_chunk, time_slice=args.time_slice,
-                                         spare_slots=args.spare_slots)
-            engine = decoder.batch_engine(max_batch=args.max_batch, kv_cache_tokens=args.kv_cache_tokens,
-                                          policy=args.batch_policy, scheduling=scheduling)
-            worker = BatchWorker(engine)
-    # Structured outputs and tool calls need the vocabulary in the grammar engine (about a second
-    # for a 151k vocabulary): read it now rather than on the first such request.
-    seconds = decoder.grammars.warm()
-    if seconds is not None and seconds > 0.2:
-        print(f"Read the tokenizer into the grammar engine for structured outputs ({seconds:.1f} s).", file=sys.stderr)
     hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
     guard = GuardOptions(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
                          allowed_hosts=default_allowed_hosts(args.host, hosts))
     options = ServerOptions(guard=guard, request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
                             suffix_share=args.suffix_share, keep_alive_timeout=args.keep_alive_timeout,
                             max_connections=args.max_connections or None, header_timeout=args.header_timeout)
-    return ServerParts(decoder, name, worker, options)
+    scheduling = SchedulerConfig(prefill_chunk=args.prefill_chunk, time_slice=args.time_slice,
+                                 spare_slots=args.spare_slots)
+    return ServerSpec(decoder=DecoderConfig.from_args(args), model_name=args.model_name, max_batch=args.max_batch,
+                      kv_cache_tokens=args.kv_cache_tokens, batch_policy=args.batch_policy, scheduling=scheduling,
+                      options=options)

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from specdecode.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from specdecode.serving.spec import ServerSpec
 
 # Flags that mean something only with --ray, with their defaults (given without --ray: refused).
 RAY_ONLY_FLAGS = {"replicas": None, "min_replicas": None, "max_replicas": None, "target_ongoing_requests": None,
@@ -46,7 +50,7 @@ def refuse_ray_flags_without_ray(args: argparse.Namespace) -> None:
         raise InvalidRequestError(f"{flags} apply to Ray Serve: add --ray.")
 
 
-def cmd_serve_ray(args: argparse.Namespace) -> int:
+def cmd_serve_ray(args: argparse.Namespace, spec: ServerSpec) -> int:
     try:
         from specdecode.serving.ray import RayOptions, run
     except ImportError as err:
@@ -57,5 +61,5 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
                          target_ongoing_requests=args.target_ongoing_requests,
                          max_ongoing_requests=args.max_ongoing_requests, cpus_per_replica=args.cpus_per_replica,
                          address=args.ray_address)
-    run(args, options)
+    run(spec, options, args.host, args.port)
     return 0

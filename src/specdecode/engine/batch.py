@@ -60,6 +60,7 @@ from specdecode.models.llama import Transformer
 
 BATCH_METHODS = ("none", "ngram", "draft", "suffix")
 BATCH_POLICIES = ("async", "sync")
+DEFAULT_BATCH_POLICY = "async"
 DEFAULT_MAX_BATCH = 8
 POOLED_ACCEPTANCE_DECAY = 0.98  # the engine-wide estimate forgets over ~50 steps
 POOLED_PRIOR_TRIALS = 6.0  # how many of its trials a new request's estimate inherits, at most

@@ -1,8 +1,9 @@
 """``specdecode serve`` on Ray Serve: replicas of the same server behind Ray's proxy and router.
 
 Each replica is a Ray Serve deployment replica (a Ray actor) that builds exactly what
-``specdecode serve`` builds from the same flags (``cli/serve.py:load_server``): the decoder, the
-batch worker and the FastAPI app with its guard, served through Ray Serve's ASGI ingress. Ray's
+``specdecode serve`` builds from the same ``ServerSpec`` (``serving/spec.py:load_server``): the
+decoder, the batch worker and the FastAPI app with its guard, served through Ray Serve's ASGI
+ingress. Ray's
 HTTP proxy takes the requests on ``--host``/``--port`` and Ray's default request router sends
 each to one replica, picking the less loaded of two random replicas (power of two choices on
 their queue lengths). OpenAI routes, streaming and errors are the single server's.
@@ -23,17 +24,14 @@ final error event (``serving/ray_proxy.py``), and the others go on. Metrics: eac
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import re
-import shlex
 import signal
 import sys
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 try:
     import ray
@@ -46,7 +44,10 @@ from specdecode.serving.health import engine_problem
 from specdecode.serving.ray_metrics import RayMetricsExporter
 from specdecode.serving.ray_proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
-__all__ = ["RayOptions", "SpecDecodeReplica", "app_builder", "build_app", "run"]
+if TYPE_CHECKING:
+    from specdecode.serving.spec import ServerSpec
+
+__all__ = ["RayOptions", "SpecDecodeReplica", "build_app", "run"]
 
 APP_NAME = "specdecode"
 DEPLOYMENT_NAME = "SpecDecodeReplica"
@@ -131,9 +132,9 @@ class RayOptions:
         return low, high, start
 
 
-def deployment_options(options: RayOptions, serve_args: argparse.Namespace) -> dict[str, Any]:
-    """The Ray Serve deployment options for ``options`` and the server flags."""
-    ongoing = options.max_ongoing_requests or max(serve_args.max_batch, 1) + EXTRA_ONGOING_REQUESTS
+def deployment_options(options: RayOptions, spec: ServerSpec) -> dict[str, Any]:
+    """The Ray Serve deployment options for ``options`` and the server's spec."""
+    ongoing = options.max_ongoing_requests or max(spec.max_batch, 1) + EXTRA_ONGOING_REQUESTS
     config: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
         "ray_actor_options": {"num_cpus": options.cpus},
@@ -142,7 +143,7 @@ def deployment_options(options: RayOptions, serve_args: argparse.Namespace) -> d
         "health_check_timeout_s": options.health_check_timeout_s,
         # Ray waits this long for a stopping replica's requests, then ends the process; streams
         # still open then end with an error event (serving/ray_proxy.py).
-        "graceful_shutdown_timeout_s": serve_args.drain_timeout + FLUSH_SECONDS,
+        "graceful_shutdown_timeout_s": spec.options.drain_timeout + FLUSH_SECONDS,
         "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
     }
     if options.autoscaling:
@@ -185,17 +186,17 @@ def limit_threads(threads: int, local_rank: int | None) -> None:
 @serve.ingress()
 class SpecDecodeReplica:
     """One replica: the decoder, batch worker and FastAPI app that ``specdecode serve`` builds from
-    ``serve_args`` (its parsed flags)."""
+    ``spec``."""
 
-    def __init__(self, serve_args: argparse.Namespace, threads: int) -> None:
-        from specdecode.cli.serve import load_server
+    def __init__(self, spec: ServerSpec, threads: int) -> None:
         from specdecode.serving.server import create_app
+        from specdecode.serving.spec import load_server
 
         context = serve.get_replica_context()
         self.replica = context.replica_tag
         rank = getattr(context, "rank", None)
         limit_threads(threads, getattr(rank, "local_rank", None))
-        parts = load_server(serve_args)
+        parts = load_server(spec)
         self._server_app = create_app(parts.decoder, parts.model_name, worker=parts.worker, options=parts.options)
         self.state = self._server_app.state.specdecode
         self.state.metrics.labels["replica"] = self.replica
@@ -221,50 +222,13 @@ class SpecDecodeReplica:
             await asyncio.to_thread(self.state.worker.close)
 
 
-def parse_serve_args(serve_args: Sequence[str] | str | argparse.Namespace) -> argparse.Namespace:
-    """``specdecode serve``'s flags (a list, or one string split as a shell would) as parsed flags."""
-    if isinstance(serve_args, argparse.Namespace):
-        return serve_args
-    from specdecode.cli.app import build_parser
-
-    argv = shlex.split(serve_args) if isinstance(serve_args, str) else list(serve_args)
-    try:
-        args = build_parser().parse_args(["serve", *argv])
-    except SystemExit as exit_:  # argparse has printed what was wrong
-        raise InvalidRequestError(f"serve_args: not flags of `specdecode serve`: {argv}") from exit_
-    if args.ray:
-        raise InvalidRequestError("serve_args: --ray and the other Ray flags go in RayOptions, not serve_args.")
-    return args
-
-
-def build_app(serve_args: Sequence[str] | str | argparse.Namespace = (), options: RayOptions | None = None) -> Any:
-    """The Ray Serve application: ``options.replicas`` replicas of ``specdecode serve`` with the
-    flags ``serve_args`` (e.g. ``["--target", "path", "--method", "ngram"]``). Run it with
-    ``serve.run(build_app(...), route_prefix="/")``, or from a Serve config file through
-    ``app_builder``."""
-    args = parse_serve_args(serve_args)
+def build_app(spec: ServerSpec, options: RayOptions | None = None) -> Any:
+    """The Ray Serve application: ``options.replicas`` replicas of the server ``spec`` describes.
+    Run it with ``serve.run(build_app(...), route_prefix="/")``. From ``specdecode serve``'s flags:
+    ``cli/ray_app.py`` (``build_app_from_flags``, and ``app_builder`` for Serve config files)."""
     options = options or RayOptions()
-    deployment = SpecDecodeReplica.options(**deployment_options(options, args))
-    return deployment.bind(args, options.cpus)
-
-
-def app_builder(config: Mapping[str, Any]) -> Any:
-    """For ``serve run`` and Serve config files (``import_path: specdecode.serving.ray:app_builder``):
-    ``config`` holds ``serve_args`` (a list of flags or one string) and any ``RayOptions`` field."""
-    config = dict(config)
-    serve_args = config.pop("serve_args", ())
-    known = {f.name for f in fields(RayOptions)} - {"address"}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise InvalidRequestError(f"app_builder: unknown arguments {unknown}; give serve_args and any of "
-                                  f"{sorted(known)}.")
-    for name in ("replicas", "min_replicas", "max_replicas", "max_ongoing_requests", "cpus_per_replica"):
-        if isinstance(config.get(name), str):  # `serve run ... replicas=2` passes strings
-            config[name] = int(config[name])
-    for name in ("target_ongoing_requests", "health_check_period_s", "health_check_timeout_s"):
-        if isinstance(config.get(name), str):
-            config[name] = float(config[name])
-    return build_app(serve_args, RayOptions(**config))
+    deployment = SpecDecodeReplica.options(**deployment_options(options, spec))
+    return deployment.bind(spec, options.cpus)
 
 
 def connect(options: RayOptions) -> bool:
@@ -277,14 +241,14 @@ def connect(options: RayOptions) -> bool:
     return started
 
 
-def run(serve_args: argparse.Namespace, options: RayOptions) -> None:
+def run(spec: ServerSpec, options: RayOptions, host: str, port: int) -> None:
     """``specdecode serve --ray``: deploy the replicas, print where they listen, serve until
     SIGINT or SIGTERM, then delete the application (and stop the cluster this process started).
-    Ray's proxy listens on ``serve_args.host``/``port``."""
+    Ray's proxy listens on ``host``/``port``."""
     started = connect(options)
     try:
-        serve.start(http_options={"host": serve_args.host, "port": serve_args.port})
-        app = build_app(serve_args, options)
+        serve.start(http_options={"host": host, "port": port})
+        app = build_app(spec, options)
         try:
             serve.run(app, name=options.app_name, route_prefix="/", blocking=False)
         except Exception as err:  # a replica that cannot be built (a wrong path, a bad flag)
@@ -293,7 +257,7 @@ def run(serve_args: argparse.Namespace, options: RayOptions) -> None:
             raise InvalidRequestError(f"The Ray Serve replicas did not start: {reason}") from err
         replicas = "autoscaling {}..{} replicas".format(*options.bounds[:2]) if options.autoscaling else \
             f"{options.replicas or 1} replica(s)"
-        print(f"specdecode serve --ray: {replicas} on http://{serve_args.host}:{serve_args.port}/v1 "
+        print(f"specdecode serve --ray: {replicas} on http://{host}:{port}/v1 "
               f"(Ray cluster: {ray.get_runtime_context().gcs_address}); Ctrl-C to stop.", file=sys.stderr, flush=True)
         _wait_for_signal()
         print("Stopping: replicas finish their requests (up to --drain-timeout) ...", file=sys.stderr, flush=True)
