@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.bench.prompts import load_prompts, select_prompts
 from specdecode.config import DecoderConfig
 from specdecode.models import demo
 from specdecode.models.loader import load_model
+from specdecode.prompt_sets import load_prompts, select_prompts
 
 PROBE_CONTEXT = 64  # cached positions before a timed pass, as costs.timing's probe
 

@@ -16,7 +16,7 @@ import json
 import statistics
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.bench.prompts import DEFAULT_SOURCE, load_prompts
+from specdecode.prompt_sets import DEFAULT_SOURCE, load_prompts
 
 
 def main() -> None:

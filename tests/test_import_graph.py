@@ -75,3 +75,12 @@ def test_the_import_graph_has_no_cycle() -> None:
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+def test_the_bench_is_a_leaf() -> None:
+    """Nothing but the bench itself and its command imports specdecode.bench: the library, the
+    server, training and the audit work without it (issue 28)."""
+    graph = import_graph()
+    bench = {name for name in graph if name == "specdecode.bench" or name.startswith("specdecode.bench.")}
+    users = {name for name, targets in graph.items() if targets & bench and name not in bench}
+    assert users == {"specdecode.cli.bench"}, f"modules outside the bench that import it: {sorted(users)}"

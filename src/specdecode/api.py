@@ -7,6 +7,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.batch_select import batch_model
 from specdecode.backends.compiled import (
@@ -43,6 +45,8 @@ from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFA
 from specdecode.engine.grammar import GrammarCompiler
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.plan import RequestPlan
+from specdecode.engine.probe import continuation_logits, next_draft_probs
+from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.single import SpecEngine
 from specdecode.engine.stream import GenerationResult, GenerationStream
 from specdecode.engine.text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
@@ -203,6 +207,32 @@ class SpecDecoder:
         """Drop the prefix cache's record (the K/V stay allocated): the next request prefills its
         whole prompt, as the first request after loading does."""
         self.engine.forget_prefix()
+
+    def target_logits(
+        self, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]] = ((),)
+    ) -> torch.Tensor:  # (len(continuations), V) float32
+        """The target's next-token logits after ``prompt_ids + continuation``, one row per
+        continuation, teacher-forced (the prompt prefilled once). What decoding should agree
+        with: ``specdecode audit`` checks methods against it."""
+        try:
+            return continuation_logits(self.engine.target, list(prompt_ids), continuations)
+        finally:
+            self.engine.forget_prefix()  # the sequence now holds these tokens, not the last request's
+
+    def draft_probs(self, token_ids: Sequence[int], method: str, params: SamplingParams) -> torch.Tensor | None:  # (V,)
+        """The drafter of ``method`` (ngram, draft or layerskip: a chain drafter that keeps no
+        state between requests) for the token after ``token_ids``, under ``params``' sampling: its
+        distribution q, a one-hot for a deterministic drafter, or None where it proposes nothing."""
+        drafter = self.drafters.get(method)
+        if drafter is None or method in TREE_METHODS:
+            raise InvalidRequestError(f"draft_probs: method {method!r} has no stateless chain drafter in this decoder "
+                                      f"(have: {', '.join(m for m in self.drafters if m not in TREE_METHODS)}).")
+        generator = make_generator(params.seed if params.seed is not None else 0, self.engine.target.device)
+        try:
+            return next_draft_probs(self.engine.target, drafter, list(token_ids), LogitsProcessor.from_params(params),
+                                    generator)  # type: ignore[arg-type]  # a chain drafter here
+        finally:
+            self.engine.forget_prefix()
 
     def encode(self, prompt: str | Messages, chat: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a prompt; a chat's ``tools`` (OpenAI's tool objects) go into its template."""

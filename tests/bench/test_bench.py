@@ -9,7 +9,13 @@ import torch
 
 from specdecode import cli
 from specdecode.bench import methods as bench_methods
-from specdecode.bench.prompts import (
+from specdecode.bench.report import ALL, aggregate, first_difference, summarize
+from specdecode.bench.roofline import ceiling_tokens_per_second, measure_copy_bandwidth, weight_bytes_per_forward
+from specdecode.bench.runner import Bench, BenchConfig, write_results
+from specdecode.config import ModelConfig, SamplingParams
+from specdecode.engine.metrics import GenerationStats
+from specdecode.errors import InvalidRequestError
+from specdecode.prompt_sets import (
     CATEGORIES,
     HUMANEVAL,
     MT_BENCH,
@@ -18,12 +24,6 @@ from specdecode.bench.prompts import (
     load_spec_bench,
     select_prompts,
 )
-from specdecode.bench.report import ALL, aggregate, first_difference, summarize
-from specdecode.bench.roofline import ceiling_tokens_per_second, measure_copy_bandwidth, weight_bytes_per_forward
-from specdecode.bench.runner import Bench, BenchConfig, write_results
-from specdecode.config import ModelConfig, SamplingParams
-from specdecode.engine.metrics import GenerationStats
-from specdecode.errors import InvalidRequestError
 
 ALL_METHODS = ("none", "draft", "ngram", "hf", "hf-assisted", "hf-lookup", "draft+nocache")
 MAX_NEW = 10

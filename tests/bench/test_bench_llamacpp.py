@@ -19,12 +19,12 @@ import torch
 from specdecode import cli
 from specdecode.bench.llamacpp_bin import LlamaCppBinaryMethod, binary_turn, parse_binary_output
 from specdecode.bench.methods import parse_method, plain_counterpart
-from specdecode.bench.prompts import load_prompts, select_prompts
 from specdecode.bench.report import ALL, equality_reference
 from specdecode.bench.roofline import gguf_weight_bytes_per_forward, weight_bytes_per_forward
 from specdecode.bench.runner import Bench, BenchConfig, write_results
 from specdecode.config import ModelConfig, SamplingParams
 from specdecode.errors import InvalidRequestError
+from specdecode.prompt_sets import load_prompts, select_prompts
 
 MAX_NEW = 10
 LLAMACPP_RUN = ("none", "none@llama.cpp", "draft@llama.cpp", "ngram@llama.cpp", "llamacpp", "llamacpp-lookup")

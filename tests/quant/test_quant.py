@@ -306,8 +306,8 @@ def test_bad_quant_options_are_clear_errors(tiny_qwen2_dir: Path) -> None:
 
 
 def test_bench_runs_quantized_variants_side_by_side(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path, tmp_path: Path) -> None:
-    from specdecode.bench.prompts import load_prompts, select_prompts
     from specdecode.bench.runner import Bench, BenchConfig
+    from specdecode.prompt_sets import load_prompts, select_prompts
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("def fibonacci(n):\nclass Counter:\n")

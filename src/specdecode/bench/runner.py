@@ -25,12 +25,12 @@ from specdecode.backends.device import cpu_model, dtype_name
 from specdecode.bench.config import DEFAULT_METHODS, BenchConfig
 from specdecode.bench.lineup import BenchLineup
 from specdecode.bench.methods import BenchMethod
-from specdecode.bench.prompts import BenchPrompt, load_prompts, select_prompts
 from specdecode.bench.publish import SCHEMA, check_optional_dependencies, publish, resummarize, write_results
 from specdecode.bench.report import summarize
 from specdecode.bench.roofline import measure_copy_bandwidth
 from specdecode.config import SamplingParams
 from specdecode.errors import InvalidRequestError
+from specdecode.prompt_sets import BenchPrompt, load_prompts, select_prompts
 
 # Re-exported: the bench's entry points have long been importable from here.
 __all__ = ["DEFAULT_METHODS", "Bench", "BenchConfig", "resummarize", "run_bench", "write_results"]

@@ -1,5 +1,5 @@
 """``specdecode audit``: check that methods reproduce the target on the user's own models
-(``bench/audit.py``). Exit 0 when every check passes, 1 when one fails, 2 for bad input."""
+(``audit/run.py``). Exit 0 when every check passes, 1 when one fails, 2 for bad input."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specdecode.bench.audit import AuditReport
+    from specdecode.audit.run import AuditReport
 
 EXIT_AUDIT_FAILED = 1
 DEFAULT_NUM_PROMPTS = 3
@@ -22,7 +22,7 @@ AUDIT_DRAFT_CONFIDENCE = 0.0
 
 
 def add_audit_parser(sub: argparse._SubParsersAction) -> None:
-    from specdecode.bench import audit as a
+    from specdecode import audit as a
     from specdecode.cli.args import add_decoder_arguments
     from specdecode.cli.train import positive_int
 
@@ -71,7 +71,7 @@ def _methods(values: list[str] | None) -> tuple[str, ...] | None:
 def _prompt_texts(source: str, count: int) -> list[tuple[str, str]]:
     """(prompt id, text) of the first ``count`` prompts: from a file, or the shipped Spec-Bench
     rows taken round-robin over their categories, so that a few prompts span kinds of text."""
-    from specdecode.bench.prompts import DEFAULT_SOURCE, load_spec_bench, load_text_prompts
+    from specdecode.prompt_sets import DEFAULT_SOURCE, load_spec_bench, load_text_prompts
 
     if source != DEFAULT_SOURCE:
         return [(p.prompt_id, p.turns[0]) for p in load_text_prompts(Path(source))[:count]]
@@ -87,8 +87,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from specdecode import DecoderConfig, SpecDecoder
+    from specdecode import audit as a
     from specdecode.backends.device import dtype_name, resolve_device, resolve_dtype
-    from specdecode.bench import audit as a
     from specdecode.config import DEFAULT_K, TREE_METHODS
     from specdecode.drafters.layer_skip_file import builtin_choice
     from specdecode.errors import InvalidRequestError

@@ -21,8 +21,8 @@ BENCH_EXCLUDED = frozenset({"method", "k_policy", "k_max", "backend", "target_qu
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from specdecode.bench.llamacpp_bin import DEFAULT_BIN_TIMEOUT_SECONDS
     from specdecode.bench.methods import DEFAULT_HF_LOOKUP_TOKENS, DEFAULT_LLAMACPP_LOOKUP_TOKENS, available_methods
-    from specdecode.bench.prompts import CATEGORIES
     from specdecode.bench.runner import DEFAULT_METHODS
+    from specdecode.prompt_sets import CATEGORIES
 
     bench = sub.add_parser(
         "bench",

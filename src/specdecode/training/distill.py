@@ -103,7 +103,7 @@ def held_apart_prompts(start: int, count: int) -> list[str]:
     The bench takes the first N of each category (3 by default), so rows from 10 on are apart
     from any bench subset of up to 10 per category.
     """
-    from specdecode.bench.prompts import first_turns_per_category
+    from specdecode.prompt_sets import first_turns_per_category
 
     return first_turns_per_category(slice(start, start + count))
 

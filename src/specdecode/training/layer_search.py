@@ -50,7 +50,7 @@ DEFAULT_MEASURE_TOP = 3
 
 def calibration_prompts(per_category: int = DEFAULT_CALIBRATION_PER_CATEGORY) -> list[str]:
     """The last ``per_category`` first-turn prompts of each default category (bench subsets take the first N)."""
-    from specdecode.bench.prompts import first_turns_per_category
+    from specdecode.prompt_sets import first_turns_per_category
 
     return first_turns_per_category(slice(-per_category, None))
 

@@ -1,8 +1,8 @@
 """The losslessness audit behind ``specdecode audit``: does a method reproduce the target here,
 with these models, on this machine?
 
-Two checks per method, both against the target alone (read through ``decoder.engine.target``,
-the ``backends/base.py`` interface, so any backend is audited the same way):
+Two checks per method, both against the target alone (read through the public
+``SpecDecoder.target_logits``, so any backend is audited the same way):
 
 - greedy: each prompt is decoded greedily by the method and by plain decoding, and the two
   outputs are compared token by token. At the first difference the target's logits there
@@ -29,15 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdecode.bench.audit_config import (
-    DEFAULT_ALPHA,
-    DEFAULT_DRAWS,
-    DEFAULT_SAMPLED_TOKENS,
-    DEFAULT_TOP_K,
-    AuditConfig,
-)
-from specdecode.bench.audit_distribution import GOOD_POWER, DistributionResult, distribution_check
-from specdecode.bench.near_tie import near_tie_rule, near_tie_threshold, row_logits
+from specdecode.audit.config import DEFAULT_ALPHA, DEFAULT_DRAWS, DEFAULT_SAMPLED_TOKENS, DEFAULT_TOP_K, AuditConfig
+from specdecode.audit.distribution import GOOD_POWER, DistributionResult, distribution_check
+from specdecode.audit.near_tie import near_tie_rule, near_tie_threshold
 from specdecode.config import TREE_METHODS, SamplingParams
 from specdecode.errors import InvalidRequestError
 
@@ -121,7 +115,7 @@ def greedy_check(
         # Same tokens, different lengths: the same stop rule cannot do that.
         shorter = min(len(got), len(plain))
         return GreedyResult(prompt_id, method, "FAIL", len(plain), shorter, position=shorter)
-    logits = row_logits(decoder.engine.target, prompt_ids + plain[:position])  # (V,)
+    logits = decoder.target_logits(prompt_ids, [plain[:position]])[0]  # (V,)
     top = logits.topk(2).values.tolist()
     token_gap = abs(logits[plain[position]].item() - logits[got[position]].item())
     threshold = near_tie_threshold(top[0], config.precision, config.near_tie)
@@ -151,7 +145,7 @@ def run_audit(
     check_methods(decoder, config.methods)
     report = AuditReport(
         target=decoder.target.name, draft=None if decoder.draft is None else decoder.draft.name,
-        backend=getattr(decoder.engine.target, "backend", "torch"), precision=config.precision,
+        backend=decoder.backend, precision=config.precision,
         near_tie=near_tie_rule(config.precision, config.near_tie), alpha=config.alpha, config=asdict(config),
     )
     params = SamplingParams(max_new_tokens=config.max_new_tokens)

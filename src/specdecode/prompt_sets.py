@@ -1,4 +1,7 @@
-"""Benchmark prompt sets: Spec-Bench rows, HumanEval problems, agentic sessions, or a text file of prompts.
+"""Prompt sets: Spec-Bench rows, HumanEval problems, agentic sessions, or a text file of prompts.
+
+The benchmark (``specdecode bench``), the audit and the training commands (calibration prompts for
+``tune-layerskip`` and ``distill``) all read them from here.
 
 Every prompt becomes a ``BenchPrompt`` with a category and one or more user turns; a
 multi-turn prompt is run turn after turn with the model's own earlier answers in the chat.
@@ -65,7 +68,7 @@ def category_of(spec_bench_category: str) -> str:
 def load_spec_bench(path: Path | None = None) -> list[BenchPrompt]:
     """Rows of a Spec-Bench question file (``question_id``, ``category``, ``turns``)."""
     if path is None:
-        text = resources.files("specdecode.bench").joinpath("data", SPEC_BENCH_FILE).read_text()
+        text = resources.files("specdecode").joinpath("data", SPEC_BENCH_FILE).read_text()
         source = "spec_bench"
     else:
         if not path.exists():
@@ -129,7 +132,7 @@ def load_humaneval() -> list[BenchPrompt]:
 
 def load_agentic() -> list[BenchPrompt]:
     """The agentic code-editing sessions: one multi-turn prompt each (subcategory: the language)."""
-    text = resources.files("specdecode.bench").joinpath("data", AGENTIC_FILE).read_text()
+    text = resources.files("specdecode").joinpath("data", AGENTIC_FILE).read_text()
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [BenchPrompt(f"{AGENTIC}:{row['id']}", AGENTIC, row["language"], tuple(row["turns"])) for row in rows]
 

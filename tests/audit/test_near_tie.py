@@ -1,8 +1,8 @@
-"""The near-tie rule of ``specdecode audit`` (``bench/near_tie.py``)."""
+"""The near-tie rule of ``specdecode audit`` (``audit/near_tie.py``)."""
 
 from helpers import NEAR_TIE
 
-from specdecode.bench.near_tie import near_tie_rule, near_tie_threshold
+from specdecode.audit.near_tie import near_tie_rule, near_tie_threshold
 
 
 def test_near_tie_threshold_follows_the_precision() -> None:

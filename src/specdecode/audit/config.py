@@ -1,11 +1,11 @@
 """What an audit checks (``AuditConfig``), validated before any model loads; read by the audit
-(``bench/audit.py``) and its distribution check (``bench/audit_distribution.py``)."""
+(``audit/run.py``) and its distribution check (``audit/distribution.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdecode.bench.near_tie import MANTISSA_BITS
+from specdecode.audit.near_tie import MANTISSA_BITS
 from specdecode.config import DEFAULT_K, METHODS
 from specdecode.errors import InvalidRequestError
 

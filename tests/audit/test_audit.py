@@ -8,9 +8,8 @@ import pytest
 import torch
 from helpers import CHI2_CRITICAL_P001, NEAR_TIE, decoder, install_wrong_residual
 
-from specdecode import SamplingParams, cli
-from specdecode.bench import audit
-from specdecode.bench.chi_square import builtin_critical_value, chi2_sf
+from specdecode import SamplingParams, audit, cli
+from specdecode.audit.chi_square import builtin_critical_value, chi2_sf
 from specdecode.engine.verify import VerifyResult
 
 GREEDY_ROW_FIELDS = {"prompt_id", "method", "verdict", "tokens", "compared", "position", "plain_token",

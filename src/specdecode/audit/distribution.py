@@ -1,7 +1,7 @@
 """The audit's distribution check: seeded sampled draws of a method against the target's exact
-distribution over its first few tokens (Pearson's chi-square, ``bench/chi_square.py``), and the
+distribution over its first few tokens (Pearson's chi-square, ``audit/chi_square.py``), and the
 test's power against a sampler that emits the drafter's own tokens unchanged (see
-``bench/audit.py``)."""
+``audit/run.py``)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.bench.chi_square import cell_vectors, critical_value, pearson_statistic, pooled_cells, simulated_power
-from specdecode.bench.near_tie import near_tie_threshold, row_logits
+from specdecode.audit.chi_square import cell_vectors, critical_value, pearson_statistic, pooled_cells, simulated_power
+from specdecode.audit.near_tie import near_tie_threshold
 from specdecode.config import TREE_METHODS, SamplingParams
-from specdecode.engine.sampling import LogitsProcessor, make_generator
+from specdecode.engine.sampling import LogitsProcessor
 
 if TYPE_CHECKING:
     from specdecode.api import SpecDecoder
-    from specdecode.backends.base import SequenceModel
-    from specdecode.bench.audit_config import AuditConfig
+    from specdecode.audit.config import AuditConfig
 
 POWER_RUNS = 1000  # simulated tests behind the reported power
 GOOD_POWER = 0.9  # below this the report says the test could not tell a broken sampler apart
@@ -49,39 +48,32 @@ class DistributionResult:
         return self.verdict != "FAIL"
 
 
-@torch.inference_mode()
 def exact_distribution(
-    seq: SequenceModel, prompt_ids: list[int], processor: LogitsProcessor, length: int
+    decoder: SpecDecoder, prompt_ids: list[int], processor: LogitsProcessor, length: int
 ) -> tuple[dict[tuple[int, ...], float], dict[tuple[int, ...], torch.Tensor]]:
     """The target's exact distribution over its next ``length`` sampled tokens, and the logits
-    row (V,) after each prefix, by enumeration. The prompt is prefilled once; each prefix is one
-    pass from the prompt's last token (the backend overwrites the slots past the commit)."""
-    prompt_len = len(prompt_ids)
-    seq.begin(prompt_len + length + 1)
-    device = seq.device
-    if prompt_len > 1:
-        seq.extend(torch.tensor([prompt_ids[:-1]], device=device), 0, compute_logits=False)
-    seq.commit(prompt_len - 1)
+    row (V,) after each prefix, by enumeration: one ``target_logits`` call per length, over every
+    prefix of that length (the prompt prefilled once per call)."""
     dist: dict[tuple[int, ...], float] = {(): 1.0}
     rows: dict[tuple[int, ...], torch.Tensor] = {}
     for _ in range(length):
+        prefixes = list(dist)
+        logits = decoder.target_logits(prompt_ids, prefixes)  # (len(prefixes), V)
         grown: dict[tuple[int, ...], float] = {}
-        for prefix, prob in dist.items():
-            tokens = torch.tensor([[prompt_ids[-1], *prefix]], device=device)
-            rows[prefix] = seq.extend(tokens, prompt_len - 1, logits_last=1).logits[0, -1].float()
-            probs = processor.probs(rows[prefix])
+        for prefix, row in zip(prefixes, logits):
+            rows[prefix] = row
+            probs = processor.probs(row)
             for token in torch.nonzero(probs > 0).flatten().tolist():
-                grown[prefix + (token,)] = prob * probs[token].item()
+                grown[prefix + (token,)] = dist[prefix] * probs[token].item()
         dist = grown
     return dist, rows
 
 
-@torch.inference_mode()
 def drafter_distribution(
     decoder: SpecDecoder,
     method: str,
     prompt_ids: list[int],
-    processor: LogitsProcessor,
+    params: SamplingParams,
     outcomes: Iterable[tuple[int, ...]],
     target_rows: dict[tuple[int, ...], torch.Tensor],  # prefix -> the target's logits row (V,)
 ) -> dict[tuple[int, ...], float] | None:
@@ -89,30 +81,13 @@ def drafter_distribution(
     the chain of the drafter's first-token distribution after each prefix (a one-hot for a
     deterministic drafter, the target's own row where it proposes nothing: that step decodes
     plainly). None where the method has no single chain drafter (auto, trees, none)."""
-    drafter = decoder.drafters.get(method)
-    if drafter is None or method in TREE_METHODS:
+    if method not in decoder.drafters or method in TREE_METHODS:
         return None
-    seq = decoder.engine.target
-    generator = make_generator(0, seq.device)
+    processor = LogitsProcessor.from_params(params)
     q_rows: dict[tuple[int, ...], torch.Tensor] = {}
     for prefix, target_row in target_rows.items():
-        context = prompt_ids + list(prefix)
-        capacity = len(context) + 2
-        # Set up exactly as the engine does before a step (layer skip drafts in the target's cache).
-        seq.begin(capacity)
-        drafter.start(len(context), capacity, seq)
-        if hasattr(drafter, "on_committed"):
-            drafter.on_committed(list(context))
-        if len(context) > 1:
-            seq.extend(torch.tensor([context[:-1]], device=seq.device), 0, compute_logits=False)
-        seq.commit(len(context) - 1)
-        proposal = drafter.propose(torch.tensor([context], device=seq.device), 1, processor, generator)
-        if proposal.num_tokens == 0:
-            q_rows[prefix] = processor.probs(target_row)
-        elif proposal.probs is None:
-            q_rows[prefix] = torch.zeros_like(target_row).index_fill_(0, proposal.tokens[0, :1], 1.0)
-        else:
-            q_rows[prefix] = proposal.probs[0, 0].float()
+        q_row = decoder.draft_probs(prompt_ids + list(prefix), method, params)
+        q_rows[prefix] = processor.probs(target_row) if q_row is None else q_row
     q: dict[tuple[int, ...], float] = {}
     for outcome in outcomes:
         prob = 1.0
@@ -123,7 +98,7 @@ def drafter_distribution(
 
 
 def _outside_support_margin(
-    seq: SequenceModel, prompt_ids: list[int], outcome: tuple[int, ...], processor: LogitsProcessor,
+    decoder: SpecDecoder, prompt_ids: list[int], outcome: tuple[int, ...], processor: LogitsProcessor,
     rows: dict[tuple[int, ...], torch.Tensor],  # prefix -> the target's logits row (V,), where computed
 ) -> tuple[float, float]:
     """(how far below the top-k cut-off the first unsupported token of ``outcome`` sits, the
@@ -132,7 +107,7 @@ def _outside_support_margin(
         prefix = outcome[:i]
         row = rows.get(prefix)
         if row is None:
-            row = row_logits(seq, prompt_ids + list(prefix))
+            row = decoder.target_logits(prompt_ids, [prefix])[0]
         if processor.probs(row)[token].item() == 0.0:
             cut = row.topk(processor.top_k).values[-1].item()
             return cut - row[token].item(), row.max().item()
@@ -143,9 +118,9 @@ def _outside_support_margin(
 def distribution_check(
     decoder: SpecDecoder, prompt_ids: list[int], method: str, config: AuditConfig, progress: Callable[[Iterable], Iterable]
 ) -> DistributionResult:
-    processor = LogitsProcessor(temperature=1.0, top_k=config.top_k, top_p=1.0)
-    seq = decoder.engine.target
-    exact, rows = exact_distribution(seq, prompt_ids, processor, config.sampled_tokens)
+    sampling = SamplingParams(temperature=1.0, top_k=config.top_k, top_p=1.0, seed=0)
+    processor = LogitsProcessor.from_params(sampling)
+    exact, rows = exact_distribution(decoder, prompt_ids, processor, config.sampled_tokens)
     counts: Counter[tuple[int, ...]] = Counter()
     accepted = proposed = 0
     for seed in progress(range(config.seed, config.seed + config.draws)):
@@ -158,7 +133,7 @@ def distribution_check(
 
     impossible = ties = 0
     for outcome in [o for o in counts if o not in exact]:
-        margin, top = _outside_support_margin(seq, prompt_ids, outcome, processor, rows)
+        margin, top = _outside_support_margin(decoder, prompt_ids, outcome, processor, rows)
         if margin < near_tie_threshold(top, config.precision, config.near_tie):
             ties += counts[outcome]
         else:
@@ -174,7 +149,7 @@ def distribution_check(
     statistic = pearson_statistic(observed, draws * null) if df > 0 else None
     verdict = "FAIL" if impossible else "inconclusive" if df == 0 else "FAIL" if statistic > critical else "pass"
 
-    q = drafter_distribution(decoder, method, prompt_ids, processor, exact, rows)
+    q = drafter_distribution(decoder, method, prompt_ids, sampling, exact, rows)
     q_statistic = power = None
     if q is not None and df > 0:
         alternative = cell_vectors(kept, merge_into, q)

@@ -2,19 +2,12 @@
 
 A method's greedy output that first differs from plain decoding where the target's two tokens
 are closer than ``near_tie_threshold`` is excused; anywhere else it is a failure. The target's
-logits there are recomputed teacher-forced (``row_logits``), one pass over the whole context.
+logits there are recomputed teacher-forced (``SpecDecoder.target_logits``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-import torch
-
-if TYPE_CHECKING:
-    from specdecode.backends.base import SequenceModel
 
 # Near-ties. Plain decoding scores one row per pass and a verify pass k + 1; kernels whose
 # rounding depends on the row count move logits a little (tests/helpers.NEAR_TIE: up to ~4e-4
@@ -49,10 +42,3 @@ def near_tie_rule(precision: str, override: float | None) -> str:
     if precision == "fp32":
         return f"{NEAR_TIE_FP32:g}"
     return f"max({NEAR_TIE_FP32:g}, {NEAR_TIE_ULPS} {precision} ulps of the top logit)"
-
-
-def row_logits(seq: SequenceModel, ids: Sequence[int]) -> torch.Tensor:  # -> (V,) float32
-    """The target's next-token logits after ``ids``, teacher-forced in one pass."""
-    seq.begin(len(ids) + 1)
-    tokens = torch.tensor([list(ids)], dtype=torch.long, device=seq.device)
-    return seq.extend(tokens, 0, logits_last=1).logits[0, -1].float()

@@ -1,0 +1,70 @@
+"""Reads of the models outside decoding: the target's next-token logits after given tokens
+(teacher-forced), and a drafter's distribution for the next token. The audit checks decoding
+against these (``SpecDecoder.target_logits`` and ``draft_probs`` call them); decoding never does.
+
+Both use the single-request engine's target sequence, so they overwrite what it holds: callers
+drop the prefix cache's record afterwards (``SpecDecoder`` does)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdecode.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from specdecode.backends.base import SequenceModel
+    from specdecode.drafters.base import Drafter
+    from specdecode.engine.sampling import LogitsProcessor
+
+
+@torch.inference_mode()
+def continuation_logits(
+    seq: SequenceModel, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]]
+) -> torch.Tensor:  # (len(continuations), V) float32
+    """Row i: the target's logits for the token after ``prompt_ids + continuations[i]``. The
+    prompt is prefilled once; each continuation is then one pass from the prompt's last token
+    (the backend overwrites the slots past the commit), so N rows cost one prefill and N short
+    passes, not N prefills."""
+    if not prompt_ids:
+        raise InvalidRequestError("target_logits needs at least one prompt token.")
+    if not continuations:
+        raise InvalidRequestError("target_logits needs at least one continuation (() for the prompt alone).")
+    prompt_len = len(prompt_ids)
+    seq.begin(prompt_len + max(len(c) for c in continuations) + 1)
+    device = seq.device
+    if prompt_len > 1:
+        seq.extend(torch.tensor([list(prompt_ids[:-1])], device=device), 0, compute_logits=False)
+    seq.commit(prompt_len - 1)
+    rows = []
+    for continuation in continuations:
+        tokens = torch.tensor([[prompt_ids[-1], *continuation]], device=device)  # (1, 1 + len)
+        rows.append(seq.extend(tokens, prompt_len - 1, logits_last=1).logits[0, -1].float())
+    return torch.stack(rows)
+
+
+@torch.inference_mode()
+def next_draft_probs(
+    seq: SequenceModel, drafter: Drafter, context: Sequence[int], processor: LogitsProcessor,
+    generator: torch.Generator,
+) -> torch.Tensor | None:  # (V,) float32
+    """The drafter's distribution for its first proposed token after ``context``, set up exactly
+    as the engine sets it up before a step (a layer-skip drafter drafts in the target's cache):
+    a one-hot for a deterministic drafter, None where it proposes nothing (that step would
+    decode plainly)."""
+    capacity = len(context) + 2
+    seq.begin(capacity)
+    drafter.start(len(context), capacity, seq)
+    if hasattr(drafter, "on_committed"):
+        drafter.on_committed(list(context))
+    if len(context) > 1:
+        seq.extend(torch.tensor([list(context[:-1])], device=seq.device), 0, compute_logits=False)
+    seq.commit(len(context) - 1)
+    proposal = drafter.propose(torch.tensor([list(context)], device=seq.device), 1, processor, generator)
+    if proposal.num_tokens == 0:
+        return None
+    if proposal.probs is None:
+        return torch.zeros(seq.vocab_size, device=seq.device).index_fill_(0, proposal.tokens[0, :1], 1.0)
+    return proposal.probs[0, 0].float()
