@@ -164,3 +164,45 @@ def test_cli_names_the_parameters_of_library_errors_as_flags(message: str, worde
     from specdecode.errors import InvalidRequestError
 
     assert cli_message(InvalidRequestError(message)) == worded
+
+
+def test_show_drafts_colours_accepted_drafts_on_a_terminal_only(
+    capsys, monkeypatch, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path
+) -> None:
+    """The coloured text is the plain text once the colour codes are taken out; without a
+    terminal, or with NO_COLOR, the flag prints plain text."""
+    import sys
+
+    from specdecode.cli.generate import DRAFT_COLOUR, RESET
+
+    args = ["generate", "Once upon a time", *common(tiny_qwen2_dir, tiny_close_draft_dir), "--k", "3", "--show-drafts"]
+    _, plain, _ = run_cli(capsys, *args)
+    assert "\x1b[" not in plain and plain.strip()
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    _, coloured, _ = run_cli(capsys, *args)
+    assert DRAFT_COLOUR in coloured and coloured.replace(DRAFT_COLOUR, "").replace(RESET, "") == plain
+    monkeypatch.setenv("NO_COLOR", "1")
+    _, uncoloured, _ = run_cli(capsys, *args)
+    assert uncoloured == plain
+
+
+def test_stream_spans_mark_exactly_the_accepted_drafts(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    """spans() gives iteration's text, and the engine's step chunks mark as drafted exactly the
+    accepted drafts the stats count (the close draft gets most accepted; bonus tokens are the
+    target's)."""
+    from helpers import decoder
+
+    from specdecode import SamplingParams
+    from specdecode.engine.metrics import GenerationStats
+
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    text = "".join(dec.stream("Once upon a time", params, k=3))
+    stream = dec.stream("Once upon a time", params, k=3)
+    pieces = list(stream.spans())
+    assert "".join(p for p, _ in pieces) == text
+    assert any(d for _, d in pieces) and not all(d for _, d in pieces)
+    stats = GenerationStats(method="draft")
+    chunks = list(dec.engine.decode(dec.encode("Once upon a time"), params, dec.plan(k=3), stats))
+    assert sum(c.drafted for c in chunks) == stats.draft_tokens_accepted > 0
+    assert all(len(c) - c.drafted == 1 for c in chunks)  # no cut: every step ends with the target's token

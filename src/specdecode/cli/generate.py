@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from specdecode.cli.args import add_decoder_arguments
@@ -30,6 +31,12 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     gen.add_argument("--quiet", action="store_true", help="no progress bars or metrics on stderr")
+    gen.add_argument("--show-drafts", action="store_true",
+                     help="colour the text of accepted draft tokens (on a terminal; plain text when the output is "
+                          "not one, or NO_COLOR is set)")
+
+# ANSI colour of accepted draft tokens under --show-drafts, and the reset after them.
+DRAFT_COLOUR, RESET = "\x1b[32m", "\x1b[0m"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -57,11 +64,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         json.dump(stream.result.to_dict(), sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
         return 0
-    for delta in stream:
-        sys.stdout.write(delta)
+    colour = args.show_drafts and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    for delta, from_draft in stream.spans():
+        sys.stdout.write(f"{DRAFT_COLOUR}{delta}{RESET}" if colour and from_draft else delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
     if not args.quiet:
         assert stream.result is not None
         print(stream.result.stats.summary(), file=sys.stderr)
+        if colour:
+            print(f"{DRAFT_COLOUR}green{RESET}: text of accepted draft tokens; the rest is the target's own tokens.",
+                  file=sys.stderr)
     return 0

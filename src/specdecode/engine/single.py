@@ -36,6 +36,7 @@ from specdecode.engine.plan import RequestPlan
 from specdecode.engine.prefix import NO_MATCH, CachedPrefix, match_prefix
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.stopping import cut_at_stop
+from specdecode.engine.stream import StepTokens
 from specdecode.engine.tree import TokenTree
 from specdecode.engine.verify import (
     PAD_TOKEN,
@@ -230,7 +231,7 @@ class SpecEngine:
                 stats.stop_reason = stop_reason or "running"
                 if not stats.first_token_seconds:
                     stats.first_token_seconds = time.perf_counter() - started
-                yield new_tokens
+                yield StepTokens(new_tokens, min(result.accepted, count))
                 if stop_reason:
                     break
         except GeneratorExit:

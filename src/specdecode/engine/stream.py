@@ -16,6 +16,16 @@ from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.text import IncrementalDecoder
 
 
+class StepTokens(list[int]):
+    """The tokens one step committed, as the single-request engine yields them: the first
+    ``drafted`` are accepted draft tokens, the rest (at most one) the target's own. Engines that
+    yield plain lists count as nothing drafted."""
+
+    def __init__(self, tokens: list[int], drafted: int) -> None:
+        super().__init__(tokens)
+        self.drafted = drafted
+
+
 @dataclass(slots=True)
 class GenerationResult:
     text: str
@@ -51,17 +61,37 @@ class GenerationStream:
         return len(self._decoder.token_ids)
 
     def __iter__(self) -> Iterator[str]:
+        pieces = self._pieces(split=False)
+        try:
+            for text, _ in pieces:
+                yield text
+        finally:
+            pieces.close()  # a caller that stops early ends the engine's generator now, not at collection
+
+    def spans(self) -> Iterator[tuple[str, bool]]:
+        """The same text as iterating, in pieces that say whether they came from accepted draft
+        tokens (True) or from the target's own tokens (False). A character made of bytes from
+        both goes with the token that completes it, and text held back for a stop string goes
+        with the token that releases it."""
+        return self._pieces(split=True)
+
+    def _pieces(self, split: bool) -> Iterator[tuple[str, bool]]:
         try:
             for chunk in self._chunks:
-                delta = self._decoder.add(chunk)
-                if delta:
-                    yield delta
+                drafted = getattr(chunk, "drafted", 0) if split else 0
+                # Split, the accepted drafts' text is read apart from the target's token after them.
+                for part, from_draft in ((chunk[:drafted], True), (chunk[drafted:], False)):
+                    if not part or self._decoder.stopped:
+                        continue
+                    delta = self._decoder.add(part)
+                    if delta:
+                        yield delta, from_draft
                 if self._decoder.stopped:
                     self.stats.stop_reason = "stop_string"
                     break
             tail = self._decoder.flush()
             if tail:
-                yield tail
+                yield tail, False
         finally:
             self._chunks.close()  # finishes the engine's timing even when stopped early
             self.result = GenerationResult(self._decoder.text, list(self._decoder.token_ids), self.stats)
