@@ -50,7 +50,7 @@ def pass_costs(eager: SpecDecoder, compiled: SpecDecoder, rows: list[int], round
     pass once eagerly and once compiled, back to back (in alternating order), so that a load
     spike hits both sides of a ratio alike."""
     sequences = {"target": (eager.engine.target, compiled.engine.target),
-                 "draft": (eager.draft_drafter.model, compiled.draft_drafter.model)}
+                 "draft": (eager.resources.draft_model.model, compiled.resources.draft_model.model)}
     tokens = torch.zeros((1, max(rows)), dtype=torch.long)
     for pair in sequences.values():
         for seq in pair:

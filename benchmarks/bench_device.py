@@ -127,12 +127,12 @@ def compiled_runs(eager: SpecDecoder, target_dir: Path, prompt: list[int], param
 
     out: dict[str, object] = {}
     # The k + 1 verify shapes and the draft's two, not every k up to k_max: compiling costs device time.
-    compiled = SpecDecoder(eager.target, eager.draft, replace(eager.spec, k=args.k), compile=True)
+    compiled = SpecDecoder(eager.target, eager.draft, replace(eager.config, k=args.k, compile=True))
     started = time.perf_counter()
     log = compiled.warm_up()
     out["compile"] = {"mode": compiled.compile_mode, "seconds": round(time.perf_counter() - started, 1),
                       "passes": len(log.passes), "cache_hits": log.cache_hits}
-    target_seq, draft_seq = compiled.engine.target, compiled.draft_drafter.model
+    target_seq, draft_seq = compiled.engine.target, compiled.resources.draft_model.model
     out["target_pass_ms_by_rows"] = {r: round(1000 * s, 3) for r, s in target_seq.pass_seconds([1, 2, 4, 8], 5).items()}
     out["draft_pass_ms"] = round(1000 * draft_seq.pass_seconds([1], 5)[1], 3)
     eager_draft = time_passes(eager.draft.model, (1,), repeats=5)[1]
