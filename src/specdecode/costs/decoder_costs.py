@@ -89,7 +89,8 @@ class DecoderCosts:
         row = (costs[1] - costs[0]) / plain  # what one more verified row adds, in target passes
         return (f"draft model not used: on this machine a verified row costs {row:.2f} of a target pass and a "
                 f"draft pass {draft_pass / plain:.2f}, so no draft length beats plain decoding even if every "
-                "token is accepted; decoded plainly (docs/methods.md#draft-length)")
+                "token is accepted; decoded plainly (docs/methods.md#draft-length). --method auto drafts from prompt "
+                "lookup and earlier answers where they pay, with no draft pass")
 
 
 def batch_pass_costs(
