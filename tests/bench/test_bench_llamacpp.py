@@ -286,7 +286,7 @@ def test_llamacpp_methods_run_beside_torch_and_match_their_plain_decoding(llamac
         assert summary[method][ALL]["speedup_vs_none"] > 0 and summary[method][ALL]["speedup_vs_none_llamacpp"] > 0
 
 
-def test_llamacpp_results_json_has_the_documented_fields(llamacpp_run: tuple[dict, Path]) -> None:
+def test_llamacpp_results_json_has_the_documented_fields(llamacpp_run: tuple[dict, Path], ggufs: dict[str, Path]) -> None:
     _, out = llamacpp_run
     data = json.loads((out / "results.json").read_text())
     entry = data["summary"]["draft@llama.cpp"][ALL]
@@ -294,7 +294,10 @@ def test_llamacpp_results_json_has_the_documented_fields(llamacpp_run: tuple[dic
         assert key in entry
     side = data["models"]["llamacpp"]
     assert side["llama_cpp_python"] and side["threads"] >= 1 and side["context"] == 512
-    target_bytes = gguf_weight_bytes_per_forward(side["target"]["path"])
+    # Model files by name, size and hash, never by path (results are shared between machines).
+    assert side["target"]["file"]["name"] == ggufs["target"].name and len(side["target"]["file"]["sha256_ends"]) == 64
+    assert str(ggufs["target"].parent) not in json.dumps(data["models"])
+    target_bytes = gguf_weight_bytes_per_forward(ggufs["target"])
     assert side["target"]["weight_bytes_per_forward"] == target_bytes
     by_method = data["models"]["weight_bytes_by_method"]
     assert by_method["draft@llama.cpp"] == [target_bytes, side["draft"]["weight_bytes_per_forward"]]

@@ -233,8 +233,9 @@ class LlamaCppSide:
             "threads": self.threads,
             "context": self.context,
             "kv_cache": "f32, flash attention off" if self.exact else "f16, flash attention llama.cpp's choice",
-            "target": {"path": str(self.files.target), "weight_bytes_per_forward": self.target_bytes},
-            "draft": {"path": str(draft), "weight_bytes_per_forward": self.draft_bytes} if draft else None,
+            # The files by name, size and a hash of their ends, not by path: results are shared.
+            "target": {"file": _file_record(Path(self.files.target)), "weight_bytes_per_forward": self.target_bytes},
+            "draft": {"file": _file_record(Path(draft)), "weight_bytes_per_forward": self.draft_bytes} if draft else None,
         }
 
 
@@ -280,3 +281,11 @@ def load_llamacpp_side(
         target_bytes=gguf_weight_bytes_per_forward(files.target),
         draft_bytes=gguf_weight_bytes_per_forward(files.draft) if files.draft else 0,
     )
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    """A model file as results record it: name, size and the hash of its first and last MiB."""
+    from specdecode.costs.store import file_identity
+
+    identity = file_identity(path)
+    return {key: identity[key] for key in ("name", "size", "sha256_ends")}
