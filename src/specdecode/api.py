@@ -209,13 +209,15 @@ class SpecDecoder:
         self.engine.forget_prefix()
 
     def target_logits(
-        self, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]] = ((),)
+        self, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]] = ((),),
+        rows_per_pass: int | None = None,
     ) -> torch.Tensor:  # (len(continuations), V) float32
         """The target's next-token logits after ``prompt_ids + continuation``, one row per
-        continuation, teacher-forced (the prompt prefilled once). What decoding should agree
-        with: ``specdecode audit`` checks methods against it."""
+        continuation, teacher-forced (the prompt prefilled once; each continuation in one pass,
+        or in passes of ``rows_per_pass`` rows). What decoding should agree with: ``specdecode
+        audit`` checks methods against it."""
         try:
-            return continuation_logits(self.engine.target, list(prompt_ids), continuations)
+            return continuation_logits(self.engine.target, list(prompt_ids), continuations, rows_per_pass)
         finally:
             self.engine.forget_prefix()  # the sequence now holds these tokens, not the last request's
 

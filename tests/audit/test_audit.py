@@ -13,7 +13,7 @@ from specdecode.audit.chi_square import builtin_critical_value, chi2_sf
 from specdecode.engine.verify import VerifyResult
 
 GREEDY_ROW_FIELDS = {"prompt_id", "method", "verdict", "tokens", "compared", "position", "plain_token",
-                     "method_token", "top2_gap", "token_gap", "threshold"}
+                     "method_token", "top2_gap", "token_gap", "threshold", "pair_gaps"}
 DISTRIBUTION_ROW_FIELDS = {"method", "draws", "statistic", "df", "critical", "critical_source", "verdict", "cells",
                            "impossible", "boundary_ties", "q_statistic", "power", "power_note", "accepted", "proposed"}
 REPORT_FIELDS = {"target", "draft", "backend", "precision", "near_tie", "alpha", "config", "greedy", "distribution",
@@ -170,3 +170,25 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], pattern: str,
 def test_draft_without_a_draft_model_is_refused(capsys, tiny_qwen2_dir: Path) -> None:
     code, _, err = run_audit_cli(capsys, tiny_qwen2_dir, None, "--method", "draft", "--draws", "5")
     assert code == cli.EXIT_USER_ERROR and "--draft" in err and "Traceback" not in err
+
+
+def test_a_difference_is_rounding_only_where_a_pass_shape_orders_the_pair_the_methods_way() -> None:
+    """pair gaps are logit(plain token) - logit(method token) by pass shape."""
+    from specdecode.audit.run import near_tie_verdict
+
+    assert near_tie_verdict({"all": 0.07, "1": 0.08, "k+1": 0.06}, 0.005) == "FAIL"
+    assert near_tie_verdict({"all": 0.07, "1": 0.08, "k+1": -0.02}, 0.005) == "near-tie"  # k+1 rows pick the method's
+    assert near_tie_verdict({"all": 0.004, "1": 0.08, "k+1": 0.06}, 0.005) == "near-tie"  # within the threshold
+    assert near_tie_verdict({"all": 0.0, "1": 0.01, "k+1": 0.01}, 0.005) == "near-tie"  # an exact tie
+
+
+def test_target_logits_by_pass_shape_agree_in_fp32(tiny_qwen2_dir: Path, tiny_draft_dir: Path) -> None:
+    """The reads the verdict compares are the same logits up to rounding (fp32 torch), whatever
+    the rows per pass: the split passes keep each other's K/V."""
+    dec = decoder(tiny_qwen2_dir, tiny_draft_dir)
+    ids = dec.encode(PROMPT)
+    plain = dec.generate(ids, SamplingParams(max_new_tokens=10), method="none").token_ids
+    whole = dec.target_logits(ids, [plain[:9], plain[:4]])
+    for rows in (1, 3):
+        torch.testing.assert_close(dec.target_logits(ids, [plain[:9], plain[:4]], rows_per_pass=rows), whole,
+                                   atol=NEAR_TIE, rtol=0)

@@ -22,12 +22,15 @@ if TYPE_CHECKING:
 
 @torch.inference_mode()
 def continuation_logits(
-    seq: SequenceModel, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]]
+    seq: SequenceModel, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]],
+    rows_per_pass: int | None = None,
 ) -> torch.Tensor:  # (len(continuations), V) float32
     """Row i: the target's logits for the token after ``prompt_ids + continuations[i]``. The
     prompt is prefilled once; each continuation is then one pass from the prompt's last token
     (the backend overwrites the slots past the commit), so N rows cost one prefill and N short
-    passes, not N prefills."""
+    passes, not N prefills. ``rows_per_pass`` splits each continuation's pass into passes of at
+    most that many rows (1: as plain decoding computes them), for kernels whose rounding depends
+    on the rows in a pass."""
     if not prompt_ids:
         raise InvalidRequestError("target_logits needs at least one prompt token.")
     if not continuations:
@@ -38,10 +41,18 @@ def continuation_logits(
     if prompt_len > 1:
         seq.extend(torch.tensor([list(prompt_ids[:-1])], device=device), 0, compute_logits=False)
     seq.commit(prompt_len - 1)
+    if rows_per_pass is not None and rows_per_pass < 1:
+        raise InvalidRequestError(f"rows_per_pass must be at least 1, got {rows_per_pass}.")
     rows = []
     for continuation in continuations:
         tokens = torch.tensor([[prompt_ids[-1], *continuation]], device=device)  # (1, 1 + len)
-        rows.append(seq.extend(tokens, prompt_len - 1, logits_last=1).logits[0, -1].float())
+        step = rows_per_pass or tokens.shape[1]
+        for start in range(0, tokens.shape[1], step):
+            out = seq.extend(tokens[:, start : start + step], prompt_len - 1 + start, logits_last=1)
+            if start + step < tokens.shape[1]:
+                seq.commit(prompt_len + start + step - 1)  # K/V of this pass stay for the next
+        rows.append(out.logits[0, -1].float())
+        seq.commit(prompt_len - 1)  # the next continuation starts after the prompt again
     return torch.stack(rows)
 
 
