@@ -197,8 +197,9 @@ class Bench(BenchLineup):
             "num_speculative_tokens": self.decoder.config.draft_k,
             "draft_confidence": self.decoder.config.draft_confidence,
             "models": {
-                "target": {"name": self.decoder.target.name, "weight_bytes_per_forward": self.target_bytes},
-                "draft": {"name": self.decoder.draft.name, "weight_bytes_per_forward": self.draft_bytes} if self.decoder.draft else None,
+                "target": {"name": _model_name(self.decoder.target.name), "weight_bytes_per_forward": self.target_bytes},
+                "draft": {"name": _model_name(self.decoder.draft.name), "weight_bytes_per_forward": self.draft_bytes}
+                if self.decoder.draft else None,
                 "weight_bytes_by_method": {name: list(pair) for name, pair in self.weight_bytes.items()},
                 "llamacpp": self.llamacpp.describe() if self.llamacpp is not None else None,
             },
@@ -231,3 +232,10 @@ def run_bench(config: BenchConfig, console: Any = None) -> dict[str, Any]:
     results = bench.run(prompts, console)
     publish(results, config, console)
     return results
+
+
+def _model_name(name: str) -> str:
+    """A model as results record it: a local file's or folder's name, not its path (results are
+    shared between machines), or the hub id or demo name as given."""
+    path = Path(name).expanduser()
+    return path.resolve().name if path.exists() else name
