@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -50,6 +51,7 @@ from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.single import SpecEngine
 from specdecode.engine.stream import GenerationResult, GenerationStream
 from specdecode.engine.text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
+from specdecode.engine.trace import DRAFT, TARGET, PassTrace, TracingSequence
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
 from specdecode.loading import load_models
@@ -207,6 +209,26 @@ class SpecDecoder:
         """Drop the prefix cache's record (the K/V stay allocated): the next request prefills its
         whole prompt, as the first request after loading does."""
         self.engine.forget_prefix()
+
+    @contextlib.contextmanager
+    def trace_passes(self) -> Iterator[PassTrace]:
+        """Record every pass the single-request engine makes on the target's and the draft
+        model's sequences inside the block (``engine/trace.py``): a trace to price with a cost
+        table or replay on another device. Layer skip's passes run inside the target's model and
+        are not recorded; the batch engine is not traced."""
+        trace = PassTrace()
+        target = self.engine.target
+        draft = self.resources.draft_model
+        draft_sequence = draft.model if draft is not None else None
+        self.engine.target = TracingSequence(target, TARGET, trace)  # type: ignore[assignment]  # a SequenceModel
+        if draft is not None:
+            draft.model = TracingSequence(draft_sequence, DRAFT, trace)  # type: ignore[arg-type, assignment]
+        try:
+            yield trace
+        finally:
+            self.engine.target = target
+            if draft is not None:
+                draft.model = draft_sequence  # type: ignore[assignment]
 
     def target_logits(
         self, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]] = ((),),
