@@ -329,6 +329,19 @@ def test_the_constrained_distribution_test_catches_a_wrong_residual(tiny_qwen2_d
     assert stat > CHI2_CRITICAL_P001[df], f"the wrong sampler passed: chi2={stat:.1f} df={df}"
 
 
+def test_choices_match_literally_control_characters_and_metacharacters_included() -> None:
+    """A choice is a literal string: metacharacters escaped, and control characters written as
+    \\uXXXX, since xgrammar refuses a raw NUL (the schema fuzz sent the choice "\\x00")."""
+    import xgrammar
+
+    from specdecode.engine.grammar import _regex_escape
+
+    grammar = xgrammar.Grammar.from_regex("|".join(_regex_escape(c) for c in ("a\x00b", "x.y", "t\tu", "(")))
+    accepts = xgrammar.testing._is_grammar_accept_string  # xgrammar's own test helper: the regex's language
+    assert all(accepts(grammar, c) for c in ("a\x00b", "x.y", "t\tu", "("))
+    assert not any(accepts(grammar, c) for c in ("xzy", "a b", "ab", "t u", ""))
+
+
 def test_specs_that_would_compile_for_minutes_are_refused() -> None:
     with pytest.raises(InvalidRequestError, match="repetition"):
         StructuredOutput(regex="a{50000}")

@@ -20,14 +20,48 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402 - only once sc
 FUZZ_EXAMPLES = 40  # per route and generation mode: 160 requests in all
 FUZZ_MAX_TOKENS = 16  # valid requests are cut to this many tokens, so that the fuzz stays fast
 REQUEST_SECONDS = 20  # a response slower than this is a hang
+FUZZ_TEXT_CHARS = 64  # chat texts and tool schemas cut so that valid prompts fit the tiny model's context
+FUZZ_MESSAGES = 4
 
 
 def _shorten(body: object) -> object:
-    if isinstance(body, dict):
-        for name in ("max_tokens", "max_completion_tokens"):
-            value = body.get(name)
-            if isinstance(value, int | float) and not isinstance(value, bool) and value > FUZZ_MAX_TOKENS:
-                body[name] = FUZZ_MAX_TOKENS
+    """A generated body made cheap and, where it was valid, still valid: fewer tokens to decode,
+    and the chat parts that reach the prompt cut (at most FUZZ_MESSAGES messages of two parts,
+    texts and tool schemas of FUZZ_TEXT_CHARS, tools without the extra keys a chat template
+    would render), so that a valid prompt fits the tiny model's 512 positions (random Unicode
+    tokenizes at about a token a character); tool names made unique, which the schema cannot say."""
+    if not isinstance(body, dict):
+        return body
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > FUZZ_MAX_TOKENS:
+            body[name] = FUZZ_MAX_TOKENS
+    if isinstance(body.get("messages"), list) and body["messages"]:
+        body["messages"] = body["messages"][:FUZZ_MESSAGES]
+        for message in body["messages"]:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                message["content"] = content[:FUZZ_TEXT_CHARS]
+            elif isinstance(content, list) and content:
+                message["content"] = content[:2]
+                for part in message["content"]:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        part["text"] = part["text"][:FUZZ_TEXT_CHARS]
+    if isinstance(body.get("tools"), list):
+        names: set[object] = set()
+        for i, tool in enumerate(body["tools"]):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict):
+                continue
+            function = {key: function[key] for key in ("name", "description", "parameters") if key in function}
+            if isinstance(function.get("description"), str):
+                function["description"] = function["description"][:FUZZ_TEXT_CHARS]
+            if isinstance(function.get("parameters"), dict) and len(json.dumps(function["parameters"])) > FUZZ_TEXT_CHARS:
+                function["parameters"] = {"type": "object"}
+            if isinstance(function.get("name"), str) and function["name"] in names:  # each name once
+                function["name"] = f"{function['name'][:60]}_{i}"
+            names.add(function.get("name"))
+            body["tools"][i] = {"type": tool.get("type"), "function": function}
     return body
 
 

@@ -141,8 +141,10 @@ class GrammarCompiler:
 
 
 def _regex_escape(text: str) -> str:
-    # xgrammar's regex dialect is ECMAScript-like; escape every metacharacter it knows.
-    return "".join("\\" + ch if ch in r"\^$.|?*+()[]{}/-" else ch for ch in text)
+    # xgrammar's regex dialect is ECMAScript-like; escape every metacharacter it knows, and write
+    # control characters as \uXXXX (it refuses a raw NUL; the schema fuzz sent a choice "\x00").
+    return "".join("\\" + ch if ch in r"\^$.|?*+()[]{}/-" else f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ch == "\x7f"
+                   else ch for ch in text)
 
 
 class CompiledGrammar:

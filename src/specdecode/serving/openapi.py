@@ -47,12 +47,13 @@ _COMMON: dict[str, Any] = {
     "method": {"type": "string", "description": "extension: a decoding method the server loaded"},
     "k": {"type": "integer", "minimum": 1, "description": "extension: tokens drafted per step, at most the server's k_max"},
     "response_format": {
-        "type": "object", "required": ["type"],
-        "properties": {
-            "type": {"enum": ["text", "json_object", "json_schema"]},
-            "json_schema": {"type": "object", "properties": {
-                "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}},
-        },
+        "anyOf": [
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
+        ],
         "description": "OpenAI's structured outputs: any JSON object, or JSON following a schema (strict honoured)",
     },
     "structured_outputs": {
@@ -85,7 +86,8 @@ def request_body(chat: bool, served_names: tuple[str, ...], methods: tuple[str, 
             {"enum": ["none", "auto", "required"]},
             {"type": "object", "required": ["type", "function"], "properties": {
                 "type": {"const": "function"},
-                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+                "function": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string", "pattern": NAME_PATTERN.pattern}}}}},
         ], "description": "required or a named function: the output is one valid call (a grammar)"}
         required = ["model", "messages"]
     else:
@@ -95,5 +97,14 @@ def request_body(chat: bool, served_names: tuple[str, ...], methods: tuple[str, 
             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}},
         ]}
         required = ["model", "prompt"]
-    schema = {"type": "object", "required": required, "properties": properties}
+    # The rules between fields that a schema can state (parse_request enforces them all):
+    # response_format and structured_outputs exclude each other; tool_choice "required" or a
+    # named function needs tools. Others (a named function among the tools, tool names unique,
+    # a grammar that compiles, a prompt that fits the context) are checked only by the server.
+    rules: list[dict[str, Any]] = [{"not": {"required": ["response_format", "structured_outputs"]}}]
+    if chat:
+        rules.append({"anyOf": [{"not": {"required": ["tool_choice"]}},
+                                {"properties": {"tool_choice": {"enum": ["none", "auto"]}}},
+                                {"required": ["tools"], "properties": {"tools": {"minItems": 1}}}]})
+    schema = {"type": "object", "required": required, "properties": properties, "allOf": rules}
     return {"required": True, "content": {"application/json": {"schema": schema}}}
