@@ -10,6 +10,8 @@ from specdecode.bench.methods import (
     DEFAULT_HF_LOOKUP_TOKENS,
     DEFAULT_LLAMACPP_LOOKUP_TOKENS,
     LLAMACPP_BIN_METHODS,
+    PLAIN_LLAMACPP_METHOD,
+    PLAIN_METHOD,
     available_methods,
     default_methods,
     parse_method,
@@ -56,6 +58,9 @@ class BenchConfig:
     kv_dtype: str = "auto"  # KV-cache storage of specdecode's methods: auto or int8
     compile: bool | str = False  # specdecode's torch passes compiled (backends/compiled.py), before the run
     bandwidth_probe_bytes: int = DEFAULT_PROBE_BYTES  # 0 skips the probe (and the ceilings)
+    # The oracle ceiling (bench/oracle.py): each method's passes traced, priced with the measured
+    # pass costs beside the hindsight-best schedule of the same drafters; greedy, with plain decoding.
+    oracle: bool = False
     out: Path = Path("results")
     plots: bool = True
     quiet: bool = False
@@ -86,7 +91,11 @@ class BenchConfig:
                 f"Methods {', '.join(binaries)} run llama.cpp's own binaries: pass llamacpp_bin=DIR, the folder "
                 "`bash scripts/build-llamacpp-tools.sh` (in specdecode's repository) prints (it builds them in about 10 minutes)."
             )
-        self.sampling()  # validates temperature, top-k, top-p, max_new_tokens
+        params = self.sampling()  # validates temperature, top-k, top-p, max_new_tokens
+        if self.oracle:
+            from specdecode.bench.oracle import check_oracle_config
+
+            check_oracle_config(self.methods, params.greedy, (PLAIN_METHOD, PLAIN_LLAMACPP_METHOD))
 
     def sampling(self, max_new_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(

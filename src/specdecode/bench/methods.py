@@ -33,6 +33,7 @@ rate is left empty rather than guessed.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
@@ -40,6 +41,7 @@ from typing import Any, Protocol
 import torch
 
 from specdecode.config import DRAFT_MODEL_METHODS, METHODS, SamplingParams
+from specdecode.engine.trace import PassTrace
 from specdecode.errors import InvalidRequestError
 from specdecode.quant.apply import QUANT_CHOICES
 
@@ -239,6 +241,8 @@ class SpecDecodeMethod:
         self.k: int | str | None = "auto" if label.k_policy else (label.k if label.k is not None else k)
         self.k_policy = label.k_policy
         self.prefix_cache = label.prefix_cache
+        self.trace = False  # record each turn's passes (``last_trace``) for the oracle's pricing
+        self.last_trace: PassTrace | None = None
 
     def start_conversation(self) -> None:
         """A new prompt: forget earlier responses, so that suffix decoding drafts only from this
@@ -251,7 +255,9 @@ class SpecDecodeMethod:
     def run_turn(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
         if not self.prefix_cache:
             self.decoder.forget_prefix()
-        result = self.decoder.generate(prompt_ids, params, method=self.base, k=self.k, k_policy=self.k_policy)
+        with self.decoder.trace_passes() if self.trace else contextlib.nullcontext() as trace:
+            result = self.decoder.generate(prompt_ids, params, method=self.base, k=self.k, k_policy=self.k_policy)
+        self.last_trace = trace
         stats = result.stats
         suffix = self.decoder.suffix_cache.stats(measure_bytes=True) if self.base in ("suffix", "auto") else None
         return TurnResult(

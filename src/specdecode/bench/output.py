@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from specdecode.bench.oracle import oracle_rows
 from specdecode.bench.report import ALL
 
 GIB = 1 << 30
@@ -159,6 +160,8 @@ def print_tables(results: dict[str, Any], console: Any) -> None:
         console.print(_rich_table(POSITION_TITLE, header, rows))
     if suffix_line(summary):
         console.print(suffix_line(summary))
+    for title, header, rows in oracle_rows(results.get("oracle") or {}):
+        console.print(_rich_table(title, header, rows))
 
 
 def markdown_report(results: dict[str, Any]) -> str:
@@ -179,6 +182,8 @@ def markdown_report(results: dict[str, Any]) -> str:
         parts.append(md(POSITION_TITLE, header, rows))
     if suffix_line(summary):
         parts.append(suffix_line(summary))
+    for title, header, rows in oracle_rows(results.get("oracle") or {}):
+        parts.append(md(title, header, rows))
     return "\n\n".join(parts) + "\n"
 
 

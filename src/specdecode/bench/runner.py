@@ -17,20 +17,24 @@ import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specdecode.backends.device import cpu_model, dtype_name
 from specdecode.bench.config import DEFAULT_METHODS, BenchConfig
 from specdecode.bench.lineup import BenchLineup
-from specdecode.bench.methods import BenchMethod
+from specdecode.bench.methods import PLAIN_LLAMACPP_METHOD, PLAIN_METHOD, BenchMethod, SpecDecodeMethod, parse_method
 from specdecode.bench.publish import SCHEMA, check_optional_dependencies, publish, resummarize, write_results
 from specdecode.bench.report import summarize
 from specdecode.bench.roofline import measure_copy_bandwidth
 from specdecode.config import SamplingParams
+from specdecode.engine.trace import PassTrace, save_traces
 from specdecode.errors import InvalidRequestError
 from specdecode.prompt_sets import BenchPrompt, load_prompts, select_prompts
+
+if TYPE_CHECKING:
+    from specdecode.bench.oracle import OracleGroup
 
 # Re-exported: the bench's entry points have long been importable from here.
 __all__ = ["DEFAULT_METHODS", "Bench", "BenchConfig", "resummarize", "run_bench", "write_results"]
@@ -101,13 +105,16 @@ class Bench(BenchLineup):
         # Without a chat template a conversation is its messages joined by blank lines.
         return self.decoder.encode("\n\n".join(m["content"] for m in messages))
 
-    def run_conversation(self, method: BenchMethod, turns: tuple[str, ...], params: SamplingParams) -> list[dict[str, Any]]:
-        """All turns of one prompt, each answer going into the next turn's history."""
+    def run_conversation(self, method: BenchMethod, turns: tuple[str, ...], params: SamplingParams,
+                         trace_key: tuple[str, str, int] | None = None) -> list[dict[str, Any]]:
+        """All turns of one prompt, each answer going into the next turn's history; a traced
+        method's passes (``--oracle``) kept under ``trace_key`` (method, prompt id, repeat)."""
         messages: list[dict[str, str]] = []
         results = []
         if hasattr(method, "start_conversation"):
             method.start_conversation()
-        for turn in turns:
+        turn_traces: list[PassTrace] = []
+        for index, turn in enumerate(turns):
             messages.append({"role": "user", "content": turn})
             prompt_ids = self.encode(messages)
             _reset_peak_rss()
@@ -118,6 +125,13 @@ class Bench(BenchLineup):
                 result.run_rss_bytes = max(0, result.peak_rss_bytes - rss_before)
             messages.append({"role": "assistant", "content": result.text})
             results.append(result.to_dict())
+            trace = getattr(method, "last_trace", None)
+            if trace_key is not None and trace is not None:
+                trace.meta.update(method=trace_key[0], prompt_id=trace_key[1], repeat=trace_key[2], turn=index,
+                                  prompt_tokens=len(prompt_ids), tokens=len(result.tokens))
+                turn_traces.append(trace)
+        if trace_key is not None and turn_traces:
+            self.traces[trace_key] = turn_traces
         return results
 
     def run(self, prompts: list[BenchPrompt], console: Any = None) -> dict[str, Any]:
@@ -134,6 +148,11 @@ class Bench(BenchLineup):
         config = self.config
         console = console or Console(stderr=True, quiet=config.quiet)
         params = config.sampling()
+        self.traces: dict[tuple[str, str, int], list[PassTrace]] = {}
+        oracle_groups = self._oracle_groups() if config.oracle else []
+        for group in oracle_groups:
+            for name in group.methods:
+                self.methods[name].trace = True  # type: ignore[attr-defined]  # a SpecDecodeMethod
         env = environment(self.device, self.dtype)
         probes: list[float] = []  # before and after the run: drift shows as a difference
         if config.bandwidth_probe_bytes > 0:
@@ -162,13 +181,14 @@ class Bench(BenchLineup):
                 for index, prompt in enumerate(prompts):
                     row = {name: {"prompt_id": prompt.prompt_id, "category": prompt.category, "subcategory": prompt.subcategory,
                                   "method": name, "turns": len(prompt.turns), "repeats": [], "error": None} for name in self.methods}
-                    for _ in range(config.repeats):
+                    for repeat in range(config.repeats):
                         for name, method in self.methods.items():
                             progress.update(task, description=f"[{index + 1}/{len(prompts)}] {prompt.prompt_id} {name}")
                             record = row[name]
                             if record["error"] is None:
                                 try:
-                                    turns = self.run_conversation(method, prompt.turns, params)
+                                    turns = self.run_conversation(method, prompt.turns, params,
+                                                                  (name, prompt.prompt_id, repeat))
                                     record["repeats"].append(turns)
                                     tokens = sum(len(t["tokens"]) for t in turns)
                                     seconds = sum(t["seconds"] for t in turns)
@@ -188,6 +208,15 @@ class Bench(BenchLineup):
             probes.append(measure_copy_bandwidth(self.device, config.bandwidth_probe_bytes))
         bandwidth = max(probes) if probes else None
         summary = summarize(records, list(self.methods), params.greedy, self.weight_bytes, bandwidth)
+        oracle = None
+        if oracle_groups and records:
+            from specdecode.bench.oracle import oracle_results
+
+            console.print("oracle: scoring the drafters at every position of the plain outputs ...")
+            with progress:
+                task = progress.add_task("oracle", total=len(prompts) * len(oracle_groups))
+                oracle = oracle_results(oracle_groups, prompts, records, self.traces, self.encode, summary,
+                                        lambda: progress.advance(task))
         return {
             "schema": SCHEMA,
             "complete": not interrupted,
@@ -214,9 +243,36 @@ class Bench(BenchLineup):
             "warmup_errors": warmup_errors,
             "prompts": [asdict(p) for p in prompts],
             "summary": summary,
+            "oracle": oracle,
             "failures": [{"prompt_id": r["prompt_id"], "method": r["method"], "error": r["error"]} for r in records if r["error"]],
             "records": records,
         }
+
+
+    def _oracle_groups(self) -> list[OracleGroup]:
+        """The oracle's groups (``--oracle``): one per plain decoding in the run (torch, llama.cpp),
+        with the traced methods its cost table prices and the decoder holding their drafters."""
+        from specdecode.bench.oracle import ORACLE_BASES, OracleGroup
+
+        groups = []
+        for plain, decoder, key in ((PLAIN_METHOD, self.decoder, "decode_speedup_vs_none"),
+                                    (PLAIN_LLAMACPP_METHOD, self.llamacpp.decoder if self.llamacpp else None,
+                                     "decode_speedup_vs_none_llamacpp")):
+            if plain not in self.methods or decoder is None:
+                continue
+            names = [n for n, m in self.methods.items() if isinstance(m, SpecDecodeMethod)
+                     and parse_method(n).plain == plain and parse_method(n).base in ORACLE_BASES]
+            groups.append(OracleGroup(plain, decoder, names, key))
+        return groups
+
+    def trace_header(self) -> dict[str, Any]:
+        """What a replay of this run's traces needs (bench/replay.py): the models' shapes."""
+        from specdecode.bench.replay import model_config_dict
+
+        draft = self.decoder.draft or (self.llamacpp.decoder.draft if self.llamacpp else None)
+        return {"target": model_config_dict(self.decoder.target.config),
+                "draft": model_config_dict(draft.config) if draft is not None else None,
+                "dtype": dtype_name(self.dtype), "cpu": cpu_model()}
 
 
 def run_bench(config: BenchConfig, console: Any = None) -> dict[str, Any]:
@@ -231,6 +287,11 @@ def run_bench(config: BenchConfig, console: Any = None) -> dict[str, Any]:
     bench = Bench(config)
     results = bench.run(prompts, console)
     publish(results, config, console)
+    if bench.traces:  # --oracle: every traced turn, to price again or replay on another device
+        path = config.out / "traces.json"
+        traces = [t for turns in bench.traces.values() for t in turns]
+        save_traces(traces, path, bench.trace_header())
+        console.print(f"wrote {path} ({len(traces)} traced turns)")
     return results
 
 

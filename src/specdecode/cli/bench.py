@@ -83,6 +83,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="measure nothing: recompute the summary, report and plots of a stored results.json with this "
         "version's report code, into --out",
     )
+    bench.add_argument(
+        "--oracle", action="store_true",
+        help="also report the oracle ceiling: the hindsight-best schedule of the draft model, prompt lookup and "
+        "suffix trees on each greedy output, priced with this machine's pass costs beside every method's own passes "
+        "(needs none or none@llama.cpp in --methods; writes traces.json too)",
+    )
     bench.add_argument("--out", default="results", help="output folder (default: %(default)s)")
     bench.add_argument("--no-plots", action="store_true")
     bench.add_argument("--quiet", action="store_true", help="no progress or tables")
@@ -130,6 +136,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kv_dtype=decoder.kv_dtype,
         compile=decoder.compile,
         bandwidth_probe_bytes=max(0, args.bandwidth_probe_mib) << 20,
+        oracle=args.oracle,
         out=Path(args.out),
         plots=not args.no_plots,
         quiet=args.quiet,

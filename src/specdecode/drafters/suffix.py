@@ -184,6 +184,19 @@ class SuffixProposer:
             self.mark_proposed(kept)
         return kept
 
+    def raw_draft(self, depth: int, nodes: int, branching: int | None) -> Draft:
+        """The draft below the current match, at most ``depth`` deep and ``nodes`` nodes
+        (``branching`` 1: the best chain), before calibration and choice, nothing marked: what
+        the bench's oracle scores (``bench/oracle.py``)."""
+        depth = min(self.depth, depth)
+        return self._draft(depth, nodes, branching) if depth >= 1 and self.history else Draft()
+
+    def close(self) -> None:
+        """The request is over: its response stays in the shared cache but takes no more tokens."""
+        if self.cache is not None:
+            self.cache.close(self._handle)
+            self._handle = None
+
     def mark_proposed(self, draft: Draft) -> None:
         """``draft`` goes to verification: the next committed tokens score it."""
         self._pending = draft if len(draft) else None

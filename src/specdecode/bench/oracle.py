@@ -1,0 +1,406 @@
+"""The oracle ceiling (``specdecode bench --oracle``): how fast greedy decoding of a prompt could
+have been with the same drafters and this machine's pass costs, had every step known the future.
+
+With the target's greedy output ``y`` known (plain decoding's), what each drafter would propose
+at every position ``i`` is known too, and so is how many of its tokens the target would accept:
+
+- the draft model drafting greedily proposes, while it agrees with ``y``, exactly its
+  teacher-forced predictions, so its accepted run at ``i`` is the run of positions from ``i``
+  where its argmax after ``prompt + y[:j]`` is ``y[j]`` (one teacher-forced pass per turn);
+- prompt lookup's continuation after ``prompt + y[:i]`` (``NgramDrafter``, up to ``k_max``);
+- suffix decoding's draft after ``prompt + y[:i]`` over the request's own text and the
+  conversation's earlier answers, for every depth up to ``AUTO_DEPTH`` (a shallower draft can
+  take another match); on backends that verify trees the oracle may keep any path of the tree,
+  so it proposes just the path the target takes.
+
+A dynamic programme over positions then finds the cheapest schedule: each step either decodes
+plainly (a one-row pass) or drafts ``k`` tokens from one source, costing a verify pass over
+``k + 1`` rows plus ``k`` draft-model passes for the draft model (nothing for the lookups),
+and moves past the accepted tokens and the target's own bonus token. The pass costs are the
+decoder's measured table (``DecoderCosts``), the same one every method's trace is priced with
+(``price_trace``), so ``plain / oracle`` is the ceiling and ``oracle / method`` each method's
+share of it. The oracle is optimistic on purpose: it ignores the draft model's catch-up on
+tokens it did not read (the prompt included) and its stopping rule, so no method's priced
+trace is below it (tested). Prefill is left out of both: every method pays the same one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specdecode.costs.k_policy import interpolate
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.suffix import AUTO_DEPTH, DEFAULT_TREE_SIZE, SuffixProposer
+from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
+from specdecode.engine.trace import BEGIN, DRAFT, EXTEND, TARGET, TREE, PassTrace
+from specdecode.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from specdecode.api import SpecDecoder
+
+PLAIN_SOURCE = "none"
+SOURCES = ("ngram", "suffix", "draft")  # the drafters the oracle schedules, beside plain steps
+
+
+@dataclass(frozen=True, slots=True)
+class CostTable:
+    """Seconds of the passes a schedule is made of, measured on one decoder."""
+
+    verify: tuple[float, ...]  # index r - 1: a target pass over r rows (logits for every row)
+    draft_pass: float = 0.0  # one draft-model pass over one new token
+    draft_token: float = 0.0  # a token's share of a long draft-model pass (catch-up, prompt)
+
+    def target(self, rows: int) -> float:
+        """A target pass over ``rows`` rows, extrapolated along the last slope past the table."""
+        if rows <= len(self.verify):
+            return self.verify[rows - 1]
+        return interpolate(dict(enumerate(self.verify, start=1)), rows)
+
+    def draft(self, rows: int) -> float:
+        """A draft-model pass over ``rows`` rows: a one-token pass, or the tokens' share of a long one."""
+        return max(self.draft_pass, rows * self.draft_token)
+
+    @classmethod
+    def of(cls, decoder: SpecDecoder, max_rows: int) -> CostTable:
+        """The decoder's measured costs (timed on first use and kept, as its policies read them)."""
+        costs = decoder.costs
+        draft = costs.draft_model() if decoder.resources.draft_model is not None else (0.0, 0.0)
+        return cls(tuple(costs.verify(max_rows)), *draft)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"verify_seconds": list(self.verify), "draft_pass_seconds": self.draft_pass,
+                "draft_token_seconds": self.draft_token}
+
+
+@dataclass(slots=True)
+class Proposals:
+    """For each decode position ``i`` of a turn (``y[i]`` the next token) and each source, the
+    tokens the target would accept from a draft of ``k`` tokens: ``accepted[source][i][k - 1]``."""
+
+    length: int  # len(y)
+    accepted: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    def options(self, i: int) -> list[tuple[str, int, int]]:
+        """(source, k, accepted) for every draft the sources could make at position i."""
+        out = []
+        for source, per_position in self.accepted.items():
+            for k, accepted in enumerate(per_position[i], start=1):
+                out.append((source, k, accepted))
+        return out
+
+
+def _run(predicted: Sequence[int], y: Sequence[int], i: int) -> int:
+    """How many of ``predicted`` (a draft at position i) equal ``y[i:]`` before the first miss."""
+    n = 0
+    while n < len(predicted) and i + n < len(y) and predicted[n] == y[i + n]:
+        n += 1
+    return n
+
+
+def _capped(runs: Sequence[int], depth: int) -> list[int]:
+    """Accepted tokens for a draft of k = 1..depth tokens, given the accepted run of a draft of
+    each depth d (``runs[d - 1]``; a draft of k tokens is the first k of one of depth d >= k)."""
+    out = []
+    for k in range(1, depth + 1):
+        out.append(max(min(k, run) for run in runs[k - 1 :]))
+    return out
+
+
+@torch.inference_mode()
+def draft_model_runs(decoder: SpecDecoder, prompt: Sequence[int], y: Sequence[int]) -> list[int]:
+    """Per position i, the draft model's accepted run at i: its teacher-forced greedy predictions
+    after ``prompt + y[:j]`` (one pass over the whole turn) compared with ``y[j]`` from j = i on."""
+    from specdecode.drafters.draft_model import to_target_vocab
+
+    drafter = decoder.resources.draft_model
+    if drafter is None or not y:
+        return [0] * len(y)
+    sequence = drafter.model
+    tokens = torch.tensor([list(prompt) + list(y)], dtype=torch.long, device=sequence.device)
+    sequence.begin(tokens.shape[1] + 1)  # a new epoch: the drafter re-reads its next request
+    out = sequence.extend(tokens, 0, logits_last=len(y) + 1)
+    assert out.logits is not None
+    # Row j of the last len(y) + 1 predicts y[j] (the last row, the token after y, is unused).
+    predicted = to_target_vocab(out.logits[0, : len(y)], decoder.target.config.vocab_size).argmax(-1).tolist()
+    matches = [int(p == t) for p, t in zip(predicted, y)]
+    runs = [0] * (len(y) + 1)
+    for j in range(len(y) - 1, -1, -1):
+        runs[j] = runs[j + 1] + 1 if matches[j] else 0
+    return runs[: len(y)]
+
+
+def turn_proposals(
+    decoder: SpecDecoder, prompt: Sequence[int], y: Sequence[int], suffix_cache: SuffixCache,
+    suffix_trees: bool, suffix_depth: int = AUTO_DEPTH,
+) -> Proposals:
+    """What every source would propose at every decode position of one turn whose greedy output
+    is ``y`` (position 0, the token prefill emits, included for indexing). ``suffix_cache``
+    holds the conversation's earlier answers; this turn's answer is added to it."""
+    config = decoder.config
+    k_max = config.k_max
+    proposals = Proposals(len(y))
+    ngram = NgramDrafter(config.ngram_max, config.ngram_min)
+    ngram.start(len(prompt), len(prompt) + len(y) + 1)
+    ngram.extend(list(prompt))
+    suffix = SuffixProposer(suffix_cache, DEFAULT_GROUP, depth=suffix_depth)
+    suffix.start(len(prompt))
+    suffix.extend(prompt)
+    depth = suffix.depth  # bounded by the trees' depth
+    # As many nodes as any suffix method's tree may hold (a best-first tree with more nodes
+    # holds every smaller one's), so every path a method could propose is among the oracle's.
+    tree_nodes = max(config.tree_size or DEFAULT_TREE_SIZE, depth)
+    ngram_acc, suffix_acc = [], []
+    for i in range(len(y)):
+        continuation, _ = ngram.match(k_max)
+        ngram_acc.append(_capped([_run(continuation[:d], y, i) for d in range(1, k_max + 1)], k_max))
+        runs = []
+        for d in range(1, depth + 1):
+            draft = suffix.raw_draft(d, tree_nodes if suffix_trees else d, None if suffix_trees else 1)
+            runs.append(_deepest_path(draft.tokens, draft.parents, y, i))
+        suffix_acc.append(_capped(runs, depth))
+        ngram.extend([y[i]])
+        suffix.extend([y[i]])
+    suffix.close()
+    proposals.accepted["ngram"] = ngram_acc
+    proposals.accepted["suffix"] = suffix_acc
+    if decoder.resources.draft_model is not None:
+        runs = draft_model_runs(decoder, prompt, y)
+        proposals.accepted["draft"] = [[min(k, runs[i]) for k in range(1, k_max + 1)] for i in range(len(y))]
+    return proposals
+
+
+def _deepest_path(tokens: Sequence[int], parents: Sequence[int], y: Sequence[int], i: int) -> int:
+    """Depth of the deepest path of a draft tree (node j: ``tokens[j]`` below ``parents[j]``, -1
+    the root) whose tokens are ``y[i], y[i + 1], ...``: what verification would accept."""
+    depth_of: dict[int, int] = {}
+    best = 0
+    for j, (token, parent) in enumerate(zip(tokens, parents)):
+        above = 0 if parent < 0 else depth_of.get(parent, -1)
+        if above < 0 or i + above >= len(y) or token != y[i + above]:
+            continue
+        depth_of[j] = above + 1
+        best = max(best, above + 1)
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class OracleStep:
+    position: int
+    source: str  # PLAIN_SOURCE or one of SOURCES
+    k: int
+    accepted: int
+
+
+def best_schedule(proposals: Proposals, costs: CostTable, start: int = 1) -> tuple[float, list[OracleStep]]:
+    """The cheapest schedule from position ``start`` (after prefill emitted ``y[0]``) to the end,
+    by dynamic programming over positions: (seconds, steps)."""
+    n = proposals.length
+    best = [0.0] * (n + 1)
+    choice: list[OracleStep | None] = [None] * (n + 1)
+    for i in range(n - 1, start - 1, -1):
+        best[i] = costs.target(1) + best[i + 1]
+        choice[i] = OracleStep(i, PLAIN_SOURCE, 0, 0)
+        for source, k, accepted in proposals.options(i):
+            seconds = costs.target(k + 1) + (k * costs.draft(1) if source == "draft" else 0.0)
+            seconds += best[min(n, i + accepted + 1)]
+            if seconds < best[i] - 1e-15:
+                best[i], choice[i] = seconds, OracleStep(i, source, k, accepted)
+    steps, i = [], start
+    while i < n:
+        step = choice[i]
+        assert step is not None
+        steps.append(step)
+        i = min(n, i + step.accepted + 1)
+    return (best[start] if start < n else 0.0), steps
+
+
+def price_trace(trace: PassTrace, costs: CostTable) -> float:
+    """Seconds a traced decode costs by the table: every target pass after prefill (the extends
+    up to the first that asks for logits after a ``begin``) at its row count, every draft-model
+    pass at its own. What the oracle's schedule is compared with."""
+    seconds = 0.0
+    in_prefill = False
+    for event in trace.events:
+        if event.role == TARGET:
+            if event.op == BEGIN:
+                in_prefill = True
+            elif event.op == EXTEND:
+                if in_prefill:
+                    in_prefill = event.args[2] == 0  # the prompt's last chunk asks for logits
+                    continue
+                seconds += costs.target(event.rows)
+            elif event.op == TREE:
+                seconds += costs.target(event.rows)
+        elif event.role == DRAFT and event.op == EXTEND:
+            seconds += costs.draft(event.rows)
+    return seconds
+
+
+def max_trace_rows(traces: Sequence[PassTrace]) -> int:
+    """The most rows any target pass after prefill took (for the cost table's length)."""
+    rows = 1
+    for trace in traces:
+        in_prefill = False
+        for event in trace.events:
+            if event.role != TARGET:
+                continue
+            if event.op == BEGIN:
+                in_prefill = True
+            elif event.op == EXTEND and in_prefill:
+                in_prefill = event.args[2] == 0
+            elif event.is_pass:
+                rows = max(rows, event.rows)
+    return rows
+
+
+def check_oracle_config(methods: Sequence[str], greedy: bool, plain_methods: Sequence[str]) -> None:
+    """The oracle needs the target's greedy output, from a plain decoding in the run."""
+    if not greedy:
+        raise InvalidRequestError("--oracle needs greedy decoding (temperature 0): it schedules against the target's "
+                                  "one greedy output.")
+    if not any(m in methods for m in plain_methods):
+        raise InvalidRequestError(f"--oracle needs plain decoding in the run ({' or '.join(plain_methods)}): its "
+                                  "greedy output is what the drafters are scored against.")
+
+
+# --- the bench's side: every greedy prompt of a run, each method's traces priced beside it ----
+
+ORACLE_BASES = ("none", "draft", "ngram", "suffix", "auto")  # methods whose every pass a trace holds
+ALL = "all"
+
+
+@dataclass(slots=True)
+class OracleGroup:
+    """The methods one cost table prices: those whose plain decoding is ``plain`` (one backend,
+    the unquantized target), and the decoder whose drafters and costs the oracle reads."""
+
+    plain: str  # "none" or "none@llama.cpp"
+    decoder: Any  # SpecDecoder with the draft model where the run has one
+    methods: list[str]
+    speedup_key: str  # the summary's measured decode speedup against ``plain``
+
+
+def _sum(values: Sequence[float | None]) -> float | None:
+    return None if any(v is None for v in values) else float(sum(values))  # type: ignore[arg-type]
+
+
+def oracle_results(
+    groups: Sequence[OracleGroup],
+    prompts: Sequence[Any],  # BenchPrompt: prompt_id, category, turns
+    records: Sequence[dict[str, Any]],
+    traces: dict[tuple[str, str, int], list[PassTrace]],  # (method, prompt id, repeat) -> a trace per turn
+    encode: Any,  # messages -> prompt ids, as the bench encoded them
+    summary: dict[str, dict[str, dict[str, Any]]],
+    progress: Any = None,
+) -> dict[str, Any]:
+    """``results["oracle"]``: per group, the cost table, and per prompt and category (and all)
+    the plain, oracle and each method's priced seconds, the ceiling (plain / oracle) and each
+    method's share of it (oracle / method), with its measured decode speedup beside."""
+    from specdecode.bench.report import chosen_repeat
+
+    by_key = {(r["method"], r["prompt_id"]): r for r in records}
+    out: dict[str, Any] = {}
+    for group in groups:
+        chosen = {}  # (method, prompt id) -> (repeat index, turns)
+        for (method, prompt_id), record in by_key.items():
+            if method in group.methods + [group.plain] and not record["error"] and record["repeats"]:
+                turns = chosen_repeat(record)
+                chosen[method, prompt_id] = (record["repeats"].index(turns), turns)
+        rows = max([AUTO_DEPTH + 1] + [max_trace_rows(t) for t in traces.values()])
+        costs = CostTable.of(group.decoder, rows)
+        per_prompt = []
+        for prompt in prompts:
+            if (group.plain, prompt.prompt_id) not in chosen:
+                continue
+            _, plain_turns = chosen[group.plain, prompt.prompt_id]
+            cache = SuffixCache()  # the conversation's earlier answers, as each method's run had
+            messages: list[dict[str, str]] = []
+            oracle_seconds, steps_by_source = 0.0, dict.fromkeys((PLAIN_SOURCE,) + SOURCES, 0)
+            for turn, plain in zip(prompt.turns, plain_turns):
+                messages.append({"role": "user", "content": turn})
+                proposals = turn_proposals(group.decoder, encode(messages), plain["tokens"], cache,
+                                           suffix_trees=group.decoder.backend == "torch")
+                seconds, steps = best_schedule(proposals, costs)
+                oracle_seconds += seconds
+                for step in steps:
+                    steps_by_source[step.source] += 1
+                messages.append({"role": "assistant", "content": plain["text"]})
+            group.decoder.forget_prefix()
+            plain_seconds = _price(traces, group.plain, prompt.prompt_id, chosen, costs)
+            row: dict[str, Any] = {
+                "prompt_id": prompt.prompt_id, "category": prompt.category,
+                "tokens": sum(len(t["tokens"]) for t in plain_turns),
+                "plain_seconds": plain_seconds, "oracle_seconds": oracle_seconds,
+                "ceiling": plain_seconds / oracle_seconds if plain_seconds and oracle_seconds else None,
+                "oracle_steps_by_source": steps_by_source, "methods": {},
+            }
+            for method in group.methods:
+                if (method, prompt.prompt_id) not in chosen:
+                    continue
+                same = [t["tokens"] for t in chosen[method, prompt.prompt_id][1]] == [t["tokens"] for t in plain_turns]
+                priced = _price(traces, method, prompt.prompt_id, chosen, costs)
+                row["methods"][method] = {"priced_seconds": priced, "equal_to_plain": same,
+                                          "share": oracle_seconds / priced if priced and same else None}
+            per_prompt.append(row)
+            if progress is not None:
+                progress()
+        out[group.plain] = {"cost_table": costs.to_json(), "methods": list(group.methods), "prompts": per_prompt,
+                            "categories": _by_category(per_prompt, group, summary)}
+    return out
+
+
+def _price(traces: dict[tuple[str, str, int], list[PassTrace]], method: str, prompt_id: str,
+           chosen: dict[tuple[str, str], tuple[int, list[dict[str, Any]]]], costs: CostTable) -> float | None:
+    repeat, _ = chosen[method, prompt_id]
+    turn_traces = traces.get((method, prompt_id, repeat))
+    return sum(price_trace(t, costs) for t in turn_traces) if turn_traces else None
+
+
+def _by_category(per_prompt: list[dict[str, Any]], group: OracleGroup,
+                 summary: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Seconds pooled per category (and all): the ceiling and each method's share over the
+    prompts where the method decoded the plain output."""
+    categories = list(dict.fromkeys(r["category"] for r in per_prompt)) + [ALL]
+    out = {}
+    for category in categories:
+        rows = [r for r in per_prompt if category in (ALL, r["category"])]
+        plain, oracle = _sum([r["plain_seconds"] for r in rows]), sum(r["oracle_seconds"] for r in rows)
+        methods = {}
+        for method in group.methods:
+            kept = [r for r in rows if (r["methods"].get(method) or {}).get("share") is not None]
+            priced = sum(r["methods"][method]["priced_seconds"] for r in kept)
+            methods[method] = {
+                "share": sum(r["oracle_seconds"] for r in kept) / priced if priced else None,
+                "priced_speedup": sum(r["plain_seconds"] for r in kept) / priced if priced else None,
+                "measured_decode_speedup": (summary.get(method, {}).get(category) or {}).get(group.speedup_key),
+                "prompts": len(kept),
+            }
+        out[category] = {"prompts": len(rows), "plain_seconds": plain, "oracle_seconds": oracle,
+                         "ceiling": plain / oracle if plain and oracle else None, "methods": methods}
+    return out
+
+
+def oracle_rows(oracle: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) per group: a category per row, the ceiling, then each method's
+    share of it and its measured decode speedup."""
+    tables = []
+    for plain, group in oracle.items():
+        methods = [m for m in group["methods"] if m != plain]
+        header = ["category", "ceiling"] + [f"{m} share (measured)" for m in methods]
+        rows = []
+        for category, entry in group["categories"].items():
+            cells = [category, "-" if entry["ceiling"] is None else f"{entry['ceiling']:.2f}x"]
+            for method in methods:
+                figures = entry["methods"][method]
+                share, measured = figures["share"], figures["measured_decode_speedup"]
+                cells.append(("-" if share is None else f"{share:.0%}") + ("" if measured is None else f" ({measured:.2f}x)"))
+            rows.append(cells)
+        title = (f"Oracle ceiling against {plain}: plain / hindsight-best schedule of the same drafters, priced with "
+                 "this machine's pass costs (prefill left out); each method's share = oracle / its own trace priced "
+                 "alike, its measured decode speedup in brackets")
+        tables.append((title, header, rows))
+    return tables
