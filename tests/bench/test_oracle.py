@@ -150,6 +150,11 @@ def test_bench_oracle_reports_the_ceiling_and_each_methods_share(
     assert group["categories"]["all"]["methods"]["none"]["share"] == pytest.approx(
         1 / group["categories"]["all"]["ceiling"])
     assert "Oracle ceiling against none" in (out / "report.md").read_text()
+    # --from-results recomputes the shares and categories from the stored rows, to the same figures.
+    assert cli.main(["bench", "--from-results", str(out / "results.json"), "--out", str(tmp_path / "re"), "--no-plots",
+                     "--quiet"]) == 0
+    again = json.loads((tmp_path / "re" / "results.json").read_text())["oracle"]["none"]
+    assert again["categories"] == group["categories"] and again["prompts"] == group["prompts"]
     header, traces = load_traces(out / "traces.json")
     assert header["target"]["num_layers"] > 0 and header["draft"] is not None
     assert {t.meta["method"] for t in traces} == {"none", "draft:3", "ngram:auto", "auto"}

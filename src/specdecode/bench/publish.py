@@ -66,6 +66,10 @@ def resummarize(path: Path, config: BenchConfig, console: Any = None) -> dict[st
         results["records"], list(stored["methods"]), SamplingParams(temperature=stored["temperature"]).greedy, weight_bytes,
         results["bandwidth"]["copy_bytes_per_second"],
     )
+    if results.get("oracle"):
+        from specdecode.bench.oracle import rescore
+
+        rescore(results["oracle"], results["records"], results["summary"])
     publish(results, config, console)
     return results
 
