@@ -46,7 +46,7 @@ from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFA
 from specdecode.engine.grammar import GrammarCompiler
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.plan import RequestPlan
-from specdecode.engine.probe import continuation_logits, next_draft_probs
+from specdecode.engine.probe import continuation_logits, logits_in_passes, next_draft_probs
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.single import SpecEngine
 from specdecode.engine.stream import GenerationResult, GenerationStream
@@ -229,6 +229,16 @@ class SpecDecoder:
             self.engine.target = target
             if draft is not None:
                 draft.model = draft_sequence  # type: ignore[assignment]
+
+    def target_logits_in_passes(self, tokens: Sequence[int], shapes: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """The target's next-token logits after ``tokens``, one (V,) float32 row per ``(rows, row)``
+        shape: computed as row ``row`` of a pass over ``rows`` rows (``engine/probe.py:
+        logits_in_passes``). The audit reads a difference in every shape a verify pass may have
+        scored it in."""
+        try:
+            return logits_in_passes(self.engine.target, list(tokens), shapes)
+        finally:
+            self.engine.forget_prefix()
 
     def target_logits(
         self, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]] = ((),),

@@ -101,7 +101,9 @@ def _interleave_mt_bench(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
     for prompt in prompts:
         if prompt.category == MT_BENCH:
             by_sub.setdefault(prompt.subcategory, []).append(prompt)
-    order = [s for s in MT_BENCH_SUBCATEGORIES if s in by_sub]
+    # Spec-Bench's sub-categories in their order, then any other (a file's own labels, "mt_bench"
+    # itself): rows of an unknown sub-category were dropped before.
+    order = [s for s in MT_BENCH_SUBCATEGORIES if s in by_sub] + [s for s in by_sub if s not in MT_BENCH_SUBCATEGORIES]
     mixed: list[BenchPrompt] = []
     for rank in range(max((len(v) for v in by_sub.values()), default=0)):
         mixed.extend(by_sub[s][rank] for s in order if rank < len(by_sub[s]))

@@ -11,6 +11,7 @@ from helpers import CHI2_CRITICAL_P001, NEAR_TIE, decoder, install_wrong_residua
 from specdecode import SamplingParams, audit, cli
 from specdecode.audit.chi_square import builtin_critical_value, chi2_sf
 from specdecode.engine.verify import VerifyResult
+from specdecode.errors import InvalidRequestError
 
 GREEDY_ROW_FIELDS = {"prompt_id", "method", "verdict", "tokens", "compared", "position", "plain_token",
                      "method_token", "top2_gap", "token_gap", "threshold", "pair_gaps"}
@@ -192,3 +193,25 @@ def test_target_logits_by_pass_shape_agree_in_fp32(tiny_qwen2_dir: Path, tiny_dr
     for rows in (1, 3):
         torch.testing.assert_close(dec.target_logits(ids, [plain[:9], plain[:4]], rows_per_pass=rows), whole,
                                    atol=NEAR_TIE, rtol=0)
+    # Row j of a pass over r rows, as a verify pass computes it (the prompt's last token as row 0
+    # beside padding included): the same logits, and a request after the reads decodes as before.
+    context = list(ids) + plain[:9]
+    shapes = [(2, 0), (4, 1), (6, 5), (3, 0)]
+    for read in dec.target_logits_in_passes(context, shapes):
+        torch.testing.assert_close(read, whole[0], atol=NEAR_TIE, rtol=0)
+    (read,) = dec.target_logits_in_passes(ids, [(4, 0)])
+    torch.testing.assert_close(read, dec.target_logits(ids)[0], atol=NEAR_TIE, rtol=0)
+    with pytest.raises(InvalidRequestError, match="row"):
+        dec.target_logits_in_passes(ids[:2], [(6, 4)])  # the pass would start before the first token
+    assert dec.generate(ids, SamplingParams(max_new_tokens=10), method="none").token_ids == plain
+
+
+def test_prompts_file_of_spec_bench_rows_gives_each_rows_first_turn(tmp_path: Path) -> None:
+    """A .jsonl file is read as Spec-Bench rows, as the bench reads it (not each line as text)."""
+    from specdecode.cli.audit import _prompt_texts
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question_id": 7, "category": "qa", "turns": ["First turn.", "Second."]}) + "\n")
+    assert [text for _, text in _prompt_texts(str(path), 5)] == ["First turn."]
+    (tmp_path / "lines.txt").write_text("one\ntwo\n")
+    assert [text for _, text in _prompt_texts(str(tmp_path / "lines.txt"), 1)] == ["one"]

@@ -60,6 +60,10 @@ def test_text_and_jsonl_prompt_files(tmp_path: Path) -> None:
     prompts = load_prompts([str(text), str(rows)])
     assert [p.turns for p in prompts] == [("first prompt",), (" second\nline ",), ("a", "b")]
     assert [p.category for p in prompts] == ["text", "text", MT_BENCH]
+    # An MT-bench row under a sub-category Spec-Bench does not have (here "mt_bench" itself) is kept.
+    rows.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": ["t"]}) + "\n"
+                            for i, c in ((1, "mt_bench"), (2, "writing"), (3, "qa"))))
+    assert [p.prompt_id for p in load_spec_bench(rows)] == ["rows:2", "rows:1", "rows:3"]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.audit.chi_square import cell_vectors, critical_value, pearson_statistic, pooled_cells, simulated_power
-from specdecode.audit.near_tie import near_tie_threshold
+from specdecode.audit.near_tie import near_tie_threshold, verify_shapes
 from specdecode.config import TREE_METHODS, SamplingParams
 from specdecode.engine.sampling import LogitsProcessor
 
@@ -100,17 +100,23 @@ def drafter_distribution(
 def _outside_support_margin(
     decoder: SpecDecoder, prompt_ids: list[int], outcome: tuple[int, ...], processor: LogitsProcessor,
     rows: dict[tuple[int, ...], torch.Tensor],  # prefix -> the target's logits row (V,), where computed
+    k: int = 0,
 ) -> tuple[float, float]:
     """(how far below the top-k cut-off the first unsupported token of ``outcome`` sits, the
-    top logit there, which scales the near-tie threshold)."""
+    top logit there, which scales the near-tie threshold). The margin is the smallest over the
+    pass shapes a verify pass of up to ``k + 1`` rows may have scored the position in (row j of
+    r rows): on backends whose kernels round by the rows in a pass, the token at the top-k
+    boundary can change with the shape, as the greedy check's reads found."""
     for i, token in enumerate(outcome):
         prefix = outcome[:i]
         row = rows.get(prefix)
         if row is None:
             row = decoder.target_logits(prompt_ids, [prefix])[0]
         if processor.probs(row)[token].item() == 0.0:
-            cut = row.topk(processor.top_k).values[-1].item()
-            return cut - row[token].item(), row.max().item()
+            context = list(prompt_ids) + list(prefix)
+            reads = [row] + decoder.target_logits_in_passes(context, verify_shapes(k, len(context)))
+            margins = [read.topk(processor.top_k).values[-1].item() - read[token].item() for read in reads]
+            return min(margins), row.max().item()
     return 0.0, 0.0  # every token supported (cannot happen for an outcome outside ``exact``)
 
 
@@ -133,7 +139,7 @@ def distribution_check(
 
     impossible = ties = 0
     for outcome in [o for o in counts if o not in exact]:
-        margin, top = _outside_support_margin(decoder, prompt_ids, outcome, processor, rows)
+        margin, top = _outside_support_margin(decoder, prompt_ids, outcome, processor, rows, config.k)
         if margin < near_tie_threshold(top, config.precision, config.near_tie):
             ties += counts[outcome]
         else:

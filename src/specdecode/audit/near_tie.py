@@ -42,3 +42,9 @@ def near_tie_rule(precision: str, override: float | None) -> str:
     if precision == "fp32":
         return f"{NEAR_TIE_FP32:g}"
     return f"max({NEAR_TIE_FP32:g}, {NEAR_TIE_ULPS} {precision} ulps of the top logit)"
+
+
+def verify_shapes(k: int, context: int) -> list[tuple[int, int]]:
+    """(rows, row) of every verify pass of 2..k + 1 rows that can score the position after
+    ``context`` tokens: row j of the pass (the one-row pass is the "1" read)."""
+    return [(count, row) for count in range(2, k + 2) for row in range(min(count, context))]

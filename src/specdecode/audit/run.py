@@ -31,7 +31,7 @@ import torch
 
 from specdecode.audit.config import DEFAULT_ALPHA, DEFAULT_DRAWS, DEFAULT_SAMPLED_TOKENS, DEFAULT_TOP_K, AuditConfig
 from specdecode.audit.distribution import GOOD_POWER, DistributionResult, distribution_check
-from specdecode.audit.near_tie import near_tie_rule, near_tie_threshold
+from specdecode.audit.near_tie import near_tie_rule, near_tie_threshold, verify_shapes
 from specdecode.config import TREE_METHODS, SamplingParams
 from specdecode.errors import InvalidRequestError
 
@@ -122,6 +122,14 @@ def greedy_check(
     reads = {"all": None, "1": 1, "k+1": config.k + 1}
     rows = {name: decoder.target_logits(prompt_ids, [plain[:position]], rows_per_pass=rows)[0]  # (V,)
             for name, rows in reads.items()}
+    # Every shape a verify pass may have scored this position in: row j of a pass over r rows
+    # (r up to k + 1). With a cached prompt the first verify pass scores the prompt's last token
+    # beside the drafts, a shape none of the reads above has (found on an AVX2 machine, where a
+    # 2-row pass ranked the method's first token 0.005 ahead and a 1-row pass 0.2 behind).
+    context = list(prompt_ids) + list(plain[:position])
+    shapes = verify_shapes(config.k, len(context))
+    for (count, row), logits in zip(shapes, decoder.target_logits_in_passes(context, shapes)):
+        rows[f"{count}:{row}"] = logits
     pair_gaps = {name: row[plain[position]].item() - row[got[position]].item() for name, row in rows.items()}
     logits = rows["all"]
     top = logits.topk(2).values.tolist()

@@ -43,7 +43,8 @@ def add_audit_parser(sub: argparse._SubParsersAction) -> None:
         help="method(s) to audit, repeatable or comma-separated (default: draft,ngram with a draft model, else ngram)",
     )
     parser.add_argument("--prompts", default="default",
-                        help="default (the shipped Spec-Bench rows, taken one category after another), or a text file, one prompt per line")
+                        help="default (the shipped Spec-Bench rows, taken one category after another), a .jsonl file of "
+                        "Spec-Bench rows (each row's first turn), or a text file, one prompt per line")
     parser.add_argument("--num-prompts", type=positive_int, default=DEFAULT_NUM_PROMPTS, help="prompts in the greedy check")
     parser.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS, help="greedy tokens per prompt")
     parser.add_argument("--draws", type=int, default=a.DEFAULT_DRAWS, help="seeded generations in the distribution check")
@@ -74,7 +75,9 @@ def _prompt_texts(source: str, count: int) -> list[tuple[str, str]]:
     from specdecode.prompt_sets import DEFAULT_SOURCE, load_spec_bench, load_text_prompts
 
     if source != DEFAULT_SOURCE:
-        return [(p.prompt_id, p.turns[0]) for p in load_text_prompts(Path(source))[:count]]
+        path = Path(source)  # .jsonl: Spec-Bench rows, as the bench reads them
+        prompts = load_spec_bench(path) if path.suffix == ".jsonl" else load_text_prompts(path)
+        return [(p.prompt_id, p.turns[0]) for p in prompts[:count]]
     by_category: dict[str, list] = {}
     for prompt in load_spec_bench():
         by_category.setdefault(prompt.category, []).append(prompt)

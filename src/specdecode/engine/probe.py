@@ -57,6 +57,39 @@ def continuation_logits(
 
 
 @torch.inference_mode()
+def logits_in_passes(
+    seq: SequenceModel, tokens: Sequence[int], shapes: Sequence[tuple[int, int]],
+) -> list[torch.Tensor]:  # one (V,) float32 per shape
+    """The target's logits for the token after ``tokens``, once per ``(rows, row)`` shape: as row
+    ``row`` of one pass over ``rows`` rows, the way a verify pass computes them (padded with
+    zeros past the end: later rows cannot change an earlier row's result, only the pass's shape
+    can). With a cached prompt, the first verify pass scores the prompt's last token as its row
+    0 beside the drafts. The tokens before the earliest pass are prefilled once."""
+    starts = []
+    for rows, row in shapes:
+        if not 0 <= row < rows:
+            raise InvalidRequestError(f"row must be in [0, rows), got row={row}, rows={rows}.")
+        if len(tokens) - 1 - row < 0:
+            raise InvalidRequestError(f"row {row} of a pass needs at least {row + 1} tokens before the read.")
+        starts.append(len(tokens) - 1 - row)  # the pass's first position
+    if not shapes:
+        return []
+    base = min(starts)
+    seq.begin(len(tokens) + max(rows for rows, _ in shapes))
+    device = seq.device
+    if base > 0:
+        seq.extend(torch.tensor([list(tokens[:base])], device=device), 0, compute_logits=False)
+    out = []
+    for (rows, row), start in zip(shapes, starts):
+        seq.commit(base)
+        if start > base:  # the few tokens between the shared prefill and this pass
+            seq.extend(torch.tensor([list(tokens[base:start])], device=device), base, compute_logits=False)
+        window = list(tokens[start:]) + [0] * (rows - row - 1)
+        out.append(seq.extend(torch.tensor([window], device=device), start).logits[0, row].float())
+    return out
+
+
+@torch.inference_mode()
 def next_draft_probs(
     seq: SequenceModel, drafter: Drafter, context: Sequence[int], processor: LogitsProcessor,
     generator: torch.Generator,
