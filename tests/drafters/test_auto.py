@@ -101,6 +101,26 @@ def test_a_lookup_that_lost_in_earlier_requests_is_not_relearnt_in_each() -> Non
     assert fresh.plan(100, 8, lookup_tokens=1, match_size=1) == ("ngram", 1)
 
 
+def test_long_prompts_keep_their_own_lookup_memory() -> None:
+    """Lookups that lost on short prompts do not hold back a request with a long prompt (a
+    document to copy from), and the reverse: the memory is kept per prompt-length class."""
+    from specdecode.drafters.auto import LONG_PROMPT_TOKENS
+
+    compute_bound = [float(rows) for rows in range(1, 10)]
+    memory = LookupMemory()
+
+    def request(prompt_len: int) -> AutoDrafter:
+        auto = AutoDrafter(NgramDrafter(), None, compute_bound, k_max=8, memory=memory)
+        auto.start(prompt_len, prompt_len + 200)
+        return auto
+
+    short = request(40)
+    while short.plan(100, 8, lookup_tokens=1, match_size=1) == ("ngram", 1):
+        observe(short, "ngram", 1, 0, match_size=1)  # loses on short prompts
+    assert request(40).plan(100, 8, lookup_tokens=1, match_size=1)[0] == "none"  # remembered
+    assert request(LONG_PROMPT_TOKENS).plan(1000, 8, lookup_tokens=1, match_size=1) == ("ngram", 1)  # hopeful
+
+
 def test_draft_catch_up_must_pay_within_the_horizon() -> None:
     # 700 prompt tokens the draft model has not read cost 24.4 units; spread over 64 tokens
     # that is 0.38 per token on top of the prior's 0.8: slower than plain.
