@@ -100,7 +100,7 @@ def drafter_distribution(
 def _outside_support_margin(
     decoder: SpecDecoder, prompt_ids: list[int], outcome: tuple[int, ...], processor: LogitsProcessor,
     rows: dict[tuple[int, ...], torch.Tensor],  # prefix -> the target's logits row (V,), where computed
-    k: int = 0,
+    k: int,
 ) -> tuple[float, float]:
     """(how far below the top-k cut-off the first unsupported token of ``outcome`` sits, the
     top logit there, which scales the near-tie threshold). The margin is the smallest over the

@@ -26,7 +26,7 @@ trace is below it (tested). Prefill is left out of both: every method pays the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,7 @@ from specdecode.costs.k_policy import interpolate
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import AUTO_DEPTH, DEFAULT_TREE_SIZE, SuffixProposer
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
-from specdecode.engine.trace import BEGIN, DRAFT, EXTEND, TARGET, TREE, PassTrace
+from specdecode.engine.trace import BEGIN, EXTEND, TARGET, PassEvent, PassTrace
 from specdecode.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -221,43 +221,28 @@ def best_schedule(proposals: Proposals, costs: CostTable, start: int = 1) -> tup
     return (best[start] if start < n else 0.0), steps
 
 
-def price_trace(trace: PassTrace, costs: CostTable) -> float:
-    """Seconds a traced decode costs by the table: every target pass after prefill (the extends
-    up to the first that asks for logits after a ``begin``) at its row count, every draft-model
-    pass at its own. What the oracle's schedule is compared with."""
-    seconds = 0.0
+def _priced_passes(trace: PassTrace) -> Iterator[PassEvent]:
+    """The passes a trace is priced by: every model pass but the target's prefill (its extends
+    after a ``begin`` up to and including the first that asks for logits)."""
     in_prefill = False
     for event in trace.events:
-        if event.role == TARGET:
-            if event.op == BEGIN:
-                in_prefill = True
-            elif event.op == EXTEND:
-                if in_prefill:
-                    in_prefill = event.args[2] == 0  # the prompt's last chunk asks for logits
-                    continue
-                seconds += costs.target(event.rows)
-            elif event.op == TREE:
-                seconds += costs.target(event.rows)
-        elif event.role == DRAFT and event.op == EXTEND:
-            seconds += costs.draft(event.rows)
-    return seconds
+        if event.role == TARGET and event.op == BEGIN:
+            in_prefill = True
+        elif event.role == TARGET and event.op == EXTEND and in_prefill:
+            in_prefill = event.args[2] == 0  # the prompt's last chunk asks for logits
+        elif event.is_pass:
+            yield event
+
+
+def price_trace(trace: PassTrace, costs: CostTable) -> float:
+    """Seconds a traced decode costs by the table: every target pass after prefill at its row
+    count, every draft-model pass at its own. What the oracle's schedule is compared with."""
+    return sum(costs.target(e.rows) if e.role == TARGET else costs.draft(e.rows) for e in _priced_passes(trace))
 
 
 def max_trace_rows(traces: Sequence[PassTrace]) -> int:
     """The most rows any target pass after prefill took (for the cost table's length)."""
-    rows = 1
-    for trace in traces:
-        in_prefill = False
-        for event in trace.events:
-            if event.role != TARGET:
-                continue
-            if event.op == BEGIN:
-                in_prefill = True
-            elif event.op == EXTEND and in_prefill:
-                in_prefill = event.args[2] == 0
-            elif event.is_pass:
-                rows = max(rows, event.rows)
-    return rows
+    return max([1] + [e.rows for trace in traces for e in _priced_passes(trace) if e.role == TARGET])
 
 
 def check_oracle_config(methods: Sequence[str], greedy: bool, plain_methods: Sequence[str]) -> None:
@@ -284,7 +269,13 @@ class OracleGroup:
     plain: str  # "none" or "none@llama.cpp"
     decoder: Any  # SpecDecoder with the draft model where the run has one
     methods: list[str]
-    speedup_key: str  # the summary's measured decode speedup against ``plain``
+
+    @property
+    def speedup_key(self) -> str:
+        """The summary's measured decode speedup against ``plain`` (report.DECODE_BASELINES)."""
+        from specdecode.bench.report import DECODE_BASELINES
+
+        return dict(DECODE_BASELINES)[self.plain]
 
 
 def _sum(values: Sequence[float | None]) -> float | None:
@@ -306,6 +297,7 @@ def oracle_results(
     from specdecode.bench.report import chosen_repeat
 
     by_key = {(r["method"], r["prompt_id"]): r for r in records}
+    rows = max(AUTO_DEPTH + 1, max_trace_rows([t for turns in traces.values() for t in turns]))
     out: dict[str, Any] = {}
     for group in groups:
         chosen = {}  # (method, prompt id) -> (repeat index, turns)
@@ -313,7 +305,6 @@ def oracle_results(
             if method in group.methods + [group.plain] and not record["error"] and record["repeats"]:
                 turns = chosen_repeat(record)
                 chosen[method, prompt_id] = (record["repeats"].index(turns), turns)
-        rows = max([AUTO_DEPTH + 1] + [max_trace_rows(t) for t in traces.values()])
         costs = CostTable.of(group.decoder, rows)
         per_prompt = []
         for prompt in prompts:
@@ -389,8 +380,7 @@ def rescore(oracle: dict[str, Any], records: Sequence[dict[str, Any]],
                 if "tokens" not in figures:  # a run from before the field
                     figures["tokens"] = sum(len(t["tokens"]) for t in chosen_repeat(by_key[method, row["prompt_id"]]))
             _set_shares(row)
-        key = "decode_speedup_vs_none_llamacpp" if plain != "none" else "decode_speedup_vs_none"
-        group["categories"] = _by_category(group["prompts"], OracleGroup(plain, None, group["methods"], key), summary)
+        group["categories"] = _by_category(group["prompts"], OracleGroup(plain, None, group["methods"]), summary)
     return oracle
 
 

@@ -255,14 +255,13 @@ class Bench(BenchLineup):
         from specdecode.bench.oracle import ORACLE_BASES, OracleGroup
 
         groups = []
-        for plain, decoder, key in ((PLAIN_METHOD, self.decoder, "decode_speedup_vs_none"),
-                                    (PLAIN_LLAMACPP_METHOD, self.llamacpp.decoder if self.llamacpp else None,
-                                     "decode_speedup_vs_none_llamacpp")):
+        for plain, decoder in ((PLAIN_METHOD, self.decoder),
+                               (PLAIN_LLAMACPP_METHOD, self.llamacpp.decoder if self.llamacpp else None)):
             if plain not in self.methods or decoder is None:
                 continue
-            names = [n for n, m in self.methods.items() if isinstance(m, SpecDecodeMethod)
-                     and parse_method(n).plain == plain and parse_method(n).base in ORACLE_BASES]
-            groups.append(OracleGroup(plain, decoder, names, key))
+            labels = {n: parse_method(n) for n, m in self.methods.items() if isinstance(m, SpecDecodeMethod)}
+            names = [n for n, label in labels.items() if label.plain == plain and label.base in ORACLE_BASES]
+            groups.append(OracleGroup(plain, decoder, names))
         return groups
 
     def trace_header(self) -> dict[str, Any]:
