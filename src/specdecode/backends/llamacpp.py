@@ -42,7 +42,7 @@ from specdecode.backends.llamacpp_binding import (
     physical_core_count,
 )
 from specdecode.backends.llamacpp_decode import TokenBatch, copy_logits
-from specdecode.backends.llamacpp_threads import attach_shared_threadpool
+from specdecode.backends.llamacpp_threads import attach_shared_threadpool, run_on_pass_thread
 from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeError
 
 # Re-exported: the binding's errors and the default thread count are part of this module's API.
@@ -332,7 +332,9 @@ class LlamaCppModel:
     def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], outputs: list[bool]) -> int:
         assert self._batch is not None
         self._batch.fill(tokens, positions, seqs, outputs)
-        rc = self._llama.llama_decode(self._ctx, self._batch.batch)
+        # On one thread for the whole process, whichever thread asks (llamacpp_threads.py: a
+        # second calling thread made libgomp throttle every pass's barriers).
+        rc = run_on_pass_thread(self._llama.llama_decode, self._ctx, self._batch.batch)
         if rc != DECODE_OK:
             raise decode_error(rc, len(tokens))
         return sum(outputs)
