@@ -121,19 +121,23 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
                     state.untrack(generation)
 
     async def respond(request: Request, chat: bool) -> Any:
-        raw = await request.body()  # the guard has read it, within the size limit
-        req = await asyncio.to_thread(state.prepare, raw, chat)
-        authorization = request.headers.get("authorization")
-        req.suffix_group = suffix_group(options.suffix_share, authorization)
-        req.cache_group = cache_group(options.suffix_share, authorization, req.cache_salt)
-        loop = asyncio.get_running_loop()
-        # One generation per choice (n); batched choices after the first start from its prompt K/V.
-        generations = [Generation(state, req, loop, choice) for choice in range(req.n)]
-        for generation in generations:
-            state.track(generation)
-            if generation.batch_id is not None:
-                generation.submit(fork_of=generations[0] if generation.choice else None)
-            generation.start()
+        state.arriving += 1  # until submitted: the batch worker's window waits for it
+        try:
+            raw = await request.body()  # the guard has read it, within the size limit
+            req = await asyncio.to_thread(state.prepare, raw, chat)
+            authorization = request.headers.get("authorization")
+            req.suffix_group = suffix_group(options.suffix_share, authorization)
+            req.cache_group = cache_group(options.suffix_share, authorization, req.cache_salt)
+            loop = asyncio.get_running_loop()
+            # One generation per choice (n); batched choices after the first start from its prompt K/V.
+            generations = [Generation(state, req, loop, choice) for choice in range(req.n)]
+            for generation in generations:
+                state.track(generation)
+                if generation.batch_id is not None:
+                    generation.submit(fork_of=generations[0] if generation.choice else None)
+                generation.start()
+        finally:
+            state.arriving -= 1
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:

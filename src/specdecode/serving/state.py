@@ -66,6 +66,9 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     inflight: set[InFlight] = field(default_factory=set)  # touched on the event loop only
     draining: bool = False
+    # Requests read or being tokenized, not yet handed to the engines (changed on the event loop
+    # only): the batch worker's window waits for them, and only for them (serving/worker.py).
+    arriving: int = 0
     # The most characters one token stands for (None: unknown): bounds a prompt's length before
     # it is tokenized (_check_prompt_chars).
     longest_token_chars: int | None = field(init=False, default=None)
@@ -104,6 +107,8 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.longest_token_chars = longest_token_chars(self.decoder.tokenizer)
+        if self.worker is not None and self.worker.arriving is None:
+            self.worker.arriving = lambda: self.arriving
 
     def max_prompt_tokens(self, batched: bool) -> int:
         """The most prompt tokens a request could have: the context less one new token, and for

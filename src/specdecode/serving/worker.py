@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from specdecode.config import SamplingParams
@@ -27,10 +27,13 @@ from specdecode.engine.grammar import CompiledGrammar
 from specdecode.engine.metrics import GenerationStats
 
 IDLE_WAIT_SECONDS = 0.5  # how long an idle worker sleeps on its inbox before checking for shutdown
-# When work arrives at an idle worker, wait this long for requests sent at the same moment, so
-# they start in one batch instead of the first running a step alone (its prefill, and a draft
-# step priced for a batch of one) while the others queue.
+# When work arrives at an idle worker, wait up to this long for requests sent at the same moment,
+# so they start in one batch instead of the first running a step alone (its prefill, and a draft
+# step priced for a batch of one) while the others queue. With ``arriving`` (the server's count of
+# requests it is still reading and tokenizing) the wait ends as soon as none is on its way, so a
+# lone request does not pay it; without, the whole window is waited.
 DEFAULT_BATCH_WINDOW_SECONDS = 0.05
+ARRIVAL_POLL_SECONDS = 0.002  # how often the batch window checks whether requests are still on their way
 RECENT_STEPS = 1024  # steps whose (start, end) times the worker keeps (``recent_steps``)
 
 
@@ -56,9 +59,13 @@ class _Abort:
 
 
 class BatchWorker:
-    def __init__(self, engine: BatchEngine, batch_window: float = DEFAULT_BATCH_WINDOW_SECONDS) -> None:
+    def __init__(self, engine: BatchEngine, batch_window: float = DEFAULT_BATCH_WINDOW_SECONDS,
+                 arriving: Callable[[], int] | None = None) -> None:
         self.engine = engine
         self.batch_window = batch_window
+        # Requests on their way to ``submit`` (read, not yet tokenized), from any thread; None:
+        # unknown, so the batch window is waited whole. The server sets it (ServerState).
+        self.arriving = arriving
         self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._outboxes: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
         self._next_id = 0
@@ -160,6 +167,20 @@ class BatchWorker:
             except queue.Empty:
                 return
 
+    def _wait_for_arrivals(self) -> None:
+        """The batch window: up to ``batch_window`` seconds, ended early once no request is on
+        its way (where ``arriving`` says)."""
+        arriving = self.arriving
+        if arriving is None:
+            self._stopped.wait(self.batch_window)
+            return
+        deadline = time.perf_counter() + self.batch_window
+        while arriving() > 0 and not self._stopped.is_set():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._stopped.wait(min(ARRIVAL_POLL_SECONDS, left))
+
     def _loop(self) -> None:
         while not self._stopped.is_set():
             idle = not self.engine.has_unfinished
@@ -167,7 +188,7 @@ class BatchWorker:
             if not self.engine.has_unfinished:
                 continue
             if idle and self.batch_window > 0:
-                self._stopped.wait(self.batch_window)
+                self._wait_for_arrivals()
                 self._take_commands(block=False)
             try:
                 started = time.perf_counter()
