@@ -1,6 +1,7 @@
-"""One client's request three ways on the same decoder: the single-request engine, the batch
-engine called in this thread, and the batch engine driven by ``BatchWorker``'s thread (as the
-server drives it). Issue 29 item 5: where the server's batch path loses time for one client.
+"""One client's request four ways on the same decoder: the single-request engine, the same from
+a second thread, the batch engine called in this thread, and the batch engine driven by
+``BatchWorker``'s thread (as the server drives it). Issue 29 item 5: where the server's batch
+path lost time for one client (passes from a second thread: backends/llamacpp_threads.py).
 
     python benchmarks/bench_batch_one_client.py --repeats 3 --max-new-tokens 96
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 from specdecode import SamplingParams, SpecDecoder
@@ -30,7 +32,7 @@ def main() -> int:
     worker = BatchWorker(dec.batch_engine(max_batch=8))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     prompt = dec.encode("Write a quicksort in Python", chat=True)
-    times: dict[str, list[float]] = {"single": [], "batch": [], "worker": []}
+    times: dict[str, list[float]] = {"single": [], "thread": [], "batch": [], "worker": []}
     outputs = {}
     try:
         for _ in range(args.repeats):
@@ -38,6 +40,12 @@ def main() -> int:
             started = time.perf_counter()
             outputs["single"] = dec.generate(prompt, params).token_ids
             times["single"].append(time.perf_counter() - started)
+            dec.forget_prefix()
+            started = time.perf_counter()
+            side = threading.Thread(target=lambda: outputs.__setitem__("thread", dec.generate(prompt, params).token_ids))
+            side.start()
+            side.join()
+            times["thread"].append(time.perf_counter() - started)
             started = time.perf_counter()
             outputs["batch"] = dec.generate_batch([prompt], params, engine=engine)[0].token_ids
             times["batch"].append(time.perf_counter() - started)

@@ -19,7 +19,7 @@ team per calling thread, and once its teams hold more threads than the process h
 throttles the spinning at its barriers to almost nothing, so every one of the hundreds of
 barriers in a pass sleeps and wakes in the kernel. A second thread that ran passes (the
 server's batch worker after the main thread's warm-up; any caller's thread after the main
-thread's first pass) made every pass about 35% slower on a 2-core machine. So every pass of the
+thread's first pass) made every pass about 30% slower on a 2-core machine. So every pass of the
 process runs on one thread, ``run_on_pass_thread``: one team, whoever asks.
 """
 
