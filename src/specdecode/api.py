@@ -21,6 +21,7 @@ from specdecode.backends.compiled import (
     warm_up_passes,
 )
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
+from specdecode.backends.openmp import releases_thread_team
 from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import (
@@ -139,6 +140,7 @@ class SpecDecoder:
             return CompiledSequence(loaded.model, self.compile_mode, compiled_rows(role, self.config), self.compile_log, role)
         return TorchSequence(loaded.model, self.kv_dtype)
 
+    @releases_thread_team
     def warm_up(self, show_progress: bool = False, all_shapes: bool = False) -> CompileLog:
         """With compile=, compile now the passes this decoder's method and k will run, or with
         ``all_shapes`` every pass any chain method can run compiled (k up to max(k, k_max));
@@ -230,6 +232,7 @@ class SpecDecoder:
             if draft is not None:
                 draft.model = draft_sequence  # type: ignore[assignment]
 
+    @releases_thread_team
     def target_logits_in_passes(self, tokens: Sequence[int], shapes: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
         """The target's next-token logits after ``tokens``, one (V,) float32 row per ``(rows, row)``
         shape: computed as row ``row`` of a pass over ``rows`` rows (``engine/probe.py:
@@ -240,6 +243,7 @@ class SpecDecoder:
         finally:
             self.engine.forget_prefix()
 
+    @releases_thread_team
     def target_logits(
         self, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]] = ((),),
         rows_per_pass: int | None = None,
@@ -253,6 +257,7 @@ class SpecDecoder:
         finally:
             self.engine.forget_prefix()  # the sequence now holds these tokens, not the last request's
 
+    @releases_thread_team
     def draft_probs(self, token_ids: Sequence[int], method: str, params: SamplingParams) -> torch.Tensor | None:  # (V,)
         """The drafter of ``method`` (ngram, draft or layerskip: a chain drafter that keeps no
         state between requests) for the token after ``token_ids``, under ``params``' sampling: its
@@ -331,6 +336,7 @@ class SpecDecoder:
                                     grammar=grammar)
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
 
+    @releases_thread_team
     def plan(self, method: str | None = None, k: int | str | None = None, k_policy: str | None = None,
              suffix_group: str | None = DEFAULT_GROUP) -> RequestPlan:
         """The drafter and draft length a call with these choices decodes with (``drafters/planner.py``)."""
@@ -367,6 +373,7 @@ class SpecDecoder:
             raise InvalidRequestError("The prompt is empty.")
         return prompt_ids
 
+    @releases_thread_team
     def batch_engine(
         self,
         *,
@@ -433,6 +440,7 @@ class SpecDecoder:
         assert stream.result is not None
         return stream.result
 
+    @releases_thread_team
     def generate_batch(
         self,
         prompts: Sequence[str | Messages | list[int]],

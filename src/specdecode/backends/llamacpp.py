@@ -42,7 +42,8 @@ from specdecode.backends.llamacpp_binding import (
     physical_core_count,
 )
 from specdecode.backends.llamacpp_decode import TokenBatch, copy_logits
-from specdecode.backends.llamacpp_threads import attach_shared_threadpool, run_on_pass_thread
+from specdecode.backends.llamacpp_threads import attach_shared_threadpool
+from specdecode.backends.openmp import forget_loaded_libraries
 from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeError
 
 # Re-exported: the binding's errors and the default thread count are part of this module's API.
@@ -131,6 +132,7 @@ class LlamaCppModel:
         self._ctx = self._new_context(llama_cpp, kv_type, flash_attn)
         # One thread pool for all our contexts (a target and its draft): see llamacpp_threads.py.
         self.shared_threads = attach_shared_threadpool(llama_cpp, self._ctx, self.n_threads)
+        forget_loaded_libraries()  # ggml may have brought its libgomp (backends/openmp.py)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = TokenBatch(llama_cpp, self.n_batch)
 
@@ -332,9 +334,7 @@ class LlamaCppModel:
     def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], outputs: list[bool]) -> int:
         assert self._batch is not None
         self._batch.fill(tokens, positions, seqs, outputs)
-        # On one thread for the whole process, whichever thread asks (llamacpp_threads.py: a
-        # second calling thread made libgomp throttle every pass's barriers).
-        rc = run_on_pass_thread(self._llama.llama_decode, self._ctx, self._batch.batch)
+        rc = self._llama.llama_decode(self._ctx, self._batch.batch)
         if rc != DECODE_OK:
             raise decode_error(rc, len(tokens))
         return sum(outputs)

@@ -12,29 +12,14 @@ llama-cpp-python (0.3.36) does not bind ``ggml_threadpool_new`` or ``llama_attac
 so they are declared here over the shared libraries the binding ships; the struct mirrors
 ``ggml_threadpool_params`` in ggml.h. Where anything is missing, contexts keep their own pools
 (the caller falls back silently: correctness does not depend on it).
-
-The llama-cpp-python wheels build ggml with OpenMP, and then ggml runs each pass on the OpenMP
-team of the thread that calls ``llama_decode`` and the pool above goes unused. libgomp keeps a
-team per calling thread, and once its teams hold more threads than the process has cores it
-throttles the spinning at its barriers to almost nothing, so every one of the hundreds of
-barriers in a pass sleeps and wakes in the kernel. A second thread that ran passes (the
-server's batch worker after the main thread's warm-up; any caller's thread after the main
-thread's first pass) made every pass about 30% slower on a 2-core machine. So every pass of the
-process runs on one thread, ``run_on_pass_thread``: one team, whoever asks.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import functools
 import os
-import threading
-from collections.abc import Callable
 from types import ModuleType
-from typing import TypeVar
-
-T = TypeVar("T")
 
 GGML_MAX_N_THREADS = 512  # ggml.h: the size of the cpumask array in ggml_threadpool_params
 
@@ -80,45 +65,3 @@ def attach_shared_threadpool(llama_cpp: ModuleType, context: object, n_threads: 
     address = context if isinstance(context, int) else ctypes.cast(context, ctypes.c_void_p).value
     attach(ctypes.c_void_p(address), ctypes.c_void_p(pool), ctypes.c_void_p(pool))
     return True
-
-
-class _PassThread:
-    """The one thread that runs the process's llama.cpp passes (the module's docstring says why)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pid = 0  # the process that started the executor: a forked child needs its own
-        self._thread_id: int | None = None
-
-    def run(self, fn: Callable[..., T], *args: object) -> T:
-        if threading.get_ident() == self._thread_id:  # already on it (no deadlock on re-entry)
-            return fn(*args)
-        future = self._get().submit(fn, *args)
-        try:
-            return future.result()
-        except BaseException:
-            # Interrupted while waiting (Ctrl-C): the pass still runs, and the caller's clean-up
-            # touches the same context, so it waits for the pass to end before going on.
-            concurrent.futures.wait([future])
-            raise
-
-    def _get(self) -> concurrent.futures.ThreadPoolExecutor:
-        with self._lock:
-            if self._executor is None or self._pid != os.getpid():
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specdecode-llamacpp",
-                                                                       initializer=self._register)
-                self._pid = os.getpid()
-            return self._executor
-
-    def _register(self) -> None:
-        self._thread_id = threading.get_ident()
-
-
-_PASS_THREAD = _PassThread()
-
-
-def run_on_pass_thread(fn: Callable[..., T], *args: object) -> T:
-    """``fn(*args)`` on the process's one llama.cpp pass thread, waiting for its result (or
-    exception). Calls from many threads run one at a time, in the order they arrive."""
-    return _PASS_THREAD.run(fn, *args)

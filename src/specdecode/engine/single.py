@@ -23,6 +23,7 @@ import torch
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.compiled import CompileLog
 from specdecode.backends.device import host_to_device
+from specdecode.backends.openmp import release_thread_team
 from specdecode.config import ACCEPTANCE_RULES, TREE_METHODS, SamplingParams
 from specdecode.costs.k_policy import interpolate
 from specdecode.costs.store import VERIFY_TABLE, CostStore
@@ -244,6 +245,9 @@ class SpecEngine:
             stats.total_seconds = time.perf_counter() - started
             if self.compile_log is not None:
                 stats.compile_seconds = self.compile_log.seconds - compiled_before
+            # This thread may not decode again for a while: its OpenMP helpers would slow every
+            # other thread's passes (backends/openmp.py).
+            release_thread_team()
 
     def _remember(self, tokens: list[int], valid: int, cache_salt: str | None) -> None:
         """Record what the target's cache holds after a request that ended cleanly (an error

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from specdecode.backends.openmp import release_thread_team
 from specdecode.config import SamplingParams
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP
 from specdecode.engine.batch import BatchEngine, RequestOutput
@@ -205,6 +206,10 @@ class BatchWorker:
                 if output.finished:
                     del self._outboxes[output.request_id]
                 outbox.put(output)
+            if not self.engine.has_unfinished:
+                # Idle now: free this thread's OpenMP helpers, which would slow the passes of a
+                # request decoding on another thread meanwhile (backends/openmp.py).
+                release_thread_team()
         for request_id in list(self._outboxes):
             self.engine.abort(request_id)
             self._outboxes.pop(request_id).put(RuntimeError("The batch worker stopped."))
