@@ -5,8 +5,9 @@ path lost time for one client (passes from a second thread: backends/llamacpp_th
 
     python benchmarks/bench_batch_one_client.py --repeats 3 --max-new-tokens 96
 
-Greedy, plain decoding (method none), the demo pair's target by default, the prefix cache
-dropped before each run so that every run prefills the same prompt.
+Greedy (or sampled with ``--temperature``), plain decoding (method none), the demo pair's
+target by default, the prefix cache dropped before each run so that every run prefills the
+same prompt.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ def main() -> int:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0, help="above 0: sampled (seed 0 per run)")
     args = parser.parse_args()
     dec = SpecDecoder.from_pretrained(args.target, method="none", backend=args.backend, show_progress=False)
     engine = dec.batch_engine(max_batch=8)
     worker = BatchWorker(dec.batch_engine(max_batch=8))
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, temperature=args.temperature,
+                            seed=0 if args.temperature > 0 else None)
     prompt = dec.encode("Write a quicksort in Python", chat=True)
     times: dict[str, list[float]] = {"single": [], "thread": [], "batch": [], "worker": []}
     outputs = {}
