@@ -15,8 +15,8 @@ a thread that ends a burst of decoding releases its team (``omp_pause_resource_a
 5.0: libgomp frees the calling thread's pool only); the next parallel region makes a new one,
 which costs a thread start (tens of microseconds). Callers: the end of a single-sequence request
 (``SpecDecoder.stream``) and of every other ``SpecDecoder`` call that runs passes
-(``releases_thread_team``), the batch worker when its engine goes idle, the server after its
-start-up timing. Where no libgomp is loaded, or it predates OpenMP 5.0, this does nothing.
+(``releases_thread_team``: the server's start-up warm-up and timing among them), the batch
+worker when its engine goes idle. Where no libgomp is loaded, or it predates OpenMP 5.0, this does nothing.
 """
 
 from __future__ import annotations

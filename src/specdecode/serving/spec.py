@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from specdecode.backends.openmp import release_thread_team
 from specdecode.config import DecoderConfig, SchedulerConfig
 from specdecode.engine.batch import DEFAULT_BATCH_POLICY, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
 from specdecode.serving.state import ServerOptions
@@ -87,9 +86,6 @@ def load_server(spec: ServerSpec) -> ServerParts:
             engine = decoder.batch_engine(max_batch=spec.max_batch, kv_cache_tokens=spec.kv_cache_tokens,
                                           policy=spec.batch_policy, scheduling=spec.scheduling)
             worker = BatchWorker(engine)
-    # The warm-up and the timing above ran passes on this thread, which will not decode again:
-    # its OpenMP helpers would slow the batch worker's passes (backends/openmp.py).
-    release_thread_team()
     # Structured outputs and tool calls need the vocabulary in the grammar engine (about a second
     # for a 151k vocabulary): read it now rather than on the first such request.
     seconds = decoder.grammars.warm()
