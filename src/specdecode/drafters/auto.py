@@ -173,11 +173,14 @@ class AutoDrafter:
         plain = self.verify_seconds[0]
         return GoodputEstimate(prior_rate=gain / plain, prior_seconds=PRIOR_STEPS * plain)
 
+    def _memory_key(self, source: str, match_size: int) -> MemoryKey:
+        return (source, match_size, self._long_prompt)
+
     def _lookup_estimates(self, source: str, match_size: int) -> tuple[GoodputEstimate, AcceptanceEstimate]:
         key = (source, match_size)
         if key not in self.lookup_goodput:
-            self.lookup_goodput[key] = self._prior(self.memory.prior_gain((*key, self._long_prompt), LOOKUP_PRIOR_GAIN,
-                                                                          self.verify_seconds[0]))
+            self.lookup_goodput[key] = self._prior(self.memory.prior_gain(self._memory_key(source, match_size),
+                                                                          LOOKUP_PRIOR_GAIN, self.verify_seconds[0]))
             self.lookup_acceptance[key] = AcceptanceEstimate()
         return self.lookup_goodput[key], self.lookup_acceptance[key]
 
@@ -198,7 +201,7 @@ class AutoDrafter:
             goodput, acceptance = self._lookup_estimates(source, self._match_size)
             goodput.observe(accepted + 1, draft_seconds + verify_seconds)
             acceptance.observe(proposed, accepted)
-            self.memory.observe((source, self._match_size, self._long_prompt), accepted + 1, draft_seconds + verify_seconds)
+            self.memory.observe(self._memory_key(source, self._match_size), accepted + 1, draft_seconds + verify_seconds)
         elif source == "draft":
             # A catch-up is a one-off cost, priced separately: keep it out of the step's rate.
             drafting = max(0.0, draft_seconds - self._catch_up_seconds(self._catch_up))
