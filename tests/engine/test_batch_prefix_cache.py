@@ -65,6 +65,45 @@ def test_concurrent_requests_share_a_system_prompt_once_it_is_prefilled(dec: Spe
     assert eng.target_cache.prefix_stats.hit_tokens >= 4 * (len(system) // 4 * 4)
 
 
+def add_together(eng: BatchEngine, prompts: list[list[int]], salts: list[str | None]) -> tuple[list[str], list[GenerationStats]]:
+    stats = [GenerationStats() for _ in prompts]
+    ids = [eng.add_request(p, GREEDY, "none", stats=s, cache_salt=salt) for p, s, salt in zip(prompts, stats, salts, strict=True)]
+    return ids, stats
+
+
+def test_requests_sent_together_compute_a_shared_system_prompt_once(dec: SpecDecoder) -> None:
+    """Four requests sharing a long system prompt, added at once with seats for all: the first
+    prefills it, the others wait for it and start from its blocks; outputs as without the cache.
+    Without waiting (the engine before) all four prefill it in one padded pass."""
+    system = dec.encode("You are a helpful assistant that writes Python. " * 8)
+    prompts = [system + dec.encode(p) for p in PROMPTS[:4]]
+    assert len(system) >= 64 + 4
+    eng = engine(dec, kv_cache_tokens=4096)  # room for all four prompts at once
+    ids, stats = add_together(eng, prompts, [None] * 4)
+    outputs = eng.run()
+    assert stats[0].cached_tokens == 0
+    assert [s.cached_tokens for s in stats[1:]] == [len(system) // 4 * 4] * 3
+    eager = engine(dec, kv_cache_tokens=4096)
+    eager.scheduler.wait_for_prefix = False
+    _, eager_stats = add_together(eager, prompts, [None] * 4)
+    eager_outputs = eager.run()
+    assert [s.cached_tokens for s in eager_stats] == [0] * 4
+    plain = engine(dec, prefix_cache=False, kv_cache_tokens=4096)
+    ids_plain, _ = add_together(plain, prompts, [None] * 4)
+    reference = plain.run()
+    assert [outputs[i] for i in ids] == [reference[i] for i in ids_plain] == list(eager_outputs.values())
+
+
+def test_a_request_waits_only_for_its_own_groups_prefix_and_a_long_one(dec: SpecDecoder) -> None:
+    system = dec.encode("You are a helpful assistant that writes Python. " * 8)
+    long_tail = dec.encode(" ".join(PROMPTS) * 2)  # its own text is most of its prompt
+    eng = engine(dec, kv_cache_tokens=4096)
+    _, stats = add_together(eng, [system + dec.encode(PROMPTS[0]), system + dec.encode(PROMPTS[1]),
+                                  system + long_tail], ["a", "b", "a"])
+    eng.run()
+    assert [s.cached_tokens for s in stats] == [0, 0, 0]  # group b's is not a's; the third shares < half
+
+
 def test_cache_groups_are_isolated(dec: SpecDecoder) -> None:
     prompt = dec.encode("import numpy as np\n\nclass Counter:")
     eng = engine(dec)
@@ -106,4 +145,31 @@ def test_the_llamacpp_batch_picks_the_slot_holding_the_longest_prefix(tiny_ggufs
     compared = assert_greedy_equal_up_to_near_tie(got, want, greedy_margins(dec, second, want), "llama.cpp batch, cached")
     assert compared >= len(want) // 2
     assert eng.target_cache.prefix_stats.hit_tokens == cached
+
+
+def test_the_llamacpp_batch_copies_a_prefix_from_a_running_sequence(tiny_ggufs: dict[str, Path]) -> None:
+    """Requests sharing a system prompt, sent together: the first prefills it, the others copy
+    its slot's K/V (llama_memory_seq_cp) while it still decodes; outputs as without the cache up
+    to the first near-tie."""
+    dec = SpecDecoder.from_pretrained(str(tiny_ggufs["target"]), method="none", dtype="fp32", backend="llama.cpp",
+                                      show_progress=False)
+    eng = dec.batch_engine(max_batch=3, kv_cache_tokens=1536, cost_aware=False)
+    plain_eng = SpecDecoder(dec.target, None, replace(dec.config, prefix_cache=False)).batch_engine(
+        max_batch=3, kv_cache_tokens=1536, cost_aware=False)
+    system = dec.encode("You are a helpful assistant that writes Python. " * 8)
+    prompts = [system + dec.encode(p) for p in PROMPTS[:3]]
+    ids, stats = add_together(eng, prompts, [None] * 3)
+    outputs = eng.run()
+    pool = eng.target_cache
+    assert pool.copies == 2 and stats[0].cached_tokens == 0
+    assert [s.cached_tokens for s in stats[1:]] == [len(system)] * 2  # the whole shared prefix, no blocks here
+    plain_ids, _ = add_together(plain_eng, prompts, [None] * 3)
+    reference = plain_eng.run()
+    compared = 0
+    for prompt, request_id, plain_id in zip(prompts, ids, plain_ids, strict=True):
+        want = reference[plain_id]
+        compared += assert_greedy_equal_up_to_near_tie(outputs[request_id], want, greedy_margins(dec, prompt, want),
+                                                       "llama.cpp batch, copied prefix")
+    assert compared >= len(prompts) * GREEDY.max_new_tokens // 2
+    assert not pool.running and pool.free_blocks == pool.usable_blocks
 

@@ -415,12 +415,13 @@ class BatchEngine:
             self.target.commit(seq.seq_id, end)
             request.stats.target_forward_passes += int(end > start)
             request.stats.prefill_seconds += elapsed * (end > start)
+            # What it has computed is findable by requests admitted later, while it still runs
+            # (chunk by chunk: a request waiting for this prefix is admitted once it is done).
+            self.target_cache.register(seq.seq_id, request.tokens, seq.cache_group)
             if seq.prefilling:
                 continue
             if seq in self._prefilling:
                 self._prefilling.remove(seq)
-            # Now findable by requests admitted later, while this one still runs.
-            self.target_cache.register(seq.seq_id, request.tokens, seq.cache_group)
             if request.stats.new_tokens == 0:  # a readmission after preemption is not the prompt's hit
                 request.stats.cached_tokens = seq.cached_target
             if request.method == "draft":

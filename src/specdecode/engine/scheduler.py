@@ -24,6 +24,13 @@ when it is admitted (``SequencePool.add``; recorded in ``cached_target`` / ``cac
 keeps a leaving sequence's K/V for later ones (``free``), in the sequence's cache group. A
 preempted sequence readmitted later finds its own blocks again while nobody evicted them.
 
+A request whose prompt shares a long prefix with one that is being prefilled now (the same
+system prompt, sent at the same moment) waits until that prefix is computed, then takes its K/V
+from the other (``wait_for_prefix``): computing it twice, in one padded pass, would cost a
+compute-bound CPU twice the time and give neither request its first token sooner. It waits only
+when the prefix saves at least half of its own prefill and ``MIN_PREFIX_TO_WAIT_FOR`` tokens,
+and holds back the requests behind it as a request that does not fit does.
+
 Parallel samples of one prompt (n > 1): the first is admitted as any request; the others wait
 behind it until it has been prefilled, then start from its prompt K/V (``SequencePool.fork``:
 shared blocks on torch, a copied slot on llama.cpp), so the prompt is computed once. If the
@@ -38,8 +45,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.backends.base import SequencePool
+from specdecode.engine.prefix import common_prefix_length
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.paged import OutOfBlocks
+
+# A shorter shared prefix is recomputed rather than waited for: on a GPU, where a prefill of a
+# few more tokens costs next to nothing, waiting would only add a pass to the first token.
+MIN_PREFIX_TO_WAIT_FOR = 64
 
 
 @dataclass(slots=True, eq=False)
@@ -76,6 +88,7 @@ class Scheduler:
         max_batch: int,
         step_lookahead: int,
         time_slice: int = 0,
+        wait_for_prefix: bool = True,
     ) -> None:
         if max_batch < 1:
             raise InvalidRequestError(f"max_batch must be >= 1, got {max_batch}.")
@@ -85,6 +98,7 @@ class Scheduler:
         # Slots past the committed tokens one step may write: the verify pass's k + 1 rows.
         self.step_lookahead = step_lookahead
         self.time_slice = time_slice  # 0: no preemption for fairness (the module docstring)
+        self.wait_for_prefix = wait_for_prefix  # for a prefix another request is prefilling (the module docstring)
         self.waiting: deque[ScheduledSequence] = deque()
         self.running: list[ScheduledSequence] = []
         self.preemptions = 0  # for KV blocks: recomputed from the tokens unless their blocks are still cached
@@ -130,6 +144,8 @@ class Scheduler:
                 seq.fork_of = source = None
             if source is not None and (source in admitted or source in self.waiting or source.prefilling):
                 break  # its prompt K/V is not computed yet: wait for a coming step
+            if source is None and self._prefix_in_progress(seq, admitted):
+                break  # another is computing most of its prompt: take it from there at a coming step
             need = seq.num_tokens + self.step_lookahead
             if any(pool.blocks_needed(None, need) > pool.free_blocks for pool in self._pools(seq)):
                 break
@@ -160,6 +176,25 @@ class Scheduler:
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _prefix_in_progress(self, seq: ScheduledSequence, admitted: list[ScheduledSequence]) -> bool:
+        """Whether a request of ``seq``'s cache group that is being prefilled (or admitted in this
+        call) will compute a prefix of ``seq``'s prompt that no pool holds yet, of at least half
+        of what ``seq`` would prefill and ``MIN_PREFIX_TO_WAIT_FOR`` tokens. Not for a request
+        readmitted after a preemption: its own K/V are what it looks for."""
+        if not self.wait_for_prefix or not self.target_cache.prefix_cache or seq.served > 0:
+            return False
+        own = len(seq.tokens) - 1  # positions it would prefill with nothing cached
+        wanted = max(MIN_PREFIX_TO_WAIT_FOR, (own + 1) // 2)
+        if own < wanted:
+            return False
+        for other in self.running:
+            if other.cache_group != seq.cache_group or not (other.prefilling or other in admitted):
+                continue
+            shared = min(common_prefix_length(other.tokens[:own], seq.tokens), own, len(other.tokens) - 1)
+            if shared - other.prefilled >= wanted:
+                return True
+        return False
 
     def _next_waiting(self) -> ScheduledSequence:
         """The waiting request to admit next: the least served, first in the queue among equals
