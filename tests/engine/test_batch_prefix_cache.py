@@ -10,8 +10,10 @@ import pytest
 from helpers import PROMPTS, assert_greedy_equal_up_to_near_tie, decoder, greedy_margins, small_batch_engine
 
 from specdecode import SamplingParams, SpecDecoder
+from specdecode.config import SchedulerConfig
 from specdecode.engine.batch import BatchEngine
 from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.scheduler import MIN_PREFIX_TO_WAIT_FOR
 
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
 
@@ -92,6 +94,18 @@ def test_requests_sent_together_compute_a_shared_system_prompt_once(dec: SpecDec
     ids_plain, _ = add_together(plain, prompts, [None] * 4)
     reference = plain.run()
     assert [outputs[i] for i in ids] == [reference[i] for i in ids_plain] == list(eager_outputs.values())
+
+
+def test_a_request_waits_for_the_rest_of_a_prefix_prefilled_in_chunks(dec: SpecDecoder) -> None:
+    """The first request's prefill spans several steps (32-token chunks): the others wait for
+    the shared prefix past its first chunks, until less than MIN_PREFIX_TO_WAIT_FOR is left."""
+    system = dec.encode("You are a helpful assistant that writes Python. " * 8)
+    prompts = [system + dec.encode(p) for p in PROMPTS[:3]]
+    eng = engine(dec, kv_cache_tokens=4096, scheduling=SchedulerConfig(prefill_chunk=32))
+    _, stats = add_together(eng, prompts, [None] * 3)
+    eng.run()
+    assert stats[0].cached_tokens == 0
+    assert all(len(system) - MIN_PREFIX_TO_WAIT_FOR <= s.cached_tokens <= len(system) for s in stats[1:])
 
 
 def test_a_request_waits_only_for_its_own_groups_prefix_and_a_long_one(dec: SpecDecoder) -> None:

@@ -176,6 +176,17 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(dec) -> No
     assert_pools_empty(eng)
 
 
+def test_a_long_prompt_alone_is_prefilled_in_chunks_and_decodes(dec) -> None:
+    """No other request decodes during its chunks, so no step reaches the step's reserve: each
+    chunk keeps the blocks of the chunks after it (a paged commit frees blocks past its length;
+    the request failed with an IndexError before this was fixed)."""
+    eng = engine(dec, max_batch=4, prefill_chunk=16)
+    big = long_prompt(dec, 150)
+    request_id = eng.add_request(big, params(4), "none")
+    assert eng.run()[request_id] == alone(dec, big, 4)
+    assert_pools_empty(eng)
+
+
 def test_prefill_chunk_zero_prefills_a_long_prompt_in_one_pass(dec) -> None:
     eng = engine(dec, max_batch=4, prefill_chunk=0)
     big = long_prompt(dec, 150)

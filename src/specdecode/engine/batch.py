@@ -419,6 +419,10 @@ class BatchEngine:
             # (chunk by chunk: a request waiting for this prefix is admitted once it is done).
             self.target_cache.register(seq.seq_id, request.tokens, seq.cache_group)
             if seq.prefilling:
+                # A paged pool's commit frees the blocks past ``end``: take back those of the
+                # prompt's coming chunks now (nothing was admitted in between, so they are free);
+                # a step with no decoding row never reaches the step's own reserve.
+                self.target_cache.reserve(seq.seq_id, len(request.tokens))
                 continue
             if seq in self._prefilling:
                 self._prefilling.remove(seq)

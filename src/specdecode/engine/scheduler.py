@@ -27,9 +27,10 @@ preempted sequence readmitted later finds its own blocks again while nobody evic
 A request whose prompt shares a long prefix with one that is being prefilled now (the same
 system prompt, sent at the same moment) waits until that prefix is computed, then takes its K/V
 from the other (``wait_for_prefix``): computing it twice, in one padded pass, would cost a
-compute-bound CPU twice the time and give neither request its first token sooner. It waits only
-when the prefix saves at least half of its own prefill and ``MIN_PREFIX_TO_WAIT_FOR`` tokens,
-and holds back the requests behind it as a request that does not fit does.
+compute-bound CPU twice the time and give neither request its first token sooner. It waits
+only when that saves at least half of what it would prefill if admitted now (a chunked prefill
+makes each chunk findable) and ``MIN_PREFIX_TO_WAIT_FOR`` tokens, and holds back the requests
+behind it as a request that does not fit does.
 
 Parallel samples of one prompt (n > 1): the first is admitted as any request; the others wait
 behind it until it has been prefilled, then start from its prompt K/V (``SequencePool.fork``:
@@ -180,19 +181,21 @@ class Scheduler:
     def _prefix_in_progress(self, seq: ScheduledSequence, admitted: list[ScheduledSequence]) -> bool:
         """Whether a request of ``seq``'s cache group that is being prefilled (or admitted in this
         call) will compute a prefix of ``seq``'s prompt that no pool holds yet, of at least half
-        of what ``seq`` would prefill and ``MIN_PREFIX_TO_WAIT_FOR`` tokens. Not for a request
+        of what ``seq`` would prefill if admitted now and ``MIN_PREFIX_TO_WAIT_FOR`` tokens. Not for a request
         readmitted after a preemption: its own K/V are what it looks for."""
         if not self.wait_for_prefix or not self.target_cache.prefix_cache or seq.served > 0:
             return False
         own = len(seq.tokens) - 1  # positions it would prefill with nothing cached
-        wanted = max(MIN_PREFIX_TO_WAIT_FOR, (own + 1) // 2)
-        if own < wanted:
+        if own < MIN_PREFIX_TO_WAIT_FOR:
             return False
         for other in self.running:
             if other.cache_group != seq.cache_group or not (other.prefilling or other in admitted):
                 continue
             shared = min(common_prefix_length(other.tokens[:own], seq.tokens), own, len(other.tokens) - 1)
-            if shared - other.prefilled >= wanted:
+            # Admitted now, it would start from what the other has computed (a chunked prefill
+            # registers each chunk) and prefill the rest itself, ``pending`` of it the other's.
+            pending = shared - other.prefilled
+            if pending >= max(MIN_PREFIX_TO_WAIT_FOR, (own - min(shared, other.prefilled) + 1) // 2):
                 return True
         return False
 
