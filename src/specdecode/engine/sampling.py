@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.config import SamplingParams
+from specdecode.engine.categorical import sample_categorical
 from specdecode.engine.logprobs import log_distribution
 
 if TYPE_CHECKING:
@@ -103,8 +104,9 @@ class LogitsProcessor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs (N, V) -> (N,) long."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One token per row of probs (N, V) -> (N,) long (engine/categorical.py: torch.multinomial's
+    distribution at a fifteenth of its cost over a 150k vocabulary)."""
+    return sample_categorical(probs, generator)
 
 
 def draw(

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.backends.device import host_to_device
+from specdecode.engine.categorical import sample_categorical
 from specdecode.engine.tree import ROOT, TokenTree
 
 PAD_TOKEN = -1
@@ -132,9 +133,9 @@ def rejection_verify(
     # A zero residual only arises from rounding when p == q; fall back to p then.
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)
     if per_row:
-        final = torch.cat([torch.multinomial(residual[b : b + 1], 1, generator=g) for b, g in enumerate(generators)]).squeeze(1)
+        final = torch.cat([sample_categorical(residual[b : b + 1], g) for b, g in enumerate(generators)])
     else:
-        final = torch.multinomial(residual, 1, generator=generator).squeeze(1)
+        final = sample_categorical(residual, generator)
     return VerifyResult(accepted_len, _emit(draft_tokens, accepted_len, final))
 
 
@@ -261,7 +262,7 @@ def rejection_tree_verify(
         else:  # every child rejected, or a leaf
             break
     final_row = target_probs[node] if residual is None else residual
-    final = int(torch.multinomial(final_row, 1, generator=generator).item())
+    final = int(sample_categorical(final_row[None], generator).item())
     return _tree_result(tree, node, node_tokens, final)
 
 
@@ -286,6 +287,6 @@ def typical_tree_verify(
     parent_rows = _parent_rows(tree, target_probs.device)
     acceptable = target_probs[parent_rows, tree.tokens] > cutoff[parent_rows]
     best = _deepest_accepted(tree, acceptable).view(1)  # (1,): a 0-dim index would sync via .item()
-    final = torch.multinomial(target_probs[best], 1, generator=generator).view(1)
+    final = sample_categorical(target_probs[best], generator)  # (1,)
     host = torch.cat([best, final, tree.tokens]).tolist()
     return _tree_result(tree, host[0], host[2:], host[1])

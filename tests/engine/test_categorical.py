@@ -1,0 +1,86 @@
+"""The two-level categorical sampler (engine/categorical.py) draws each row's tokens with their
+probabilities: Pearson's chi-square against the exact distribution at p = 0.001 (27 cells), on rows that
+span several blocks, end inside a partial block and hold zero-probability tokens (never drawn);
+a wrong sampler (the block chosen uniformly) fails the same test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CHI2_CRITICAL_P001
+
+from specdecode.engine import categorical
+from specdecode.engine.categorical import BLOCK, _inverse_cdf, sample_categorical
+
+DRAWS = 20000
+VOCAB = 3 * BLOCK + 37  # a partial last block
+
+
+def distribution() -> torch.Tensor:  # (VOCAB,)
+    """Mass in every block, most of it on a few tokens, a zero run, small tokens in the tail."""
+    probs = torch.zeros(VOCAB)
+    probs[[5, BLOCK + 17, 2 * BLOCK + 900, 3 * BLOCK + 36]] = torch.tensor([0.3, 0.25, 0.2, 0.1])
+    probs[BLOCK + 100 : BLOCK + 300] = 0.1 / 200
+    probs[3 * BLOCK : 3 * BLOCK + 30] = 0.05 / 30
+    return probs
+
+
+def cells() -> list[torch.Tensor]:
+    """The test's cells: each heavy token alone, the runs of small tokens in groups of ten."""
+    heavy = [torch.tensor([i]) for i in (5, BLOCK + 17, 2 * BLOCK + 900, 3 * BLOCK + 36)]
+    runs = [torch.arange(start, start + 10) for start in range(BLOCK + 100, BLOCK + 300, 10)]
+    runs += [torch.arange(start, start + 10) for start in range(3 * BLOCK, 3 * BLOCK + 30, 10)]
+    return heavy + runs
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over ``cells()`` (expected counts 100 and more), degrees of freedom."""
+    probs = probs / probs.sum()
+    observed = torch.stack([counts[c].sum() for c in cells()])
+    expected = torch.stack([probs[c].sum() for c in cells()]) * counts.sum()
+    return float(((observed - expected) ** 2 / expected).sum()), len(cells()) - 1
+
+
+def draw_counts(probs: torch.Tensor, seed: int) -> torch.Tensor:  # (VOCAB,) counts of DRAWS draws
+    gen = torch.Generator().manual_seed(seed)
+    rows = probs.expand(100, -1)  # 100 rows a call: the batched shape
+    tokens = torch.cat([sample_categorical(rows, gen) for _ in range(DRAWS // 100)])
+    return torch.bincount(tokens, minlength=VOCAB).float()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_draws_follow_the_distribution_and_never_a_zero_probability_token(seed: int) -> None:
+    probs = distribution()
+    counts = draw_counts(probs * 3.0, seed)  # rows need not sum to one
+    assert counts[probs == 0].sum() == 0
+    stat, dof = chi_square(counts, probs)
+    assert stat < CHI2_CRITICAL_P001[dof], (stat, dof)
+
+
+def test_a_sampler_that_picks_blocks_uniformly_fails_the_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = categorical._inverse_cdf
+    calls = iter(range(10**9))
+
+    def uniform_blocks(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        if next(calls) % 2 == 0:  # the block level: every block with mass equally likely
+            return real((weights > 0).double(), uniform)
+        return real(weights, uniform)
+
+    monkeypatch.setattr(categorical, "_inverse_cdf", uniform_blocks)
+    probs = distribution()
+    stat, dof = chi_square(draw_counts(probs, 0), probs)
+    assert stat > CHI2_CRITICAL_P001[dof]
+
+
+def test_a_uniform_draw_next_to_one_stays_on_the_last_positive_weight() -> None:
+    weights = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 1e-300, 0.0, 0.0]], dtype=torch.float64)
+    almost_one = torch.full((2, 1), 1.0 - 2.0**-53, dtype=torch.float64)
+    assert _inverse_cdf(weights, almost_one).flatten().tolist() == [1, 1]
+    assert _inverse_cdf(weights, torch.zeros(2, 1, dtype=torch.float64)).flatten().tolist() == [0, 1]
+
+
+def test_bf16_rows_and_one_row_shapes() -> None:
+    probs = distribution()
+    gen = torch.Generator().manual_seed(0)
+    token = sample_categorical(probs.to(torch.bfloat16)[None], gen)
+    assert token.shape == (1,) and token.dtype == torch.long and probs[token] > 0
