@@ -84,3 +84,32 @@ def test_bf16_rows_and_one_row_shapes() -> None:
     gen = torch.Generator().manual_seed(0)
     token = sample_categorical(probs.to(torch.bfloat16)[None], gen)
     assert token.shape == (1,) and token.dtype == torch.long and probs[token] > 0
+
+
+NEAR_TIE = 1e-4  # float32 softmax over 151,936 tokens: its normaliser is good to ~1e-5
+
+
+@pytest.mark.parametrize(("scale", "top_p", "top_k", "within_first"),
+                         [(8.0, 0.95, 0, True), (4.0, 0.9, 0, False), (0.5, 0.95, 0, False), (2.0, 0.8, 50, True)])
+def test_top_p_keeps_the_nucleus(scale: float, top_p: float, top_k: int, within_first: bool) -> None:
+    """The nucleus found among the top 512 tokens (peaked rows) or by a full sort (flatter
+    rows) is the exact one: a token is kept iff the tokens ranked above it hold less than top_p
+    (float64 reference on 151,936-token rows of random logits; tokens whose mass above is
+    within NEAR_TIE of top_p are not compared: float32 probabilities, here and in transformers'
+    TopPLogitsWarper, put tokens 1e-5 from the cut on either side)."""
+    from specdecode.engine.sampling import NUCLEUS_FIRST_CANDIDATES, LogitsProcessor
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 151936, generator=gen) * scale
+    ours = LogitsProcessor(temperature=1.0, top_k=top_k, top_p=top_p).probs(logits) > 0
+    exact = logits.double()
+    if top_k:
+        exact = exact.masked_fill(exact < exact.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+    probs, order = exact.softmax(-1).sort(dim=-1, descending=True)
+    above = probs.cumsum(-1) - probs  # (3, V) float64: the mass ranked above each token
+    keep = torch.zeros_like(ours).scatter(-1, order, above < top_p)
+    compared = torch.zeros_like(ours).scatter(-1, order, (above - top_p).abs() >= NEAR_TIE)
+    assert torch.equal(ours & compared, keep & compared)
+    assert int((~compared).sum()) <= 0.01 * int(keep.sum())  # only near ties skipped
+    kept = int(ours.sum(-1).max())
+    assert (kept <= NUCLEUS_FIRST_CANDIDATES) == within_first  # both paths are exercised

@@ -84,16 +84,7 @@ class LogitsProcessor:
             kth = torch.topk(scaled, self.top_k, dim=-1).values[..., -1:]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         if self.top_p < 1.0:
-            sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-            sorted_probs = sorted_logits.softmax(-1)
-            # Drop a token when the tokens ranked above it already hold top_p of the mass;
-            # the most likely token always survives.
-            mass_before = sorted_probs.cumsum(-1) - sorted_probs
-            drop_sorted = mass_before >= self.top_p
-            # A top_p below float32's smallest value rounds to 0 and would drop every token.
-            drop_sorted[..., 0] = False
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            scaled = scaled.masked_fill(drop, float("-inf"))
+            scaled = scaled.masked_fill(~nucleus(scaled, self.top_p), float("-inf"))
         probs = scaled.softmax(-1)
         if self.min_p > 0.0:
             # Relative to the most likely token, which always survives; renormalised after.
@@ -101,6 +92,38 @@ class LogitsProcessor:
             probs = probs * keep
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
+
+
+# On the CPU the nucleus is looked for among the most likely NUCLEUS_FIRST_CANDIDATES tokens
+# first, the whole row only when they hold less than top_p of the mass: a full sort of a
+# 151,936-token row costs 13 ms on two cores, a top-512 0.5 ms.
+NUCLEUS_FIRST_CANDIDATES = 512
+
+
+def nucleus(
+    scaled: torch.Tensor,  # (..., V) float32 logits (temperature applied, -inf where masked)
+    top_p: float,
+) -> torch.Tensor:  # (..., V) bool: kept
+    """Top-p: a token is kept unless the tokens ranked above it already hold top_p of the mass
+    (HF's rule); the most likely token always survives. Tokens outside the k most likely are
+    dropped once those k hold top_p (the mass above any of them is at least theirs), so only
+    the top k need sorting. On a GPU the whole row is sorted at once (fast there; checking
+    whether k suffices would read the device)."""
+    probs = scaled.softmax(-1)
+    vocab = probs.shape[-1]
+    held = None
+    if probs.device.type == "cpu" and vocab > NUCLEUS_FIRST_CANDIDATES:
+        top, order = torch.topk(probs, NUCLEUS_FIRST_CANDIDATES, dim=-1)  # most likely first
+        held = top.cumsum(-1)
+        if not bool((held[..., -1] >= top_p).all()):  # a host read, free on the CPU
+            held = None
+    if held is None:  # a GPU, or a flat row: sort it whole
+        top, order = torch.sort(probs, dim=-1, descending=True)
+        held = top.cumsum(-1)
+    keep_sorted = held - top < top_p
+    # A top_p below float32's smallest value rounds to 0 and would drop every token.
+    keep_sorted[..., 0] = True
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
