@@ -113,3 +113,46 @@ def test_top_p_keeps_the_nucleus(scale: float, top_p: float, top_k: int, within_
     assert int((~compared).sum()) <= 0.01 * int(keep.sum())  # only near ties skipped
     kept = int(ours.sum(-1).max())
     assert (kept <= NUCLEUS_FIRST_CANDIDATES) == within_first  # both paths are exercised
+
+
+def dense_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """HF's order over the whole row (the processor's dense path, written out)."""
+    scaled = logits.double() / temperature
+    if top_k:
+        scaled = scaled.masked_fill(scaled < scaled.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
+    if top_p < 1.0:
+        probs, order = scaled.softmax(-1).sort(dim=-1, descending=True)
+        keep = probs.cumsum(-1) - probs < top_p
+        keep[..., 0] = True
+        scaled = scaled.masked_fill(~torch.zeros_like(keep).scatter(-1, order, keep), float("-inf"))
+    probs = scaled.softmax(-1)
+    if min_p:
+        probs = probs * (probs >= min_p * probs.amax(-1, keepdim=True))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs.float()
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), [(40, 0.95, 0.05), (40, 1.0, 0.0), (8, 0.5, 0.0), (600, 0.9, 0.0)])
+def test_a_small_top_k_is_worked_out_on_its_tokens_alone(top_k: int, top_p: float, min_p: float) -> None:
+    """(B, T, V) rows, top-k of 40 or 8 (the sparse path) or 600 (dense): the same distribution
+    as the whole-row computation."""
+    from specdecode.engine.sampling import LogitsProcessor
+
+    logits = torch.randn(2, 3, 151936, generator=torch.Generator().manual_seed(3)) * 3
+    ours = LogitsProcessor(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p).probs(logits)
+    want = dense_reference(logits, 0.8, top_k, top_p, min_p)
+    assert torch.equal(ours > 0, want > 0)
+    torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-5)
+
+
+def test_a_tie_at_the_kth_token_keeps_every_tied_token() -> None:
+    """HF keeps every token tied with the k-th: the sparse path would keep only k, so a tie sends
+    the row down the whole-row path."""
+    from specdecode.engine.sampling import LogitsProcessor
+
+    logits = torch.full((1, 2000), -5.0)
+    logits[0, :3] = torch.tensor([4.0, 3.0, 2.0])
+    logits[0, [10, 500, 1999]] = 1.0  # three tokens tied for 4th place
+    probs = LogitsProcessor(temperature=1.0, top_k=4, top_p=1.0).probs(logits)
+    assert (probs > 0).sum() == 6
+    torch.testing.assert_close(probs, dense_reference(logits, 1.0, 4, 1.0, 0.0))

@@ -92,12 +92,19 @@ def rejection_verify(
     """
     batch, k = draft_tokens.shape
     device = target_probs.device
+    per_row = generator is not None and not isinstance(generator, torch.Generator)
+    if k == 0:  # plain sampling: the bonus row's residual is p itself (as below, without its cost)
+        if per_row:
+            rows = list(generator)  # type: ignore[arg-type]
+            final = torch.cat([sample_categorical(target_probs[b : b + 1, 0], g) for b, g in enumerate(rows)])
+        else:
+            final = sample_categorical(target_probs[:, 0], generator)  # type: ignore[arg-type]
+        return VerifyResult(torch.zeros(batch, dtype=torch.long, device=device), final[:, None])
     p_draft = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)  # (B, k)
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)
-    per_row = generator is not None and not isinstance(generator, torch.Generator)
     if per_row:
         generators = list(generator)  # type: ignore[arg-type]
         counts = list(num_drafted) if num_drafted is not None else [k] * batch
@@ -130,8 +137,10 @@ def rejection_verify(
     q_row = q_row * rejected[:, None]
     residual = (p_row - q_row).clamp_min(0.0)
     mass = residual.sum(-1, keepdim=True)
-    # A zero residual only arises from rounding when p == q; fall back to p then.
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)
+    # A zero residual only arises from rounding when p == q; fall back to p then. A row that
+    # accepted all its drafts (or drafted none) draws from p itself, as the k == 0 path does: a
+    # seeded row that drafts nothing samples the same token beside drafting rows as alone.
+    residual = torch.where((mass > 0) & rejected[:, None], residual / mass.clamp_min(1e-30), p_row)
     if per_row:
         final = torch.cat([sample_categorical(residual[b : b + 1], g) for b, g in enumerate(generators)])
     else:
