@@ -129,9 +129,11 @@ class SlotPool:
         # its slot for that prefix and leave it a whole context to recompute.
         unkept = [slot for slot in self._free if self._owner(slot) is None]
         candidates = own or unkept or self._free
+        # For K/V from elsewhere (restored or copied): a slot holding no record loses no cached prefix.
+        blank = next((slot for slot in unkept if slot not in self.records), candidates[0])
         best, kept = candidates[0], 0
         if saved is not None:  # its own slot went to another: any slot, the K/V restored
-            best = next((slot for slot in unkept if slot not in self.records), candidates[0])
+            best = blank
         elif (self.prefix_cache or own) and len(tokens) > 1:
             self.prefix_stats.queried_tokens += len(tokens) - 1
             for slot in candidates:
@@ -143,7 +145,7 @@ class SlotPool:
                     best, kept = slot, shared
         source, copied = self._running_source(tokens, group, kept) if saved is None and not own else (None, 0)
         if source is not None:  # a running sequence holds more: copy it into a slot without a record
-            best = next((slot for slot in unkept if slot not in self.records), candidates[0])
+            best = blank
             self._claim(best, seq, reusing=False)
             self.model.copy_sequence(source, best, copied)
             self.copies += 1

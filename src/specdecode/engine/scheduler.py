@@ -191,7 +191,7 @@ class Scheduler:
         for other in self.running:
             if other.cache_group != seq.cache_group or not (other.prefilling or other in admitted):
                 continue
-            shared = min(common_prefix_length(other.tokens[:own], seq.tokens), own, len(other.tokens) - 1)
+            shared = min(common_prefix_length(other.tokens[:own], seq.tokens), len(other.tokens) - 1)
             # Admitted now, it would start from what the other has computed (a chunked prefill
             # registers each chunk) and prefill the rest itself, ``pending`` of it the other's.
             pending = shared - other.prefilled

@@ -92,14 +92,10 @@ def rejection_verify(
     """
     batch, k = draft_tokens.shape
     device = target_probs.device
-    per_row = generator is not None and not isinstance(generator, torch.Generator)
     if k == 0:  # plain sampling: the bonus row's residual is p itself (as below, without its cost)
-        if per_row:
-            rows = list(generator)  # type: ignore[arg-type]
-            final = torch.cat([sample_categorical(target_probs[b : b + 1, 0], g) for b, g in enumerate(rows)])
-        else:
-            final = sample_categorical(target_probs[:, 0], generator)  # type: ignore[arg-type]
+        final = _sample_rows(target_probs[:, 0], generator)
         return VerifyResult(torch.zeros(batch, dtype=torch.long, device=device), final[:, None])
+    per_row = generator is not None and not isinstance(generator, torch.Generator)
     p_draft = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)  # (B, k)
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
@@ -141,11 +137,18 @@ def rejection_verify(
     # accepted all its drafts (or drafted none) draws from p itself, as the k == 0 path does: a
     # seeded row that drafts nothing samples the same token beside drafting rows as alone.
     residual = torch.where((mass > 0) & rejected[:, None], residual / mass.clamp_min(1e-30), p_row)
-    if per_row:
-        final = torch.cat([sample_categorical(residual[b : b + 1], g) for b, g in enumerate(generators)])
-    else:
-        final = sample_categorical(residual, generator)
-    return VerifyResult(accepted_len, _emit(draft_tokens, accepted_len, final))
+    return VerifyResult(accepted_len, _emit(draft_tokens, accepted_len, _sample_rows(residual, generator)))
+
+
+def _sample_rows(
+    probs: torch.Tensor,  # (B, V) float
+    generator: torch.Generator | None | Sequence[torch.Generator | None],
+) -> torch.Tensor:  # (B,) long
+    """One token per row: each row from its own generator where one is given per row (the
+    shapes a one-row call would draw), else all from ``generator``."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        return torch.cat([sample_categorical(probs[b : b + 1], g) for b, g in enumerate(generator)])
+    return sample_categorical(probs, generator)
 
 
 # --- token trees (batch size 1) ----------------------------------------------------------
