@@ -9,9 +9,8 @@ decoding's, from the results) is decoded again by an ``AutoDrafter`` over prompt
 suffix decoding: each step it proposes as in a real run, the target accepts the drafted run
 that equals ``y``, and the step is charged the run's measured price of a pass over k + 1 rows.
 The draft model is left out: on the run's cost table it cannot pay even when every draft is
-accepted (``speculation_can_pay``), so auto never drafts with it there. The lookup memory is
-shared across prompts as in one decoder; each prompt has a fresh suffix cache, as the bench's
-runs had. Printed per category: plain, oracle and simulated seconds, and the share
+accepted (``speculation_can_pay``), so auto never drafts with it there. Each prompt has a fresh
+suffix cache, as the bench's runs had. Printed per category: plain, oracle and simulated seconds, and the share
 (oracle / simulated), beside the share the real run measured.
 """
 
@@ -26,21 +25,20 @@ import torch
 from specdecode import SpecDecoder
 from specdecode.bench.oracle import CostTable
 from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
-from specdecode.drafters.auto import AutoDrafter, LookupMemory
+from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import AUTO_DEPTH, SuffixDrafter, SuffixProposer
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.sampling import LogitsProcessor
 
 
-def simulate_turn(prompt: list[int], y: list[int], costs: CostTable, memory: LookupMemory, cache: SuffixCache,
-                  sources: dict[str, int]) -> float:
+def simulate_turn(prompt: list[int], y: list[int], costs: CostTable, cache: SuffixCache, sources: dict[str, int]) -> float:
     """Priced seconds of auto decoding ``y`` after ``prompt`` (prefill excluded, as the oracle's)."""
     depth = AUTO_DEPTH
     verify = [costs.target(rows) for rows in range(1, depth + 2)]
     suffix = SuffixDrafter(SuffixProposer(cache, DEFAULT_GROUP, depth=depth, verify_seconds=verify))
     auto = AutoDrafter(NgramDrafter(DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN), None, verify, DEFAULT_K_MAX,
-                       live_costs=False, suffix=suffix, memory=memory, suffix_depth=depth)
+                       live_costs=False, suffix=suffix, suffix_depth=depth)
     n = len(y)
     auto.start(len(prompt), len(prompt) + n + 1)
     auto.on_committed(list(prompt))
@@ -81,7 +79,6 @@ def main() -> int:
                                           show_progress=False)
     records = {(r["method"], r["prompt_id"]): r for r in run["records"]}
     oracle_rows = {row["prompt_id"]: row for row in group["prompts"]}
-    memory = LookupMemory()
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for prompt in run["prompts"]:
         row = oracle_rows.get(prompt["prompt_id"])
@@ -95,7 +92,7 @@ def main() -> int:
         for turn, plain in zip(prompt["turns"], plain_turns):
             messages.append({"role": "user", "content": turn})
             ids = decoder.encode(messages, chat=True)
-            seconds += simulate_turn(ids, plain["tokens"], costs, memory, cache, sources)
+            seconds += simulate_turn(ids, plain["tokens"], costs, cache, sources)
             messages.append({"role": "assistant", "content": plain["text"]})
         measured = row["methods"][auto_key]
         print(f"{prompt['prompt_id']:>16} {row['category']:<15} share sim {row['oracle_seconds'] / seconds:.2f} "

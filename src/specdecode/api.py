@@ -35,7 +35,6 @@ from specdecode.config import (
 )
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
 from specdecode.costs.store import CostStore, cost_store_for
-from specdecode.drafters.auto import LookupMemory
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.from_heads import tree_drafter
@@ -114,7 +113,6 @@ class SpecDecoder:
             config=config, backend=self.backend, drafters=self.drafters,
             # Earlier responses for suffix decoding, shared by this decoder's requests (by group).
             suffix_cache=SuffixCache(config.suffix_cache_tokens),
-            lookup_memory=LookupMemory(),  # what lookups earned in earlier auto requests
             costs=DecoderCosts(self.engine, draft_drafter, None if draft is None else self._cost_store(draft, "draft")),
         )
         self.heads: dict[str, DraftHeads] = {}

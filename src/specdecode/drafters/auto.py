@@ -7,22 +7,18 @@ microseconds; then the source with the highest expected tokens per second steps:
 
 - plain decoding: one token per target pass over one row (measured once per engine, kept
   current from live steps);
-- prompt lookup, suffix decoding and the draft model: their goodput measured on their own recent steps,
-  tokens emitted over seconds spent drafting and verifying, pooled with forgetting
-  (``GoodputEstimate``, a window of ~30 steps: the choice is per request more than per
-  step). Prompt lookup keeps one estimate per match length n (a 3-token match is accepted far
-  more often than a 1-token one), suffix decoding one per match-length bucket (1, 2-3, 4-7,
-  8-15, 16+). Each starts from a hopeful prior, so it gets tried (a
-  lookup, which costs only extra verified rows, more hopefully than the draft model), and its
-  own measurements take over. Measured, not modelled: acceptance comes in
-  runs and the draft model stops early where it is unsure, which an i.i.d. model of
-  E(a, k) misprices;
-- lookup memory: what each (source, match size) earned in this decoder's earlier requests
-  (``LookupMemory``, faded at every new request) caps that hopeful prior, so a match size that
-  lost recently is not re-learnt by two or three losing steps in every request: short answers paid
-  that most (17-step translations on llama.cpp, where an extra verify row costs 0.7 of a pass,
-  lost ~20% to it). One that paid starts from the hopeful prior as before; one that lost is
-  tried again once its old evidence has faded (``MEMORY_DECAY``);
+- prompt lookup and suffix decoding: what each offered is scored against the tokens the target
+  then emitted, on every step, whether it drafted or plain decoding stepped (a plain step still
+  says whether the offer's first token was right), so learning what a lookup is worth costs no
+  step. The scores are kept per source in two states, after an offer that agreed with what was
+  emitted and after one that did not: inside a copy a lookup's next token is right 82-86% of the
+  time on the bench's prompts, elsewhere 15-18%, and one pooled rate would price both wrong
+  (``LookupAgreement``). A lookup drafts as many of its tokens as pay under
+  ``k_policy.best_plan`` at its state's rate, and only where that beats plain decoding;
+- the draft model: its goodput measured on its own recent steps, tokens emitted over seconds
+  spent drafting and verifying, pooled with forgetting (``GoodputEstimate``, a window of ~30
+  steps), from a hopeful prior so that it gets tried. Measured, not modelled: it stops early
+  where it is unsure, which an i.i.d. model of E(a, k) misprices;
 - catch-up: the draft model reads the sequence only when it drafts, so its first use in a
   request, or its first after a run of lookup or plain steps, first feeds every token it
   missed. That one-off cost (per token, measured once per decoder) is spread over the tokens
@@ -31,8 +27,7 @@ microseconds; then the source with the highest expected tokens per second steps:
   draft model never runs it.
 
 The draft model drafts up to ``draft_k`` tokens (its confidence cut-off ends drafts early);
-prompt lookup proposes as many found tokens (up to ``k_max``) as pay under
-``k_policy.best_plan`` with its per-match acceptance; suffix decoding its cost-aware chain
+prompt lookup at most ``k_max`` found tokens, suffix decoding at most its cost-aware chain
 (``SuffixProposer`` with the verify costs: up to ``suffix_depth``, past ``k_max``, where its
 match and calibrated path probabilities say a long copy is coming). After ``DRAFT_RETRY_AFTER`` steps without
 the draft model and no lookup match, a
@@ -63,16 +58,12 @@ from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter
-from specdecode.drafters.suffix_cache import match_bucket
 from specdecode.engine.sampling import LogitsProcessor
 
 CATCH_UP_HORIZON = 64  # most future tokens a draft catch-up is spread over
 CATCH_UP_FREE_TOKENS = 2  # a normal draft pass feeds the one or two newly committed tokens
 PRIOR_GAIN = 1.25  # an untried draft model is assumed this much faster than plain decoding ...
 PRIOR_STEPS = 2.0  # ... with the weight of this many plain steps' time
-# An untried lookup match length is assumed to pay this much: trying one costs only a few
-# extra verified rows, and a source that is never tried is never measured.
-LOOKUP_PRIOR_GAIN = 2.0
 # Steps without the draft model (and no lookup match) before it drafts again. Not
 # k_policy.PROBE_AFTER, which counts plain steps in a row before a schedule drafts a short
 # probe (PROBE_K tokens, waiting longer after each probe that does not pay): this counts steps
@@ -81,48 +72,48 @@ LOOKUP_PRIOR_GAIN = 2.0
 DRAFT_RETRY_AFTER = 6
 
 
-# Weight kept by what earlier requests measured, per request that starts: old evidence fades
-# over a few requests, so a match size that lost is tried again (its rate drifts back to the
-# hopeful prior: after losing in one request, about four requests later where extra verify
-# rows are dear) and the memory follows a change of workload.
-MEMORY_DECAY = 0.8
-MEMORY_PRIOR_STEPS = 1.0  # plain steps' weight of the hopeful prior inside the memory
-
-LookupKey = tuple[str, int]  # (source "ngram" or "suffix", match size or bucket)
-# The lookup memory keeps requests with prompts of at least this many tokens apart from shorter
-# ones: a long prompt (a document to summarise or answer from) gives lookups text to copy, and
-# what they earned on short questions says little about it. Measured on llama.cpp: after the
-# bench's short-prompt categories had taught the memory that lookups lose, auto decoded
-# summarization prompts plainly where the oracle copied (70% of its ceiling; 77% with no
-# short prompts before them).
-LONG_PROMPT_TOKENS = 512
-MemoryKey = tuple[str, int, int]  # a LookupKey and 1 for a long prompt, else 0
+LOOKUP_SOURCES = ("ngram", "suffix")
+# Weight an agreement score keeps per scored offer: a window of ~30 steps, as the draft model's
+# goodput. Chosen with benchmarks/auto_policy_sim.py on the bench's default prompts (0.9 to
+# 0.99 moved auto's share of the oracle ceiling by at most 0.01).
+AGREEMENT_DECAY = 0.97
+AFTER_MISS, AFTER_AGREEMENT = 0, 1
 
 
 @dataclass(slots=True)
-class LookupMemory:
-    """Tokens emitted and seconds spent by lookup steps in a decoder's earlier requests, per
-    (source, match size): shared by the per-request auto drafters of one decoder (one at a time)."""
+class LookupAgreement:
+    """How often one lookup source's offered tokens were the tokens the target emitted next, per
+    state (``AFTER_MISS``, ``AFTER_AGREEMENT``: whether its previous offer agreed), pooled with
+    forgetting as a per-token acceptance rate (``AcceptanceEstimate``: a run of r right tokens of
+    n checked is r successes and, when r < n, one failure)."""
 
-    tokens: dict[MemoryKey, float] = field(default_factory=dict)
-    seconds: dict[MemoryKey, float] = field(default_factory=dict)
+    rates: dict[int, AcceptanceEstimate] = field(default_factory=lambda: {
+        state: AcceptanceEstimate(decay=AGREEMENT_DECAY) for state in (AFTER_MISS, AFTER_AGREEMENT)})
+    state: int = AFTER_MISS
+    _offer: list[int] | None = None  # what the source offered this step, awaiting the emitted tokens
+    _offer_state: int = AFTER_MISS
 
-    def start_request(self) -> None:
-        for key in list(self.tokens):  # a copy: another thread's request may add a key meanwhile
-            self.tokens[key] *= MEMORY_DECAY
-            self.seconds[key] *= MEMORY_DECAY
+    @property
+    def rate(self) -> float:
+        """Per-token acceptance expected of an offer made now."""
+        return self.rates[self.state].rate
 
-    def observe(self, key: MemoryKey, tokens: int, seconds: float) -> None:
-        self.tokens[key] = self.tokens.get(key, 0.0) + tokens
-        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+    def offer(self, tokens: list[int]) -> None:
+        self._offer, self._offer_state = tokens, self.state
 
-    def prior_gain(self, key: MemoryKey, hopeful_gain: float, plain_seconds: float) -> float:
-        """The hopeful prior (a gain over plain decoding) pooled with what this key earned before,
-        never above the hopeful gain: memory only holds back a key that lost, it never makes a
-        new request less willing to measure a key that paid."""
-        tokens = hopeful_gain * MEMORY_PRIOR_STEPS + self.tokens.get(key, 0.0)
-        seconds = MEMORY_PRIOR_STEPS * plain_seconds + self.seconds.get(key, 0.0)
-        return min(hopeful_gain, tokens / seconds * plain_seconds)
+    def score(self, emitted: list[int]) -> None:
+        """The tokens committed after the offer (a plain step's one token, or a verified draft's
+        accepted tokens and the target's own): as many of the offer as were emitted are checked."""
+        offer, self._offer = self._offer, None
+        checked = min(len(offer), len(emitted)) if offer else 0
+        if checked == 0:
+            self.state = AFTER_MISS
+            return
+        right = 0
+        while right < checked and offer[right] == emitted[right]:
+            right += 1
+        self.rates[self._offer_state].observe(checked, right)
+        self.state = AFTER_AGREEMENT if right == checked else AFTER_MISS
 
 
 class AutoDrafter:
@@ -137,7 +128,6 @@ class AutoDrafter:
         draft_token_seconds: float = 0.0,  # the draft model's cost per token of a long catch-up pass
         live_costs: bool = True,  # update verify costs from steps; False where timings are asynchronous
         suffix: SuffixDrafter | None = None,
-        memory: LookupMemory | None = None,  # the decoder's, across requests; None: this request only
         suffix_depth: int | None = None,  # the most a suffix chain drafts (None: k_max)
     ) -> None:
         self.ngram = ngram
@@ -155,15 +145,11 @@ class AutoDrafter:
         self.draft_can_pay = draft is not None and speculation_can_pay(self.verify_seconds, draft_pass_seconds, self.draft_k)
         self.live_costs = live_costs
         self.draft_goodput = self._prior()
-        # Per lookup source ("ngram", "suffix") and match size: goodput and acceptance.
-        self.lookup_goodput: dict[tuple[str, int], GoodputEstimate] = {}
-        self.lookup_acceptance: dict[tuple[str, int], AcceptanceEstimate] = {}
-        self.memory = memory if memory is not None else LookupMemory()
+        # Per lookup source: how often its offers agreed with the emitted tokens, scored every step.
+        self.agreement = {source: LookupAgreement() for source in LOOKUP_SOURCES}
         # Steps each source drafted (or decoded plainly): reported in GenerationStats.
         self.steps_by_source: Counter[str] = Counter()
         self.source = "none"  # of the last step
-        self._match_size = 0  # of the last step's lookup (n, or the suffix match's bucket)
-        self._long_prompt = 0  # 1 when this request's prompt has LONG_PROMPT_TOKENS or more
         self._catch_up = 0
         self._draft_used = False
         self._since_draft = 0
@@ -172,17 +158,6 @@ class AutoDrafter:
     def _prior(self, gain: float = PRIOR_GAIN) -> GoodputEstimate:
         plain = self.verify_seconds[0]
         return GoodputEstimate(prior_rate=gain / plain, prior_seconds=PRIOR_STEPS * plain)
-
-    def _memory_key(self, source: str, match_size: int) -> MemoryKey:
-        return (source, match_size, self._long_prompt)
-
-    def _lookup_estimates(self, source: str, match_size: int) -> tuple[GoodputEstimate, AcceptanceEstimate]:
-        key = (source, match_size)
-        if key not in self.lookup_goodput:
-            self.lookup_goodput[key] = self._prior(self.memory.prior_gain(self._memory_key(source, match_size),
-                                                                          LOOKUP_PRIOR_GAIN, self.verify_seconds[0]))
-            self.lookup_acceptance[key] = AcceptanceEstimate()
-        return self.lookup_goodput[key], self.lookup_acceptance[key]
 
     def _catch_up_seconds(self, missed: int) -> float:
         return max(0, missed - CATCH_UP_FREE_TOKENS) * self.draft_token_seconds
@@ -197,12 +172,7 @@ class AutoDrafter:
         source = self.source if proposed else "none"
         self.steps_by_source[source] += 1
         self._since_draft = 0 if source == "draft" else self._since_draft + 1
-        if source in ("ngram", "suffix"):
-            goodput, acceptance = self._lookup_estimates(source, self._match_size)
-            goodput.observe(accepted + 1, draft_seconds + verify_seconds)
-            acceptance.observe(proposed, accepted)
-            self.memory.observe(self._memory_key(source, self._match_size), accepted + 1, draft_seconds + verify_seconds)
-        elif source == "draft":
+        if source == "draft":
             # A catch-up is a one-off cost, priced separately: keep it out of the step's rate.
             drafting = max(0.0, draft_seconds - self._catch_up_seconds(self._catch_up))
             self.draft_goodput.observe(accepted + 1, drafting + verify_seconds)
@@ -215,37 +185,29 @@ class AutoDrafter:
         if self.draft is not None:
             self.draft.start(prompt_len, capacity, target, shared_prefix)  # allocation only: it reads the prompt when first used
         self._capacity = capacity
-        self.memory.start_request()
-        self._long_prompt = int(prompt_len >= LONG_PROMPT_TOKENS)
 
     def on_committed(self, tokens: list[int]) -> None:
+        for agreement in self.agreement.values():
+            agreement.score(tokens)
         self.ngram.on_committed(tokens)
         if self.suffix is not None:
             self.suffix.on_committed(tokens)
         if self.draft is not None:
             self.draft.on_committed(tokens)
 
-    def plan(
-        self, length: int, num_tokens: int, lookup_tokens: int, match_size: int, suffix_tokens: int = 0,
-        suffix_bucket: int = 0,
-    ) -> tuple[str, int]:
+    def plan(self, length: int, num_tokens: int, lookup_tokens: int, suffix_tokens: int = 0) -> tuple[str, int]:
         """(source, k) with the highest expected tokens per second for this step.
 
         ``length``: committed tokens; ``num_tokens``: the most the engine lets this step draft;
-        ``lookup_tokens``: tokens the n-gram lookup found (0: no match) for a match of
-        ``match_size``; ``suffix_tokens``: the suffix chain's length (0: none) for a match in
-        ``suffix_bucket``.
+        ``lookup_tokens``, ``suffix_tokens``: how many tokens the n-gram lookup and the suffix
+        chain offer (0: no match).
         """
         best = ("none", 0, 1.0 / self.verify_seconds[0])
-        for source, found, size in (("ngram", lookup_tokens, match_size), ("suffix", suffix_tokens, suffix_bucket)):
+        for source, found in (("ngram", lookup_tokens), ("suffix", suffix_tokens)):
             if found > 0:
-                goodput, acceptance = self._lookup_estimates(source, size)
-                # A suffix chain already holds what pays by its own calibrated path probabilities
-                # (it decays along the chain, where one acceptance rate for every depth cannot
-                # tell a 30-token copy from a guess); a lookup's length is priced here.
-                k = found if source == "suffix" else best_plan(acceptance.rate, self.verify_seconds, 0.0, found, k_min=1)[0]
-                if goodput.rate > best[2]:
-                    best = (source, k, goodput.rate)
+                k, rate = best_plan(self.agreement[source].rate, self.verify_seconds, 0.0, found, k_min=1)
+                if rate > best[2]:
+                    best = (source, k, rate)
         if self.draft is not None and self.draft_can_pay:
             k = min(self.draft_k, num_tokens)
             if self._draft_used and self._since_draft >= DRAFT_RETRY_AFTER and lookup_tokens == 0 and suffix_tokens == 0:
@@ -269,10 +231,9 @@ class AutoDrafter:
         length = committed.shape[1]
         lookup = self.ngram.propose(committed, min(num_tokens, self.k_max), processor, generator)
         chain = self.suffix.proposer.propose(num_tokens, tree=False, mark=False) if self.suffix is not None else None
-        suffix_tokens, suffix_bucket = (len(chain), match_bucket(chain.match_len)) if chain else (0, 0)
-        self.source, k = self.plan(length, num_tokens, lookup.num_tokens, self.ngram.last_match_size, suffix_tokens,
-                                   suffix_bucket)
-        self._match_size = suffix_bucket if self.source == "suffix" else self.ngram.last_match_size
+        self.agreement["ngram"].offer(lookup.tokens[0].tolist())
+        self.agreement["suffix"].offer(list(chain.tokens) if chain else [])
+        self.source, k = self.plan(length, num_tokens, lookup.num_tokens, len(chain) if chain else 0)
         if self.source == "ngram":
             return DraftProposal(tokens=lookup.tokens[:, :k], probs=None)
         if self.source == "suffix":

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from specdecode.backends.select import TORCH
 from specdecode.config import DecoderConfig
 from specdecode.costs.decoder_costs import DecoderCosts
-from specdecode.drafters.auto import AutoDrafter, LookupMemory
+from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.suffix import AUTO_DEPTH, SuffixDrafter, SuffixProposer, suffix_drafter
@@ -33,7 +33,6 @@ class DecoderResources:
     backend: str  # "torch" or "llama.cpp"
     drafters: Mapping[str, Drafter | TreeDrafter]  # the stateless drafters by method
     suffix_cache: SuffixCache
-    lookup_memory: LookupMemory
     costs: DecoderCosts
 
     @property
@@ -109,7 +108,6 @@ def plan_auto(resources: DecoderResources, request: PlanRequest) -> RequestPlan:
         live_costs=costs.live,
         suffix=SuffixDrafter(SuffixProposer(resources.suffix_cache, request.suffix_group, depth=depth,
                                             verify_seconds=verify_seconds)),
-        memory=resources.lookup_memory,
         suffix_depth=depth,
     )
     return RequestPlan("auto", auto, auto.k, auto, steps_by_source=auto.steps_by_source)
