@@ -92,6 +92,9 @@ def run(dec: SpecDecoder, label: str, prompt: str, schema: dict, tokens: int) ->
     if flag not in ("", "nojf"):
         raise SystemExit(f"unknown label flag +{flag} (only +nojf)")
     dec.forget_prefix()  # each request prefills its whole prompt: methods compared on equal terms
+    # ... and suffix decoding drafts from no earlier response: the same schema's answer from the
+    # method run just before would be copied whole.
+    dec.suffix_cache.clear()
     dec.grammars.jump_forward = flag != "nojf"
     params = SamplingParams(max_new_tokens=tokens, structured=StructuredOutput(json_schema=schema))
     started = time.perf_counter()
@@ -111,17 +114,42 @@ def run(dec: SpecDecoder, label: str, prompt: str, schema: dict, tokens: int) ->
             "text": result.text, "token_ids": result.token_ids}
 
 
+def oracle_ceiling(dec: SpecDecoder, rows: list[dict], methods: list[str]) -> None:
+    """Per schema and summed: plain / hindsight-best schedule over the lookups, priced by the
+    decoder's measured pass costs, on the first method's output (``specdecode.bench.oracle``)."""
+    from specdecode.bench.oracle import CostTable, best_schedule, turn_proposals
+    from specdecode.drafters.suffix_cache import SuffixCache
+
+    costs = CostTable.of(dec, 33)
+    plain_total = oracle_total = 0.0
+    for (name, prompt, _), row in zip(SET, rows):
+        y = row[methods[0]]["token_ids"]
+        ids = dec.encode([{"role": "user", "content": prompt}], chat=True)
+        seconds, _ = best_schedule(turn_proposals(dec, ids, y, SuffixCache(), suffix_trees=False), costs)
+        plain = costs.target(1) * (len(y) - 1)
+        plain_total, oracle_total = plain_total + plain, oracle_total + seconds
+        row["oracle_ceiling"] = plain / seconds if seconds else None
+        print(f"{name:32s} oracle ceiling {plain / seconds:.2f}x" if seconds else f"{name:32s} (one token)")
+    rows_cost = ", ".join(f"{r}: {costs.target(r) / costs.target(1):.2f}" for r in (2, 3, 4, 6, 8))
+    print(f"oracle ceiling over the set: {plain_total / oracle_total:.2f}x (pass over r rows / one row: {rows_cost})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="llama.cpp")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--methods", default="none,auto")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--oracle", action="store_true",
+                        help="also the oracle ceiling of each schema's first-method output (bench --oracle's DP: "
+                             "prompt lookup and suffix decoding, this machine's pass costs; forced tokens not counted)")
     args = parser.parse_args()
     methods = args.methods.split(",")
     dec = SpecDecoder.from_pretrained(backend=args.backend, method="auto", show_progress=False)
     dec.generate("warm", SamplingParams(max_new_tokens=4, structured=StructuredOutput(json_object=True)),
                  method="none")  # the grammar engine's tokenizer info, the first pass
+    # auto's pass costs are timed on its first use: not inside the first schema's request.
+    dec.generate("warm", SamplingParams(max_new_tokens=4, structured=StructuredOutput(json_object=True)), method="auto")
     rows = []
     for name, prompt, schema in SET:
         row = {"schema": name, **{m: run(dec, m, prompt, schema, args.tokens) for m in methods}}
@@ -148,6 +176,8 @@ def main() -> None:
         steps = sum(r[m]["steps"] for r in rows)
         print(f"{m}: {valid}/{len(rows)} valid, grammar {grammar * 1e3:.2f} ms/token, {tokens} tokens in {steps} "
               f"steps, forced tokens {forced_ok}/{forced} accepted")
+    if args.oracle:
+        oracle_ceiling(dec, rows, methods)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"tokens": args.tokens, "backend": args.backend, "rows": rows}, indent=1))
