@@ -156,3 +156,27 @@ def test_a_tie_at_the_kth_token_keeps_every_tied_token() -> None:
     probs = LogitsProcessor(temperature=1.0, top_k=4, top_p=1.0).probs(logits)
     assert (probs > 0).sum() == 6
     torch.testing.assert_close(probs, dense_reference(logits, 1.0, 4, 1.0, 0.0))
+
+
+@pytest.mark.parametrize("shape", [(7,), (1, 151936), (2, 3, 1000), (3, 0, 5)])
+def test_argmax_last_is_torchs_argmax(shape: tuple[int, ...]) -> None:
+    """The numpy path picks what ``torch.argmax`` picks: the first maximum, a NaN first, any shape."""
+    from specdecode.engine.categorical import argmax_last
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(argmax_last(x), x.argmax(-1))
+    ties = torch.tensor([[1.0, 3.0, 3.0, 2.0], [float("nan"), 1.0, float("nan"), 0.0], [0.0, 0.0, 0.0, 0.0]])
+    assert argmax_last(ties).tolist() == ties.argmax(-1).tolist() == [1, 0, 0]
+    strided = torch.randn(4, 10)[:, ::3]  # not contiguous
+    assert torch.equal(argmax_last(strided), strided.argmax(-1))
+    half = x.to(torch.bfloat16)  # other dtypes: torch's own
+    assert torch.equal(argmax_last(half), half.argmax(-1))
+
+
+def test_greedy_verify_of_a_plain_step_emits_the_argmax() -> None:
+    from specdecode.engine.verify import greedy_verify
+
+    logits = torch.randn(3, 1, 50, generator=torch.Generator().manual_seed(1))
+    result = greedy_verify(torch.empty(3, 0, dtype=torch.long), logits, num_drafted=[0, 0, 0])
+    assert result.accepted_len.tolist() == [0, 0, 0]
+    assert result.tokens.tolist() == logits.argmax(-1).tolist() and result.tokens.dtype == torch.long

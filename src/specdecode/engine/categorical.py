@@ -1,4 +1,5 @@
-"""Drawing one token from each row of a probability matrix, fast over a 150k-token vocabulary.
+"""Drawing one token from each row of a probability matrix, fast over a 150k-token vocabulary;
+and the greedy token of each row (``argmax_last``).
 
 ``torch.multinomial`` over one row of the demo models' 151,936 tokens costs ~3.5 ms on a 2-core
 CPU: as much as 8% of a llama.cpp decode step, paid for every sampled token, drafted token and
@@ -17,6 +18,7 @@ draw is kept strictly below its row's total). The random numbers differ from
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,3 +52,13 @@ def _inverse_cdf(
     # u * total can round up to total itself, which would land past the last positive weight.
     point = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cumulative, point, right=True)
+
+
+def argmax_last(x: torch.Tensor) -> torch.Tensor:  # (..., V) float -> (...) long
+    """``x.argmax(dim=-1)``, the first index of each row's maximum. On the CPU a float32 row is
+    handed to numpy, whose argmax over 151,936 floats takes 16 us on the project's 2-core CPU
+    against torch's 169 us (measured): a greedy step's whole verification on llama.cpp was
+    dearer than the rest of its Python. Same ties (the first maximum) and NaN (the first NaN)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() > 0 and x.shape[-1] > 0:
+        return torch.from_numpy(np.asarray(x.detach().numpy().argmax(-1), dtype=np.int64))
+    return x.argmax(dim=-1)

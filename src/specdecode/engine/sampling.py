@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.engine.categorical import sample_categorical
+from specdecode.engine.categorical import argmax_last, sample_categorical
 from specdecode.engine.logprobs import log_distribution
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def draw(
     if grammar is not None:
         logits = grammar.mask_draft(logits)
     if processor.greedy:
-        token, q = logits.argmax(dim=-1), None
+        token, q = argmax_last(logits), None
     else:
         q = processor.probs(logits)
         token = sample(q, generator)

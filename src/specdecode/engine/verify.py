@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.backends.device import host_to_device
-from specdecode.engine.categorical import sample_categorical
+from specdecode.engine.categorical import argmax_last, sample_categorical
 from specdecode.engine.tree import ROOT, TokenTree
 
 PAD_TOKEN = -1
@@ -67,8 +67,11 @@ def greedy_verify(
     numbers of tokens, padded to k: row b's drafts past ``num_drafted[b]`` are never accepted,
     and its last token comes from its row ``num_drafted[b]`` at most.
     """
-    target_argmax = target_logits.argmax(dim=-1)  # (B, k + 1)
+    target_argmax = argmax_last(target_logits)  # (B, k + 1)
     k = draft_tokens.shape[1]
+    if k == 0:  # a plain step: the target's token, nothing to accept
+        return VerifyResult(torch.zeros(target_argmax.shape[0], dtype=torch.long, device=target_argmax.device),
+                            target_argmax)
     accepted_len = _accepted_prefix_len(draft_tokens == target_argmax[:, :k])
     if num_drafted is not None:
         accepted_len = torch.minimum(accepted_len, host_to_device(list(num_drafted), torch.long, draft_tokens.device))
@@ -205,7 +208,7 @@ def greedy_tree_verify(
     path matches throughout, the deepest wins (ties: the lowest index), and the target's
     argmax at that node follows it. One device-to-host transfer in all.
     """
-    target_argmax = target_logits.argmax(dim=-1)  # (N,)
+    target_argmax = argmax_last(target_logits)  # (N,)
     matches = tree.tokens == target_argmax[_parent_rows(tree, target_logits.device)]
     best = _deepest_accepted(tree, matches).view(1)  # (1,): a 0-dim index would sync via .item()
     host = torch.cat([best, target_argmax[best], tree.tokens]).tolist()
