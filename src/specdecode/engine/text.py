@@ -74,9 +74,15 @@ def check_same_tokenizer(target_tok: Any, draft_tok: Any, target_name: str, draf
 class IncrementalDecoder:
     """Turns a growing list of token ids into text deltas for streaming.
 
-    Decodes the whole output each time (cheap for chat-length outputs, and always right for
-    byte-level BPE), holds back an incomplete UTF-8 character, and holds back any tail that
-    could be the start of a stop string so that a stop string is never half-printed.
+    Holds back an incomplete UTF-8 character, and any tail that could be the start of a stop
+    string, so that a stop string is never half-printed. Decodes a window, not the whole output:
+    the tokens since the text was last whole, after the tokens of the step before them as
+    context (a SentencePiece tokenizer drops a leading space at the start of what it decodes),
+    and takes what the window adds to the context's own text (vLLM's incremental detokenisation).
+    A step costs the same at token 4,000 as at token 10; decoding the whole output took 1.1 ms a
+    token at 4,000 tokens on the project's CPU. A tokenizer that cleans up spaces between tokens
+    (``clean_up_tokenization_spaces``), whose text is not a sum of windows, decodes the whole
+    output every time.
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
@@ -86,11 +92,33 @@ class IncrementalDecoder:
         self.text = ""  # full text so far, stop-truncated when stopped
         self.emitted = 0
         self.stopped = False
+        self._whole = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self._context = 0  # the window's first token: context, whose own text is not new
+        self._read = 0  # tokens whose text is in _read_text: the output is whole there
+        self._read_text = ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def _current_text(self) -> str:
+        """The text of every token so far (ending in U+FFFD while a character is incomplete)."""
+        ids = self.token_ids
+        if self._whole:
+            return self._decode(ids)
+        context = self._decode(ids[self._context : self._read])
+        window = self._decode(ids[self._context :])
+        if not window.startswith(context):  # not a sum of windows here: the whole output instead
+            text = self._decode(ids)
+        else:
+            text = self._read_text + window[len(context) :]
+        if not text.endswith("\ufffd"):
+            self._context, self._read, self._read_text = self._read, len(ids), text
+        return text
 
     def add(self, new_ids: Sequence[int]) -> str:
         """Append tokens; return the text that may be shown now."""
         self.token_ids.extend(new_ids)
-        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        self.text = self._current_text()
         safe_end = len(self.text)
         if self.text.endswith("\ufffd"):
             safe_end = len(self.text.rstrip("\ufffd"))
