@@ -161,6 +161,25 @@ def test_forward_batch_equals_each_sequence_alone(ggufs: dict) -> None:
             assert_same_argmax_where_clear(got, expected, PRECISE_ATOL)
 
 
+def test_a_second_context_shares_the_loaded_weights(ggufs: dict) -> None:
+    """``with_sequences`` (the batch engine's context) runs on the same llama_model, not a second
+    load (which repacks the weights again), gives the same logits, and the weights live until
+    the last context on them closes."""
+    first = LlamaCppModel(ggufs["qwen2"], n_ctx=64, **PRECISE)
+    second = first.with_sequences(2, 64)
+    try:
+        assert second._model is first._model and first._weights is second._weights
+        assert first._weights is not None and first._weights.users == 2
+        expected = first.forward(0, PROMPT, 0, "all")
+        first.close()  # the second context keeps the weights
+        assert second._weights is not None and second._weights.users == 1
+        assert_close(second.forward(1, PROMPT, 0, "all"), expected)
+    finally:
+        first.close()
+        second.close()
+    assert second._weights is None and first._weights is None
+
+
 def test_forward_batch_rejects_a_sequence_twice(ggufs: dict) -> None:
     with LlamaCppModel(ggufs["qwen2"], n_ctx=32, n_seq_max=2) as model:
         with pytest.raises(InvalidRequestError, match="twice"):

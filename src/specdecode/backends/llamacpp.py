@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -80,6 +81,29 @@ def use_extra_buffer_types() -> bool:
     return "amx_tile" not in cpu_flags()
 
 
+class _Weights:
+    """A loaded llama_model and how many contexts use it; freed with the last."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.users = 1
+        self._lock = threading.Lock()
+
+    def share(self) -> _Weights:
+        with self._lock:
+            if self.users == 0:
+                raise InvalidRequestError("this llama.cpp model is closed; its weights cannot be shared")
+            self.users += 1
+        return self
+
+    def release(self, llama_cpp: ModuleType) -> None:
+        with self._lock:
+            self.users -= 1
+            last = self.users == 0
+        if last:
+            llama_cpp.llama_model_free(self.model)
+
+
 class LlamaCppModel:
     """One GGUF model and one llama.cpp context on the CPU, with ``n_seq_max`` sequences.
 
@@ -104,9 +128,11 @@ class LlamaCppModel:
         kv_type: str = "f16",
         flash_attn: bool | None = None,
         verbose: bool = False,
+        weights_of: LlamaCppModel | None = None,
     ) -> None:
         self._llama = None  # set first: close() (and __del__) must work on a half-built object
         self._model = None
+        self._weights: _Weights | None = None
         self._ctx = None
         self._batch: TokenBatch | None = None
         for name, value in (("n_ctx", n_ctx), ("n_seq_max", n_seq_max), ("n_batch", n_batch)):
@@ -127,7 +153,13 @@ class LlamaCppModel:
         # here, not in the wrapper, since two wrappers over one model share llama.cpp's memory.
         self.sequence_epoch = 0
 
-        self._model = self._load_model(llama_cpp)
+        # Contexts on one file share its llama_model (``weights_of``): a second load would map the
+        # file again and repack its weights again (597 MiB of the demo target on an AVX2 CPU).
+        if weights_of is not None and weights_of._weights is not None:
+            self._weights = weights_of._weights.share()
+        else:
+            self._weights = _Weights(self._load_model(llama_cpp))
+        self._model = self._weights.model
         self.vocab_size: int = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))
         self._ctx = self._new_context(llama_cpp, kv_type, flash_attn)
         # One thread pool for all our contexts (a target and its draft): see llamacpp_threads.py.
@@ -190,10 +222,10 @@ class LlamaCppModel:
 
     def with_sequences(self, n_seq_max: int, n_ctx: int) -> LlamaCppModel:
         """Another context on the same GGUF file and settings, with ``n_seq_max`` sequences of
-        ``n_ctx`` positions each (a batch engine's); the file is memory-mapped again, so the
-        weights' pages are shared with this one."""
+        ``n_ctx`` positions each (a batch engine's), on this one's loaded weights: the model is
+        freed when the last context on it closes."""
         return LlamaCppModel(self.path, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=self.n_threads, n_batch=self.n_batch,
-                             kv_type=self.kv_type, flash_attn=self.flash_attn, verbose=self.verbose)
+                             kv_type=self.kv_type, flash_attn=self.flash_attn, verbose=self.verbose, weights_of=self)
 
     def describe(self) -> dict[str, Any]:
         """The model's shape and special tokens as llama.cpp read them from the GGUF metadata."""
@@ -390,9 +422,10 @@ class LlamaCppModel:
         if self._ctx is not None:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
-        if self._model is not None:
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
+        if self._weights is not None:
+            self._weights.release(llama_cpp)
+            self._weights = None
+        self._model = None
 
     def __enter__(self) -> Self:
         return self
