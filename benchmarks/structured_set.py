@@ -118,9 +118,10 @@ def oracle_ceiling(dec: SpecDecoder, rows: list[dict], methods: list[str]) -> No
     """Per schema and summed: plain / hindsight-best schedule over the lookups, priced by the
     decoder's measured pass costs, on the first method's output (``specdecode.bench.oracle``)."""
     from specdecode.bench.oracle import CostTable, best_schedule, turn_proposals
+    from specdecode.drafters.suffix import AUTO_DEPTH
     from specdecode.drafters.suffix_cache import SuffixCache
 
-    costs = CostTable.of(dec, 33)
+    costs = CostTable.of(dec, AUTO_DEPTH + 1)  # as many rows as auto's deepest draft, as bench --oracle
     plain_total = oracle_total = 0.0
     for (name, prompt, _), row in zip(SET, rows):
         y = row[methods[0]]["token_ids"]

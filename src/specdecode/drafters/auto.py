@@ -155,9 +155,9 @@ class AutoDrafter:
         self._since_draft = 0
         self._capacity = 0
 
-    def _prior(self, gain: float = PRIOR_GAIN) -> GoodputEstimate:
+    def _prior(self) -> GoodputEstimate:
         plain = self.verify_seconds[0]
-        return GoodputEstimate(prior_rate=gain / plain, prior_seconds=PRIOR_STEPS * plain)
+        return GoodputEstimate(prior_rate=PRIOR_GAIN / plain, prior_seconds=PRIOR_STEPS * plain)
 
     def _catch_up_seconds(self, missed: int) -> float:
         return max(0, missed - CATCH_UP_FREE_TOKENS) * self.draft_token_seconds
@@ -229,13 +229,15 @@ class AutoDrafter:
         generator: torch.Generator | None,
     ) -> DraftProposal:
         length = committed.shape[1]
-        lookup = self.ngram.propose(committed, min(num_tokens, self.k_max), processor, generator)
+        # Both lookups on the host (on_committed keeps their histories): only the chosen draft
+        # goes to the device, and scoring the offers reads nothing back from it.
+        lookup, _ = self.ngram.match(min(num_tokens, self.k_max))
         chain = self.suffix.proposer.propose(num_tokens, tree=False, mark=False) if self.suffix is not None else None
-        self.agreement["ngram"].offer(lookup.tokens[0].tolist())
+        self.agreement["ngram"].offer(lookup)
         self.agreement["suffix"].offer(list(chain.tokens) if chain else [])
-        self.source, k = self.plan(length, num_tokens, lookup.num_tokens, len(chain) if chain else 0)
+        self.source, k = self.plan(length, num_tokens, len(lookup), len(chain) if chain else 0)
         if self.source == "ngram":
-            return DraftProposal(tokens=lookup.tokens[:, :k], probs=None)
+            return DraftProposal(tokens=host_to_device(lookup[:k], torch.long, committed.device)[None], probs=None)
         if self.source == "suffix":
             assert self.suffix is not None and chain is not None
             kept = self.suffix.proposer.keep(chain, k)
@@ -245,7 +247,7 @@ class AutoDrafter:
             self._catch_up = length - self.draft.cached_len
             self._draft_used = True
             return self.draft.propose(committed, k, processor, generator)
-        return DraftProposal(tokens=lookup.tokens[:, :0], probs=None)
+        return DraftProposal(tokens=committed.new_empty((1, 0)), probs=None)
 
     def on_verified(self, num_accepted: int) -> None:
         if self.source == "draft":

@@ -35,9 +35,6 @@ class NgramDrafter:
         # continuation_start[n][ngram] = index just after the latest occurrence of ``ngram``
         # that has at least one token after it.
         self._continuation_start: dict[int, dict[tuple[int, ...], int]] = {}
-        # n of the match behind the last proposal (0: none). Longer matches are accepted more
-        # often; the auto method keeps one acceptance estimate per n.
-        self.last_match_size = 0
 
     def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
         self.history = []
@@ -80,7 +77,7 @@ class NgramDrafter:
             raise InvalidRequestError("The n-gram drafter handles one sequence at a time.")
         if len(self.history) < committed.shape[1]:  # a caller that does not call on_committed
             self.extend(committed[0, len(self.history) :].tolist())
-        proposal, self.last_match_size = self.match(num_tokens)
+        proposal, _ = self.match(num_tokens)
         tokens = host_to_device(proposal, torch.long, committed.device).reshape(1, len(proposal))
         return DraftProposal(tokens=tokens, probs=None)
 
