@@ -10,7 +10,10 @@ Loopback only, a fixed number of requests, stops by itself:
 
 ``chats`` mode: each chat is two turns, streamed, one client, one chat after another (turn 1:
 ``--first-tokens``, turn 2: ``--second-tokens``, greedy); turn 2's messages hold turn 1 and its
-answer. ``system`` mode (``--system-requests N``): N requests sharing a long system prompt
+answer. With ``--agentic``, the conversations are instead the agentic set's code-editing
+sessions (``specdecode.prompt_sets``, four turns each, every turn after the first asking to change
+the previous answer and reply with the whole code; ``--turn-tokens`` per turn): the workload
+where speculation pays, as agent loops' is. ``system`` mode (``--system-requests N``): N requests sharing a long system prompt
 (``--system-words`` words), ``--concurrency`` at a time, each with its own question. Reports each
 turn's time to first token, the chats' wall times and, where the server says
 (``usage.prompt_tokens_details.cached_tokens``, in the final chunk with
@@ -91,6 +94,32 @@ async def chats(url: str, model: str, count: int, first_tokens: int, second_toke
     }
 
 
+async def agentic(url: str, model: str, count: int, turn_tokens: int, extra: dict) -> dict:
+    """The first ``count`` agentic sessions, turn after turn, each turn's messages holding the
+    earlier turns and answers; reported in the shape of ``chats`` (``multi_turn_tokens.py`` reads it)."""
+    from specdecode.prompt_sets import load_agentic
+
+    results = []
+    async with httpx.AsyncClient(limits=NO_KEEPALIVE) as client:
+        for session in load_agentic()[:count]:
+            started = time.perf_counter()
+            messages: list[dict] = []
+            turns = []
+            for prompt in session.turns:
+                messages.append({"role": "user", "content": prompt})
+                turn = await stream_chat(client, url, model, messages, turn_tokens, extra)
+                messages.append({"role": "assistant", "content": turn["text"]})
+                turns.append(turn)
+            results.append({"id": session.prompt_id, "turns": turns, "session_seconds": time.perf_counter() - started})
+    later = [t["ttft"] for r in results for t in r["turns"][1:]]
+    return {
+        "chats": results,
+        "turn1_ttft_mean": statistics.mean(r["turns"][0]["ttft"] for r in results),
+        "turn2_ttft_mean": statistics.mean(later),
+        "session_seconds_mean": statistics.mean(r["session_seconds"] for r in results),
+    }
+
+
 async def shared_system(url: str, model: str, requests: int, concurrency: int, words: int, max_tokens: int,
                         extra: dict) -> dict:
     system = " ".join(f"rule{i % 50}: answer briefly and precisely." for i in range(words // 5))
@@ -118,6 +147,9 @@ def main() -> int:
     parser.add_argument("--chats", type=int, default=4)
     parser.add_argument("--first-tokens", type=int, default=128)
     parser.add_argument("--second-tokens", type=int, default=64)
+    parser.add_argument("--agentic", action="store_true",
+                        help="run --chats of the agentic set's four-turn code-editing sessions instead of the two-turn chats")
+    parser.add_argument("--turn-tokens", type=int, default=256, help="max tokens per turn with --agentic")
     parser.add_argument("--system-requests", type=int, default=0, help="also run the shared-system-prompt mode")
     parser.add_argument("--system-words", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=4)
@@ -128,13 +160,17 @@ def main() -> int:
     extra = json.loads(args.extra)
     report: dict = {"url": args.url, "model": model, "extra": extra}
     if args.chats:
-        report["chats"] = asyncio.run(chats(args.url, model, args.chats, args.first_tokens, args.second_tokens, extra))
+        if args.agentic:
+            report["chats"] = asyncio.run(agentic(args.url, model, args.chats, args.turn_tokens, extra))
+        else:
+            report["chats"] = asyncio.run(chats(args.url, model, args.chats, args.first_tokens, args.second_tokens,
+                                                extra))
         c = report["chats"]
         per_chat = ", ".join(f"{r['turns'][1]['ttft']:.2f}" for r in c["chats"])
-        print(f"chats: turn-1 TTFT {c['turn1_ttft_mean']:.2f} s, turn-2 TTFT {c['turn2_ttft_mean']:.2f} s "
+        print(f"chats: turn-1 TTFT {c['turn1_ttft_mean']:.2f} s, later turns' TTFT {c['turn2_ttft_mean']:.2f} s "
               f"(per chat: {per_chat}), "
-              f"session {c['session_seconds_mean']:.2f} s; turn-2 cached tokens "
-              f"{[r['turns'][1]['cached_tokens'] for r in c['chats']]}")
+              f"session {c['session_seconds_mean']:.2f} s; later turns' cached tokens "
+              f"{[[t['cached_tokens'] for t in r['turns'][1:]] for r in c['chats']]}")
     if args.system_requests:
         report["system"] = asyncio.run(shared_system(args.url, model, args.system_requests, args.concurrency,
                                                      args.system_words, 32, extra))
