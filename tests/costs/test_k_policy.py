@@ -17,6 +17,7 @@ from specdecode.costs.k_policy import (
     PROBE_K,
     AcceptanceEstimate,
     CostAwareK,
+    LiveVerifyCosts,
     ThresholdK,
     best_k,
     expected_tokens,
@@ -188,6 +189,30 @@ def test_cost_aware_k_probes_only_where_speculation_can_pay(verify: list[float],
     for _ in range(PROBE_AFTER):
         schedule.observe(0, 0, 0.0, 0, 1.0)  # a run of plain steps
     assert schedule.next_k() == (PROBE_K if probes else 0)
+
+
+def test_live_steps_scale_the_whole_cost_table_keeping_its_shape() -> None:
+    start = [1.0, 1.96, 2.42, 2.88]  # llama.cpp on 2 cores: a second row costs almost a pass
+    schedule = CostAwareK(list(start), k_max=3, first_k=2)
+    schedule.observe(1, 1, 0.1, 1, 2 * 1.96)  # a 2-row pass took twice its start-up time
+    scale = 0.8 + 0.2 * 2  # blended with COST_DECAY
+    assert schedule.verify_seconds == pytest.approx([s * scale for s in start])
+    for _ in range(50):  # plain steps, each 10% over the start-up time of one row
+        schedule.observe(0, 0, 0.0, 0, 1.1)
+    # One row ran 50 times and the others never: their ratios to it are still the start-up ones
+    # (blending each row count on its own had made one row 1.1 and left the others at start-up).
+    assert [c / schedule.verify_seconds[0] for c in schedule.verify_seconds] == pytest.approx(start)
+    assert schedule.verify_seconds[0] == pytest.approx(1.1, rel=1e-3)
+
+
+def test_live_costs_ignore_what_the_table_cannot_price() -> None:
+    costs = LiveVerifyCosts(table := [1.0, 2.0])
+    costs.observe(3, 9.0)  # a pass over more rows than the table holds
+    costs.observe(1, 0.0)  # a step that was not timed
+    assert table == [1.0, 2.0] and costs.scale == 1.0
+    frozen = CostAwareK([1.0, 2.0], k_max=1, first_k=1, live_costs=False)  # asynchronous timings
+    frozen.observe(1, 1, 0.1, 1, 8.0)
+    assert frozen.verify_seconds == [1.0, 2.0]
 
 
 def test_cost_aware_k_waits_twice_as_long_after_each_probe_that_fails() -> None:

@@ -253,3 +253,14 @@ def test_a_draft_model_that_cannot_pay_even_at_full_acceptance_is_never_tried() 
     cheap = AutoDrafter(NgramDrafter(), SimpleNamespace(cached_len=0), FLAT_VERIFY, k_max=8, draft_k=5,
                         draft_pass_seconds=0.5)
     assert cheap.draft_can_pay
+
+
+def test_live_steps_keep_the_cost_tables_shape() -> None:
+    # Plain steps inflate the measured one-row cost; drafting rows, never run, must not look
+    # cheaper against it than at start-up (per-row blending did that, and auto over-drafted).
+    auto = chooser(draft_cached_len=None, verify=list(STEEP_VERIFY))
+    for _ in range(40):
+        auto.source = "none"
+        auto.observe(0, 0, 0.0, 0, 1.2)
+    assert auto.verify_seconds[0] == pytest.approx(1.2, rel=1e-3)
+    assert [c / auto.verify_seconds[0] for c in auto.verify_seconds] == pytest.approx(STEEP_VERIFY)

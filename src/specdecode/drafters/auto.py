@@ -50,9 +50,9 @@ from specdecode.backends.device import host_to_device
 from specdecode.costs.k_policy import (
     AcceptanceEstimate,
     GoodputEstimate,
+    LiveVerifyCosts,
     best_plan,
     speculation_can_pay,
-    update_verify_cost,
 )
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -143,7 +143,8 @@ class AutoDrafter:
         self.draft_token_seconds = draft_token_seconds
         # A draft model that loses to plain decoding even at full acceptance is never tried.
         self.draft_can_pay = draft is not None and speculation_can_pay(self.verify_seconds, draft_pass_seconds, self.draft_k)
-        self.live_costs = live_costs
+        # Live steps scale the whole table, keeping its start-up shape (LiveVerifyCosts).
+        self._live = LiveVerifyCosts(self.verify_seconds) if live_costs else None
         self.draft_goodput = self._prior()
         # Per lookup source: how often its offers agreed with the emitted tokens, scored every step.
         self.agreement = {source: LookupAgreement() for source in LOOKUP_SOURCES}
@@ -167,8 +168,8 @@ class AutoDrafter:
         return self.k  # the real choice is made in propose, once the lookup has run
 
     def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
-        if self.live_costs:
-            update_verify_cost(self.verify_seconds, proposed, verify_seconds)
+        if self._live is not None:
+            self._live.observe(proposed + 1, verify_seconds)
         source = self.source if proposed else "none"
         self.steps_by_source[source] += 1
         self._since_draft = 0 if source == "draft" else self._since_draft + 1

@@ -1,0 +1,58 @@
+"""What a verify pass's logit rows cost on llama.cpp: the demo target's pass over r rows with
+logits for every row (a verify pass), for the last row only (what ``llama-bench -p r`` times),
+and for none, at the same context.
+
+Greedy and sampled verification need every row's logits: each row's output projection
+(vocabulary x hidden) is a matmul of its own, which the prompt-processing figures of
+``llama-bench`` leave out. This separates the two.
+
+    python benchmarks/verify_rows_logits.py --rows 1,2,3,4,8 --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from specdecode.backends.llamacpp import LlamaCppModel
+
+DEMO = Path("~/.cache/specdecode/demo/qwen2.5-coder-1.5b-instruct.gguf").expanduser()
+CONTEXT = 256  # positions already in the cache, as in the engine's own cost probes
+FILLER = 15  # an ordinary token id
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", default=str(DEMO))
+    parser.add_argument("--rows", default="1,2,3,4,8")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    model = LlamaCppModel(args.gguf, n_ctx=2048)
+    model.forward(0, [FILLER] * CONTEXT, 0, "none")
+    rows_list = [int(r) for r in args.rows.split(",")]
+
+    def once(rows: int, mode: str) -> float:
+        started = time.perf_counter()
+        model.forward(0, [FILLER] * rows, CONTEXT, mode)
+        return time.perf_counter() - started
+
+    base = None
+    print("rows | all rows' logits | last row's | none | all / last")
+    for rows in rows_list:
+        # The three modes alternate within each repeat, so that the machine's drift touches them alike.
+        times: dict[str, list[float]] = {"all": [], "last": [], "none": []}
+        for _ in range(args.repeats):
+            for mode in times:
+                times[mode].append(once(rows, mode))
+        all_, last, none = (statistics.median(times[mode]) for mode in ("all", "last", "none"))
+        base = base or last
+        print(f"{rows} | {all_ * 1e3:.1f} ms ({all_ / base:.2f}) | {last * 1e3:.1f} ms ({last / base:.2f}) | "
+              f"{none * 1e3:.1f} ms ({none / base:.2f}) | {all_ / last:.2f}")
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
