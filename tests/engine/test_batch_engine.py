@@ -237,6 +237,29 @@ def test_worker_serves_threads_and_an_early_close_cancels(dec) -> None:
         worker.close()
 
 
+def test_a_stop_string_stays_the_stop_reason_after_the_worker_takes_the_request_out(dec) -> None:
+    # The reader finds the stop string and closes the worker's iterator while the worker is still
+    # stepping the request: those steps ("running") and the abort ("cancelled") must not be the
+    # reason that stays.
+    worker = BatchWorker(engine(dec))
+    try:
+        prompt = dec.encode(PROMPTS[0])
+        chunks, _ = worker.submit(prompt, SamplingParams(max_new_tokens=300), "none")
+        text = dec.tokenizer.decode([t for chunk in chunks for t in chunk])
+        # An ASCII piece from early in the greedy text: the stream stops there, far from its end.
+        start = next(i for i in range(10, len(text) - 4) if text[i:i + 4].isascii() and text[i:i + 4].strip())
+        stop = text[start:start + 4]
+        params = SamplingParams(max_new_tokens=300, stop=[stop])
+        chunks, stats = worker.submit(prompt, params, "none")
+        out = "".join(dec.token_stream(chunks, stats, params))
+        assert stop not in out and len(out) <= start
+        assert not worker.engine.has_unfinished  # the close returned after the request left
+        assert stats.stop_reason == "stop_string"
+        assert_pools_empty(worker.engine)
+    finally:
+        worker.close()
+
+
 def test_pass_costs_interpolate_scale_and_learn_each_shape() -> None:
     costs = PassCosts({1: 1.0, 4: 1.3, 8: 2.0})
     assert costs.seconds(2, 1) == pytest.approx(1.1) and costs.seconds(4, 4) == pytest.approx(3.4)

@@ -87,11 +87,14 @@ class GenerationStream:
                     if delta:
                         yield delta, from_draft
                 if self._decoder.stopped:
-                    self.stats.stop_reason = "stop_string"
                     break
             tail = self._decoder.flush()
             if tail:
                 yield tail, False
         finally:
             self._chunks.close()  # finishes the engine's timing even when stopped early
+            if self._decoder.stopped:
+                # Set after the close: until then a batch worker's steps (and its abort) may still
+                # write the request's stop reason.
+                self.stats.stop_reason = "stop_string"
             self.result = GenerationResult(self._decoder.text, list(self._decoder.token_ids), self.stats)

@@ -4,8 +4,8 @@
 ``GenerationStats`` the engine fills). The worker thread alone touches the engine: between two
 steps it takes new requests and cancellations from its inbox, then runs one step for the whole
 batch and hands each request its new tokens. Closing a request's iterator early (a stop string,
-a client that went away) cancels the request, which frees its KV blocks before the next step;
-so does ``abort`` from any thread (a client that left before any token, a timeout), which also
+a client that went away) cancels the request, which frees its KV blocks before the next step
+(the close returns once the request has left the engine, so that its stats are final); so does ``abort`` from any thread (a client that left before any token, a timeout), which also
 ends the request's iterator. A step that fails because of one request fails that request only
 (the engine reruns the step without it); a failure no single request causes fails every request
 in flight and empties the pools. Either way the worker keeps serving new requests.
@@ -36,6 +36,9 @@ IDLE_WAIT_SECONDS = 0.5  # how long an idle worker sleeps on its inbox before ch
 DEFAULT_BATCH_WINDOW_SECONDS = 0.05
 ARRIVAL_POLL_SECONDS = 0.002  # how often the batch window checks whether requests are still on their way
 RECENT_STEPS = 1024  # steps whose (start, end) times the worker keeps (``recent_steps``)
+# How long a caller that closes its iterator early waits for the worker to take its request out
+# of the engine (one step, normally): until then the worker's steps still write the request's stats.
+ABORT_WAIT_SECONDS = 5.0
 
 
 @dataclass(slots=True)
@@ -124,6 +127,23 @@ class BatchWorker:
         finally:
             if not finished:
                 self._inbox.put(_Abort(request_id))
+                self._await_end(outbox)
+
+    def _await_end(self, outbox: queue.Queue[RequestOutput | BaseException]) -> None:
+        """Wait until the request's last output (or an error) arrives: then the engine no longer
+        holds it and nothing writes its stats, so a reason the caller sets after closing (a stop
+        string) is the one that stays. At most ``ABORT_WAIT_SECONDS``."""
+        deadline = time.perf_counter() + ABORT_WAIT_SECONDS
+        while self.alive:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            try:
+                item = outbox.get(timeout=min(left, IDLE_WAIT_SECONDS))
+            except queue.Empty:
+                continue
+            if isinstance(item, BaseException) or item.finished or item.error is not None:
+                return
 
     @property
     def alive(self) -> bool:
