@@ -14,22 +14,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 from specdecode.backends.llamacpp import LlamaCppModel
+from specdecode.models.demo import DEFAULT_TARGET, demo_model_path
 
-DEMO = Path("~/.cache/specdecode/demo/qwen2.5-coder-1.5b-instruct.gguf").expanduser()
-CONTEXT = 256  # positions already in the cache, as in the engine's own cost probes
+# Positions already in the cache: nearer a chat turn's context than the engine's own cost
+# probes (``costs.timing.COST_PROBE_CONTEXT``, 64).
+CONTEXT = 256
 FILLER = 15  # an ordinary token id
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", default=str(DEMO))
+    parser.add_argument("--gguf", default=None, help="a GGUF file (default: the demo target, assembled if missing)")
     parser.add_argument("--rows", default="1,2,3,4,8")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    model = LlamaCppModel(args.gguf, n_ctx=2048)
+    model = LlamaCppModel(args.gguf or str(demo_model_path(DEFAULT_TARGET)), n_ctx=2048)
     model.forward(0, [FILLER] * CONTEXT, 0, "none")
     rows_list = [int(r) for r in args.rows.split(",")]
 

@@ -5,8 +5,9 @@
 steps it takes new requests and cancellations from its inbox, then runs one step for the whole
 batch and hands each request its new tokens. Closing a request's iterator early (a stop string,
 a client that went away) cancels the request, which frees its KV blocks before the next step
-(the close returns once the request has left the engine, so that its stats are final); so does ``abort`` from any thread (a client that left before any token, a timeout), which also
-ends the request's iterator. A step that fails because of one request fails that request only
+(the close returns once the request has left the engine, so that its stats are final); so does
+``abort`` from any thread (a client that left before any token, a timeout), which also ends
+the request's iterator. A step that fails because of one request fails that request only
 (the engine reruns the step without it); a failure no single request causes fails every request
 in flight and empties the pools. Either way the worker keeps serving new requests.
 """
@@ -133,6 +134,8 @@ class BatchWorker:
         """Wait until the request's last output (or an error) arrives: then the engine no longer
         holds it and nothing writes its stats, so a reason the caller sets after closing (a stop
         string) is the one that stays. At most ``ABORT_WAIT_SECONDS``."""
+        if threading.current_thread() is self._thread:
+            return  # an iterator collected on the worker's own thread: it cannot wait for itself
         deadline = time.perf_counter() + ABORT_WAIT_SECONDS
         while self.alive:
             left = deadline - time.perf_counter()
