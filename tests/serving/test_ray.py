@@ -130,17 +130,25 @@ def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS)
 
 
-def replica_counts(base: str, status: str = "ok", polls: int = 60) -> dict[str, float]:
+def replica_counts(base: str, status: str = "ok", seconds: float = 30.0) -> dict[str, float]:
     """Requests with ``status`` per replica, from /metrics read through the proxy: each read
-    answers from the replica the router picks, so read until every replica has answered."""
+    answers from the replica the router picks, so read until every replica has answered.
+
+    Reads for ``seconds`` rather than a number of times: Ray's router keeps each replica's queue
+    length in a cache for 10 s (RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S) and sends every request
+    to the replica with the shorter cached queue, so a stale entry left by the last burst of
+    requests steers all reads to one replica until it expires (CI saw 60 reads in 2 s all land on
+    one replica)."""
     counts: dict[str, float] = {}
-    for _ in range(polls):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
             if line.startswith("specdecode_requests_total{") and f'status="{status}"' in line:
                 replica = line.split('replica="', 1)[1].split('"', 1)[0]
                 counts[replica] = float(line.split()[-1])
         if len(counts) >= REPLICAS:
             break
+        time.sleep(0.1)
     return counts
 
 
