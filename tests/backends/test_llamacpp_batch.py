@@ -31,6 +31,7 @@ import specdecode.engine.batch_verify
 from specdecode import SamplingParams
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.backends.llamacpp_batch import LlamaCppBatchModel
+from specdecode.config import SchedulerConfig
 from specdecode.engine.batch import BatchEngine
 from specdecode.errors import InvalidRequestError
 
@@ -209,3 +210,46 @@ def test_a_preempted_sequences_kv_is_saved_when_its_slot_is_needed(tiny_ggufs: d
         after = batch.forward([0], [torch.tensor(tokens[-1:])], [len(tokens) - 1])[0, -1]
         assert torch.equal(before, after)
         assert not pool.saved
+
+
+def test_a_prompts_last_chunk_is_fed_with_its_first_step(tiny_ggufs: dict[str, Path]) -> None:
+    """On llama.cpp's flat batches a new request's first token costs one ``llama_decode``: its
+    prompt's last chunk goes into the step's pass (logits for its last token only), where the
+    running request decodes too. Earlier chunks of a long prompt are still prefilled apart.
+    Outputs equal single-request decoding up to the first near-tie."""
+    dec = llamacpp_decoder(tiny_ggufs["target"], None)
+    eng = dec.batch_engine(max_batch=2, kv_cache_tokens=2 * 256, cost_aware=False,
+                           scheduling=SchedulerConfig(prefill_chunk=16))
+    model = eng.target.model
+    calls: list[list[tuple[int, int, object]]] = []  # per forward_batch: (start, tokens, logits) per request
+    real = model.forward_batch
+
+    def counting(requests, out=None):
+        calls.append([(start, len(tokens), mode) for _, tokens, start, mode in requests])
+        return real(requests, out)
+
+    model.forward_batch = counting
+    try:
+        short_ids = dec.encode(PROMPTS[0])
+        short = eng.add_request(short_ids, SamplingParams(max_new_tokens=12), "none")
+        generated = {short: eng.step()[0].new_tokens}
+        assert len(generated[short]) == 1 and calls == [[(0, len(short_ids), 1)]]
+        long_ids = list(reversed(dec.encode(" ".join(PROMPTS)) * 3))[:40]
+        assert long_ids[0] != short_ids[0]  # nothing for the prefix cache to share
+        long = eng.add_request(long_ids, SamplingParams(max_new_tokens=6), "none")
+        calls.clear()
+        while not generated.get(long):
+            for output in eng.step():
+                generated.setdefault(output.request_id, []).extend(output.new_tokens)
+        # Chunks of 16 over its first 39 positions: two prefills of 16, then the last 7 and its
+        # last token (logits for that one only) in the pass where the short request decodes.
+        assert [c for c in calls if c[0][2] == "none"] == [[(0, 16, "none")], [(16, 16, "none")]]
+        assert len(calls) == 5 and (32, 8, 1) in calls[-1] and len(calls[-1]) == 2  # 2 + 2 + 1 passes
+        for request_id, tokens in eng.run().items():
+            generated[request_id].extend(tokens)
+    finally:
+        model.forward_batch = real
+    for request_id, ids, n in ((short, short_ids, 12), (long, long_ids, 6)):
+        expected = dec.generate(ids, SamplingParams(max_new_tokens=n), method="none").token_ids
+        margins = greedy_margins(dec, ids, expected)
+        assert assert_greedy_equal_up_to_near_tie(generated[request_id], expected, margins, request_id) >= n // 2

@@ -161,3 +161,32 @@ def test_cli_refusal_is_one_line_and_exit_status_2(tiny_qwen2_dir: Path, capsys:
     err = capsys.readouterr().err.strip().splitlines()
     assert code == cli.EXIT_USER_ERROR == 2
     assert len(err) == 1 and err[0].startswith("specdecode: error:") and "--backend torch" in err[0]
+
+
+def test_the_prompt_is_fed_in_the_first_verify_pass(ggufs: dict[str, Path]) -> None:
+    """One pass before the first token: the prompt with the first drafts, logits for the last
+    prompt token and the drafts only (not a prefill, then a pass). The output equals a decode
+    that prefills first, up to the first near-tie (the first pass has another row count)."""
+    dec = llamacpp_decoder(ggufs["target"], ggufs["close"])
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    compared = total = 0
+    for prompt in PROMPTS[:3]:
+        ids = dec.encode(prompt)
+        for method in ("none", "draft"):
+            outputs, firsts = [], []
+            for merges in (True, False):
+                dec.forget_prefix()
+                dec.engine.target.merges_prefill = merges
+                try:
+                    with dec.trace_passes() as trace:
+                        outputs.append(dec.generate(ids, params, method=method, k=3).token_ids)
+                finally:
+                    del dec.engine.target.merges_prefill
+                firsts.append(next(e for e in trace.events if e.role == "target" and e.op == "extend"))
+            start, rows, logit_rows = firsts[0].args
+            assert (start, rows - logit_rows) == (0, len(ids) - 1) and logit_rows == (1 if method == "none" else 4)
+            assert firsts[1].args == (0, len(ids) - 1, 0)
+            margins = greedy_margins(dec, ids, outputs[1])
+            compared += assert_greedy_equal_up_to_near_tie(outputs[0], outputs[1], margins, f"{method} {prompt!r}")
+            total += len(outputs[1])
+    assert compared >= total * 3 // 4

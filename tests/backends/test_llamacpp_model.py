@@ -143,19 +143,20 @@ def test_forward_batch_equals_each_sequence_alone(ggufs: dict) -> None:
         (0, PROMPT, 4, OTHER_TAIL[:3], "all"),  # rolled back, then a 3-token "verify"
         (1, [], 0, PROMPT[:7], "all"),  # a fresh 7-token prefill with logits
         (2, PROMPT[:5], 5, [42], "last"),  # a one-token decode step
+        (3, PROMPT[:2], 2, PROMPT[2:9], 3),  # a prompt's tail with two drafts: logits of the last 3 only
     ]
-    with LlamaCppModel(ggufs["qwen2"], n_ctx=64, n_seq_max=3, **PRECISE) as model:
+    with LlamaCppModel(ggufs["qwen2"], n_ctx=64, n_seq_max=4, **PRECISE) as model:
         for seq, cached, keep, _, _ in plans:
             if cached:
                 model.forward(seq, cached, 0, "none")
             model.truncate(seq, keep)
         batched = model.forward_batch([(seq, fed, keep, mode) for seq, _, keep, fed, mode in plans])
-        assert [model.cached_length(seq) for seq, *_ in plans] == [7, 7, 6]
+        assert [model.cached_length(seq) for seq, *_ in plans] == [7, 7, 6, 9]
     with LlamaCppModel(ggufs["qwen2"], n_ctx=64, **PRECISE) as alone:
         for (seq, cached, keep, fed, mode), got in zip(plans, batched):
             alone.clear()
             expected = alone.forward(0, cached[:keep] + fed, 0, "all")[keep:]
-            expected = expected if mode == "all" else expected[-1:]
+            expected = expected if mode == "all" else expected[-1:] if mode == "last" else expected[-mode:]
             assert got.shape == expected.shape
             assert_close(got, expected)
             assert_same_argmax_where_clear(got, expected, PRECISE_ATOL)
@@ -186,6 +187,9 @@ def test_forward_batch_rejects_a_sequence_twice(ggufs: dict) -> None:
             model.forward_batch([(0, [1, 2], 0, "all"), (0, [3], 2, "all")])
         with pytest.raises(InvalidRequestError, match="outside"):
             model.forward(2, [1], 0)
+        for bad in (0, True, "first"):
+            with pytest.raises(InvalidRequestError, match="logits must be"):
+                model.forward(0, [1, 2], 0, bad)
 
 
 # ------------------------------------------------------------------------------- prefill

@@ -35,7 +35,9 @@ def test_the_schedule_is_the_hand_worked_optimum() -> None:
     })
     seconds, steps = best_schedule(proposals, costs)
     assert seconds == pytest.approx(6.7)
-    assert [(s.position, s.source, s.k, s.accepted) for s in steps] == [(1, "draft", 4, 4), (6, "ngram", 3, 3)]
+    # y[0] comes with the prompt's pass (free); then the two drafts.
+    assert [(s.position, s.source, s.k, s.accepted) for s in steps] == [(0, "none", 0, 0), (1, "draft", 4, 4),
+                                                                        (6, "ngram", 3, 3)]
     plain, plain_steps = best_schedule(Proposals(n, {}), costs)
     assert plain == pytest.approx(9.0) and {s.source for s in plain_steps} == {"none"}
 
@@ -63,6 +65,15 @@ def test_price_trace_leaves_out_prefill_and_prices_every_later_pass() -> None:
     ])
     assert price_trace(trace, costs) == pytest.approx(0.4 + 0.25 + 2.0 + 2.0 + 1.0)
     assert max_trace_rows([trace]) == 3
+    merged = PassTrace([
+        PassEvent("target", "begin", (64, 0)),
+        PassEvent("target", "extend", (0, 42, 3)),  # the prompt's 40 tokens and 2 drafts, 3 logit rows
+        PassEvent("target", "commit", (41,)),
+        PassEvent("target", "extend", (41, 1, 1)),
+    ])
+    # y[0]'s row is the prompt's: that pass costs its 2 draft rows (2.0 - 1.0), then a plain pass.
+    assert price_trace(merged, costs) == pytest.approx(1.0 + 1.0)
+    assert max_trace_rows([merged]) == 3  # the prompt's tail is no verify row
     assert costs.target(5) == pytest.approx(3.0)  # past the table: along the last slope
 
 
@@ -101,6 +112,8 @@ def test_no_method_beats_the_oracle(tiny_qwen2_dir: Path, tiny_close_draft_dir: 
         sources |= {s.source for s in steps}
     assert price_trace(traced["none", None][0], costs) + price_trace(traced["none", None][1], costs) == pytest.approx(
         costs.target(1) * (len(plain[0]) - 1 + len(plain[1]) - 1))
+    first = next(e for e in traced["none", None][0].events if e.role == "target" and e.op == "extend")
+    assert first.args == (0, len(turns[0]), 1)  # y[0] came from one pass over the whole prompt
     for key, traces in traced.items():
         priced = sum(price_trace(t, costs) for t in traces)
         assert oracle <= priced * (1 + 1e-9), (key, oracle, priced)

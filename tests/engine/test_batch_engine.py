@@ -408,3 +408,22 @@ def test_a_requests_first_token_comes_from_a_plain_step(dec) -> None:
     assert second.stats.draft_tokens_proposed == 3
     eng.run()
     assert_pools_empty(eng)
+
+
+def test_paged_forward_keeps_the_logit_rows_asked_for(dec) -> None:
+    """``logit_rows`` on the paged model: row b's last r_b rows of the full pass, at [b, :r_b],
+    zeros past them (the batch engine merges no prompt on torch, but the interface holds)."""
+    from specdecode.backends.torch_batch import PagedBatchModel
+
+    batch = PagedBatchModel.with_pool(dec.target.model, 256, 4)
+    inputs = [torch.tensor(dec.encode(p)) for p in PROMPTS[:3]]
+    for seq, x in enumerate(inputs):
+        batch.pool.add(seq)
+        batch.pool.reserve(seq, x.shape[0])
+    full = batch.forward([0, 1, 2], inputs, [0, 0, 0])  # (3, T_max, V)
+    kept = batch.forward([0, 1, 2], inputs, [0, 0, 0], logit_rows=[1, 3, 2])
+    assert kept.shape == (3, 3, full.shape[-1])
+    for b, (x, rows) in enumerate(zip(inputs, [1, 3, 2], strict=True)):
+        torch.testing.assert_close(kept[b, :rows], full[b, x.shape[0] - rows : x.shape[0]], rtol=1e-5, atol=1e-5)
+        assert not kept[b, rows:].any()
+    assert not batch.merges_prefill

@@ -74,7 +74,7 @@ def test_self_draft_tau_counts_bonus_token(tiny_qwen2_dir: Path) -> None:
     assert stats.acceptance_rate == 1.0
     assert stats.acceptance_per_position == [1.0] * 5
     assert stats.tau == pytest.approx(31 / 6)
-    assert stats.target_forward_passes == 6 + 1  # prefill included
+    assert stats.target_forward_passes == 6  # the prompt is fed in the first verify pass, no prefill of its own
 
 
 def test_plain_decoding_has_tau_one(tiny_qwen2_dir: Path) -> None:
@@ -150,3 +150,32 @@ def test_distribution_test_catches_wrong_residual(sampling_setup, monkeypatch) -
     install_wrong_residual(monkeypatch)
     stat, df = chi_square(dec, prompt_ids, "draft")
     assert stat > CHI2_CRITICAL_P001[df], f"chi2={stat:.1f} df={df}: the test has no power"
+
+
+def test_the_prompt_is_fed_in_the_first_verify_pass(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    """No prefill pass of its own: the first target pass feeds the whole prompt with the first
+    drafts and computes logits for the last prompt token and the drafts only, so the first token
+    costs one pass. The output equals a decode that prefills the prompt first (exact in fp32)."""
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ids = dec.encode(PROMPTS[1])
+    for method, k in (("none", None), ("draft", 3), ("ngram", 3)):
+        outputs, firsts = [], []
+        for merges in (True, False):
+            dec.forget_prefix()
+            dec.engine.target.merges_prefill = merges
+            try:
+                with dec.trace_passes() as trace:
+                    outputs.append(dec.generate(ids, params, method=method, k=k))
+            finally:
+                del dec.engine.target.merges_prefill  # back to the class's
+            firsts.append(next(e for e in trace.events if e.role == "target" and e.op == "extend"))
+        merged, apart = outputs
+        assert merged.token_ids == apart.token_ids, method
+        start, rows, logit_rows = firsts[0].args
+        drafted = rows - len(ids)
+        assert (start, logit_rows) == (0, drafted + 1), (method, firsts[0])
+        assert drafted == 0 if method == "none" else method == "ngram" or drafted == 3, (method, firsts[0])
+        assert firsts[1].args == (0, len(ids) - 1, 0)  # apart: a prefill without logits first
+        assert merged.stats.target_forward_passes == apart.stats.target_forward_passes - 1
+        assert merged.stats.prefill_seconds > 0

@@ -57,9 +57,9 @@ def test_forks_prefill_the_prompt_once(dec: SpecDecoder) -> None:
         fed = []
         real = eng.target.forward
 
-        def forward(seqs, inputs, starts, logits="all", real=real, fed=fed):
+        def forward(seqs, inputs, starts, logits="all", logit_rows=None, real=real, fed=fed):
             fed.append(sum(x.shape[0] for x in inputs) if logits == "none" else 0)  # prefill passes only
-            return real(seqs, inputs, starts, logits)
+            return real(seqs, inputs, starts, logits, logit_rows)
 
         eng.target.forward = forward
         dec.generate_batch([prompt] * (4 // n), SAMPLED, method="none", engine=eng, n=n)

@@ -128,6 +128,10 @@ def greedy_check(
     # 2-row pass ranked the method's first token 0.005 ahead and a 1-row pass 0.2 behind).
     context = list(prompt_ids) + list(plain[:position])
     shapes = verify_shapes(config.k, len(context))
+    if position == 0:
+        # The first new token comes from the pass that feeds the prompt with the first drafts:
+        # the prompt's last row of a pass over the whole prompt and 1..k drafts.
+        shapes += [(len(context) + drafts, len(context) - 1) for drafts in range(1, config.k + 1)]
     for (count, row), logits in zip(shapes, decoder.target_logits_in_passes(context, shapes)):
         rows[f"{count}:{row}"] = logits
     pair_gaps = {name: row[plain[position]].item() - row[got[position]].item() for name, row in rows.items()}

@@ -54,6 +54,10 @@ class SequenceModel(Protocol):
     # Token trees (Medusa, EAGLE, suffix trees): a backend that scores a tree in one pass with
     # tree attention says so, and has ``extend_tree`` and ``keep_path``.
     supports_trees: bool
+    # Whether the first verify pass may also feed the prompt's tail (every prompt token but the
+    # cached ones), computing logits for the verify rows only: the first token then costs one
+    # pass instead of a prefill and a pass. A backend that compiles each pass shape says no.
+    merges_prefill: bool
     epoch: int  # sequences begun and scratch passes run: a recorded prefix is stale once it moves
 
     @property
@@ -158,6 +162,10 @@ class BatchModel(Protocol):
     """
 
     pool: SequencePool
+    # Whether a pass over rows of very different lengths costs what their tokens cost (a flat
+    # batch, llama.cpp's): then a prompt's last chunk is fed with its first verify rows, saving a
+    # pass before the first token. A padded batch (torch's) would pad every row to the prompt.
+    merges_prefill: bool
 
     @property
     def device(self) -> torch.device: ...
@@ -171,9 +179,12 @@ class BatchModel(Protocol):
         inputs: Sequence[torch.Tensor],  # B tensors, (T_b,) long each
         starts: Sequence[int],
         logits: str = "all",
+        logit_rows: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
         """float32 logits: (B, T_max, V) for "all" (rows past T_b are padding), (B, V) of each
-        row's last token for "last", None for "none" (a prefill)."""
+        row's last token for "last", None for "none" (a prefill). With "all", ``logit_rows[b]``
+        (given) keeps row b's last ``logit_rows[b]`` tokens only, at ``[b, :logit_rows[b]]`` of a
+        (B, max(logit_rows), V) result: a prompt's tail fed with its first drafts."""
 
     def commit(self, seq: int, length: int) -> None:
         """Positions [0, length) of ``seq`` are valid; anything written after them is dropped."""

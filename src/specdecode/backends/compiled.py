@@ -159,6 +159,10 @@ def _cache_counts() -> tuple[int, int]:
 class CompiledSequence(TorchSequence):
     """``TorchSequence`` whose repeated passes run compiled (see the module docstring)."""
 
+    # A prompt's tail fed with the first drafts is a pass shape of its own, compiled per prompt
+    # length: prefill apart instead (a pass of its own, eager, as before).
+    merges_prefill = False
+
     def __init__(self, model: Transformer, mode: str, max_rows: int, log: CompileLog, role: str = "model") -> None:
         super().__init__(model)
         self.mode = mode

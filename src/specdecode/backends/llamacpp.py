@@ -50,7 +50,14 @@ from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeErr
 # Re-exported: the binding's errors and the default thread count are part of this module's API.
 __all__ = ["BackendUnavailableError", "ContextOverflowError", "LlamaCppDecodeError", "LlamaCppModel", "physical_core_count"]
 
-LOGITS_MODES = ("all", "last", "none")
+LOGITS_MODES = ("all", "last", "none")  # or an int n >= 1: the last n tokens' rows
+
+
+def logit_rows(mode: str | int, count: int) -> int:
+    """How many of a request's ``count`` tokens get a logit row (its last ones)."""
+    if isinstance(mode, int):
+        return min(mode, count)
+    return {"all": count, "last": 1, "none": 0}[mode]
 KV_TYPES = ("f16", "f32")  # llama.cpp's default is f16; f32 makes logits match fp32 torch closely
 
 
@@ -305,17 +312,19 @@ class LlamaCppModel:
 
     # ---------------------------------------------------------------------------- passes
 
-    def forward(self, seq: int, tokens: Sequence[int], start: int, logits: str = "all") -> torch.Tensor | None:
+    def forward(self, seq: int, tokens: Sequence[int], start: int, logits: str | int = "all") -> torch.Tensor | None:
         """Feed ``tokens`` at positions start .. start + T - 1 of sequence ``seq``.
 
         Cached positions >= start are dropped first. Returns float32 logits: (T, V) for "all",
-        (1, V) for the last token with "last", None for "none" (a prefill: no logits computed).
+        (1, V) for the last token with "last", (n, V) for the last n tokens with an int n (a
+        prompt's tail fed with the first drafts: only their rows go through the output layer),
+        None for "none" (a prefill: no logits computed).
         """
         return self.forward_batch([(seq, tokens, start, logits)])[0]
 
     def forward_batch(
         self,
-        requests: Sequence[tuple[int, Sequence[int], int, str]],
+        requests: Sequence[tuple[int, Sequence[int], int, str | int]],
         out: Sequence[np.ndarray | None] | None = None,
     ) -> list[torch.Tensor | None]:
         """Several (seq, tokens, start, logits) requests, on distinct sequences, in one llama_decode.
@@ -340,8 +349,8 @@ class LlamaCppModel:
             flat_tokens.extend(tokens)
             flat_pos.extend(range(start, start + count))
             flat_seq.extend([seq] * count)
-            flat_out.extend([mode == "all"] * (count - 1) + [mode != "none"])
-            rows = {"all": count, "last": 1, "none": 0}[mode]
+            rows = logit_rows(mode, count)
+            flat_out.extend([False] * (count - rows) + [True] * rows)
             given = None if out is None else out[len(results)]
             if given is not None and given.shape != (rows, self.vocab_size):
                 raise InvalidRequestError(f"out[{len(results)}] has shape {given.shape}, the result needs {(rows, self.vocab_size)}")
@@ -375,7 +384,7 @@ class LlamaCppModel:
         buffer = np.ctypeslib.as_array(self._llama.llama_get_logits(self._ctx), shape=(len(owners), self.vocab_size))
         copy_logits(buffer, results, owners)
 
-    def _validate(self, requests: Sequence[tuple[int, Sequence[int], int, str]]) -> None:
+    def _validate(self, requests: Sequence[tuple[int, Sequence[int], int, str | int]]) -> None:
         if not requests:
             raise InvalidRequestError("forward_batch needs at least one (seq, tokens, start, logits) request")
         seen: set[int] = set()
@@ -384,8 +393,8 @@ class LlamaCppModel:
             if seq in seen:
                 raise InvalidRequestError(f"sequence {seq} appears twice in one batch; merge its tokens into one")
             seen.add(seq)
-            if mode not in LOGITS_MODES:
-                raise InvalidRequestError(f"logits must be one of {LOGITS_MODES}, got {mode!r}")
+            if not (mode in LOGITS_MODES or (isinstance(mode, int) and not isinstance(mode, bool) and mode >= 1)):
+                raise InvalidRequestError(f"logits must be one of {LOGITS_MODES} or a row count >= 1, got {mode!r}")
             if len(tokens) == 0:
                 raise InvalidRequestError(f"no tokens to feed to sequence {seq}")
             bad = [t for t in tokens if not 0 <= t < self.vocab_size]

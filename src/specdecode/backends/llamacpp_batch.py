@@ -279,6 +279,7 @@ class SlotPool:
 
 class LlamaCppBatchModel:
     backend = "llama.cpp"
+    merges_prefill = True  # one flat llama_batch: a long row costs its own tokens only
 
     def __init__(self, model: LlamaCppModel) -> None:
         self.model = model
@@ -298,23 +299,30 @@ class LlamaCppBatchModel:
         inputs: Sequence[torch.Tensor],  # B tensors, (T_b,) long each, on the CPU
         starts: Sequence[int],
         logits: str = "all",
+        logit_rows: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
-        requests = [(self.pool.slots[seq], x.tolist(), start, logits) for seq, x, start in zip(seqs, inputs, starts, strict=True)]
+        modes: list[str | int] = [logits] * len(inputs)
+        if logit_rows is not None:
+            if logits != "all":
+                raise ValueError("logit_rows goes with logits='all'")
+            modes = [min(rows, x.shape[0]) for rows, x in zip(logit_rows, inputs, strict=True)]
+        requests = [(self.pool.slots[seq], x.tolist(), start, mode)
+                    for seq, x, start, mode in zip(seqs, inputs, starts, modes, strict=True)]
         if logits == "none":
             self.model.forward_batch(requests)
             return None
         # llama.cpp's rows are copied once, straight into the batch's array: (B, V) of each row's
-        # last token, or (B, T_max, V) with the rows past T_b zeroed (padding).
+        # last token, or (B, T_max, V) with the rows past each row's own zeroed (padding).
         if logits == "last":
             out = np.empty((len(inputs), self.vocab_size), dtype=np.float32)
             views = [out[b : b + 1] for b in range(len(inputs))]
         else:
-            width = max(x.shape[0] for x in inputs)
-            out = np.empty((len(inputs), width, self.vocab_size), dtype=np.float32)
+            counts = [x.shape[0] if isinstance(mode, str) else mode for x, mode in zip(inputs, modes, strict=True)]
+            out = np.empty((len(inputs), max(counts), self.vocab_size), dtype=np.float32)
             views = []
-            for b, x in enumerate(inputs):
-                out[b, x.shape[0]:] = 0.0
-                views.append(out[b, : x.shape[0]])
+            for b, count in enumerate(counts):
+                out[b, count:] = 0.0
+                views.append(out[b, :count])
         self.model.forward_batch(requests, out=views)
         return torch.from_numpy(out)
 

@@ -21,6 +21,7 @@ from specdecode.models.llama import ModelOutput, Transformer
 class TorchSequence:
     backend = "torch"
     supports_trees = True  # extend_tree and keep_path: token trees with tree attention
+    merges_prefill = True
 
     def __init__(self, model: Transformer, kv_dtype: str = "auto") -> None:
         self.model = model

@@ -18,6 +18,7 @@ from specdecode.models.llama import Transformer
 
 class PagedBatchModel:
     backend = "torch"
+    merges_prefill = False  # padded rows: a prompt fed with the verify rows would pad every row to it
 
     def __init__(self, model: Transformer, pool: PagedKVCache) -> None:
         self.model = model
@@ -43,15 +44,29 @@ class PagedBatchModel:
         inputs: Sequence[torch.Tensor],  # B tensors, (T_b,) long each
         starts: Sequence[int],
         logits: str = "all",
+        logit_rows: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
+        if logit_rows is not None and logits != "all":
+            raise ValueError("logit_rows goes with logits='all'")
         host_positions = [list(range(start, start + x.shape[0])) for x, start in zip(inputs, starts, strict=True)]
         view, positions = self.pool.view(list(seqs), host_positions, self.model.config.sliding_window)
         tokens = stack_padded(list(inputs))
-        if logits == "all":
+        if logits == "all" and logit_rows is None:
             return self.model(tokens, positions, view, view).logits  # (B, T_max, V)
         out = self.model(tokens, positions, view, view, compute_logits=False)
         if logits == "none":
             return None
+        if logit_rows is not None:
+            # Row b's last r_b tokens first, then (padding) its last token again, zeroed below.
+            counts = [min(rows, x.shape[0]) for rows, x in zip(logit_rows, inputs, strict=True)]
+            width = max(counts)
+            index = [[x.shape[0] - count + min(j, count - 1) for j in range(width)]
+                     for x, count in zip(inputs, counts, strict=True)]
+            picked = torch.gather(out.hidden, 1, host_to_device(index, torch.long, tokens.device)[..., None]
+                                  .expand(-1, -1, out.hidden.shape[-1]))  # (B, width, C)
+            kept = self.model.lm_head(picked).float()  # (B, width, V)
+            pad = host_to_device([[j >= count for j in range(width)] for count in counts], torch.bool, tokens.device)
+            return kept.masked_fill(pad[..., None], 0.0)
         # Only each row's last token goes through the head: a draft step's logits, not T_max rows.
         last = host_to_device([x.shape[0] - 1 for x in inputs], torch.long, tokens.device)
         hidden = out.hidden[torch.arange(len(inputs), device=tokens.device), last]  # (B, C)

@@ -22,6 +22,11 @@ decoder's measured table (``DecoderCosts``), the same one every method's trace i
 share of it. The oracle is optimistic on purpose: it ignores the draft model's catch-up on
 tokens it did not read (the prompt included) and its stopping rule, so no method's priced
 trace is below it (tested). Prefill is left out of both: every method pays the same one.
+
+The pass that emits ``y[0]`` is the prompt's: the engine feeds the prompt's tail in its first
+verify pass, with the first drafts. So on both sides ``y[0]``'s row is free (prefill), and that
+pass costs only the rows it verifies beside it: ``target(k + 1) - target(1)``, nothing for a
+plain first step.
 """
 
 from __future__ import annotations
@@ -198,17 +203,19 @@ class OracleStep:
     accepted: int
 
 
-def best_schedule(proposals: Proposals, costs: CostTable, start: int = 1) -> tuple[float, list[OracleStep]]:
-    """The cheapest schedule from position ``start`` (after prefill emitted ``y[0]``) to the end,
-    by dynamic programming over positions: (seconds, steps)."""
+def best_schedule(proposals: Proposals, costs: CostTable, start: int = 0) -> tuple[float, list[OracleStep]]:
+    """The cheapest schedule from position ``start`` to the end, by dynamic programming over
+    positions: (seconds, steps). The step at position 0 rides on the prompt's pass, which
+    emits ``y[0]`` for free: it costs only its verify rows past the first (module docstring)."""
     n = proposals.length
     best = [0.0] * (n + 1)
     choice: list[OracleStep | None] = [None] * (n + 1)
     for i in range(n - 1, start - 1, -1):
-        best[i] = costs.target(1) + best[i + 1]
+        free_row = costs.target(1) if i == 0 else 0.0  # y[0]'s row is the prompt's pass's
+        best[i] = costs.target(1) - free_row + best[i + 1]
         choice[i] = OracleStep(i, PLAIN_SOURCE, 0, 0)
         for source, k, accepted in proposals.options(i):
-            seconds = costs.target(k + 1) + (k * costs.draft(1) if source == "draft" else 0.0)
+            seconds = costs.target(k + 1) - free_row + (k * costs.draft(1) if source == "draft" else 0.0)
             seconds += best[min(n, i + accepted + 1)]
             if seconds < best[i] - 1e-15:
                 best[i], choice[i] = seconds, OracleStep(i, source, k, accepted)
@@ -221,28 +228,42 @@ def best_schedule(proposals: Proposals, costs: CostTable, start: int = 1) -> tup
     return (best[start] if start < n else 0.0), steps
 
 
-def _priced_passes(trace: PassTrace) -> Iterator[PassEvent]:
-    """The passes a trace is priced by: every model pass but the target's prefill (its extends
-    after a ``begin`` up to and including the first that asks for logits)."""
+def _priced_passes(trace: PassTrace) -> Iterator[tuple[PassEvent, int, bool]]:
+    """The passes a trace is priced by, as (event, rows priced, whether it emitted ``y[0]``):
+    every model pass but the target's prefill (its extends after a ``begin`` before the first
+    that asks for logits). That first one emits ``y[0]``: it is priced by the rows it computed
+    logits for (the last prompt token and the first drafts), whatever prompt tail it also fed."""
     in_prefill = False
     for event in trace.events:
         if event.role == TARGET and event.op == BEGIN:
             in_prefill = True
-        elif event.role == TARGET and event.op == EXTEND and in_prefill:
-            in_prefill = event.args[2] == 0  # the prompt's last chunk asks for logits
+        elif event.role == TARGET and event.is_pass and in_prefill:
+            if event.op == EXTEND and event.args[2] == 0:
+                continue  # a prompt chunk without logits
+            # The prompt's last chunk (or its last token) with the first drafts, or a first tree.
+            in_prefill = False
+            yield event, event.args[2] if event.op == EXTEND else event.rows, True
         elif event.is_pass:
-            yield event
+            yield event, event.rows, False
 
 
 def price_trace(trace: PassTrace, costs: CostTable) -> float:
     """Seconds a traced decode costs by the table: every target pass after prefill at its row
-    count, every draft-model pass at its own. What the oracle's schedule is compared with."""
-    return sum(costs.target(e.rows) if e.role == TARGET else costs.draft(e.rows) for e in _priced_passes(trace))
+    count, every draft-model pass at its own; the pass that emitted ``y[0]`` at its verify rows
+    past the first (``y[0]``'s row is the prompt's, as in ``best_schedule``). What the oracle's
+    schedule is compared with."""
+    seconds = 0.0
+    for event, rows, first in _priced_passes(trace):
+        if event.role != TARGET:
+            seconds += costs.draft(rows)
+        else:
+            seconds += costs.target(rows) - (costs.target(1) if first else 0.0)
+    return seconds
 
 
 def max_trace_rows(traces: Sequence[PassTrace]) -> int:
     """The most rows any target pass after prefill took (for the cost table's length)."""
-    return max([1] + [e.rows for trace in traces for e in _priced_passes(trace) if e.role == TARGET])
+    return max([1] + [rows for trace in traces for e, rows, _ in _priced_passes(trace) if e.role == TARGET])
 
 
 def check_oracle_config(methods: Sequence[str], greedy: bool, plain_methods: Sequence[str]) -> None:

@@ -171,13 +171,14 @@ class BatchK:
         return best
 
     def observe(
-        self, batch: int, width: int, drafted: int, verify_seconds: float,
+        self, batch: int, width: int, drafted: int, verify_seconds: float | None,
         draft_rows: int, draft_passes: int, draft_seconds: float,
     ) -> None:
-        """A step's verify pass (``batch`` rows x ``width`` tokens, ``drafted`` of them drafts)
-        and its draft passes over ``draft_rows`` rows (0 passes: not to be learnt from)."""
+        """A step's verify pass (``batch`` rows x ``width`` tokens, ``drafted`` of them drafts;
+        its time None where a row also fed a prompt's tail: not to be learnt from) and its draft
+        passes over ``draft_rows`` rows (0 passes: not to be learnt from)."""
         self.plain_streak = 0 if drafted else self.plain_streak + 1
-        if self.verify is not None:
+        if self.verify is not None and verify_seconds is not None:
             self.verify.observe(batch, width, verify_seconds)
         if self.draft is not None and draft_passes > 0:
             self.draft.observe(draft_rows, 1, draft_seconds / draft_passes)

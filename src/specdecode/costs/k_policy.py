@@ -202,8 +202,10 @@ class KSchedule(Protocol):
     def next_k(self) -> int:
         """Tokens to draft this step (0 = plain step)."""
 
-    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
-        """What the step did: drafts proposed and accepted, its measured draft and verify time."""
+    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int,
+                verify_seconds: float | None) -> None:
+        """What the step did: drafts proposed and accepted, its measured draft and verify time
+        (None for a pass that also fed the prompt's tail: its time is mostly prefill)."""
 
 
 @dataclass(slots=True)
@@ -213,7 +215,8 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
-    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
+    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int,
+                verify_seconds: float | None) -> None:
         pass
 
 
@@ -229,7 +232,8 @@ class ThresholdK:
     def next_k(self) -> int:
         return self.k
 
-    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
+    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int,
+                verify_seconds: float | None) -> None:
         self.acceptance.observe(proposed, accepted)
         rate = self.acceptance.rate
         if rate > RAISE_ABOVE:
@@ -267,7 +271,8 @@ class CostAwareK:
             return min(PROBE_K, self.k_max)
         return best_k(self.acceptance.rate, self.verify_seconds, self.draft_pass_seconds, self.k_max)
 
-    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
+    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int,
+                verify_seconds: float | None) -> None:
         self.plain_streak = self.plain_streak + 1 if proposed == 0 else 0
         self.acceptance.observe(proposed, accepted)
         self.steps += 1
@@ -281,6 +286,6 @@ class CostAwareK:
             # (n-gram lookup) costs its host time per token.
             per_pass = draft_seconds / (draft_passes if draft_passes > 0 else proposed)
             self.draft_pass_seconds = blend(self.draft_pass_seconds, per_pass)
-        if self._live is not None:
+        if self._live is not None and verify_seconds is not None:
             self._live.observe(proposed + 1, verify_seconds)
 

@@ -167,13 +167,14 @@ class AutoDrafter:
     def next_k(self) -> int:
         return self.k  # the real choice is made in propose, once the lookup has run
 
-    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float) -> None:
-        if self._live is not None:
+    def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int,
+                verify_seconds: float | None) -> None:
+        if self._live is not None and verify_seconds is not None:
             self._live.observe(proposed + 1, verify_seconds)
         source = self.source if proposed else "none"
         self.steps_by_source[source] += 1
         self._since_draft = 0 if source == "draft" else self._since_draft + 1
-        if source == "draft":
+        if source == "draft" and verify_seconds is not None:
             # A catch-up is a one-off cost, priced separately: keep it out of the step's rate.
             drafting = max(0.0, draft_seconds - self._catch_up_seconds(self._catch_up))
             self.draft_goodput.observe(accepted + 1, drafting + verify_seconds)

@@ -8,6 +8,11 @@ cache, acceptance statistics) can roll back or adapt.
 A drafter that works on the host (prompt lookup) may also define ``on_committed(tokens)``: the
 engine then hands it the committed tokens as host ints (the prompt at the start, each step's
 emitted tokens after it), so it need not read the device sequence, a sync on GPUs.
+
+The engine feeds a prompt's tail (what the prefix cache does not hold) in the first verify pass
+with the first drafts, so the first proposal comes before the target has read the prompt. A
+drafter that reads the target's cache (layer skip) sets ``reads_target_cache = True``: the
+engine then prefills the prompt in a pass of its own first.
 """
 
 from __future__ import annotations

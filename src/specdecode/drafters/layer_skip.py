@@ -32,6 +32,7 @@ from specdecode.models.llama import Transformer
 
 
 class LayerSkipDrafter:
+    reads_target_cache = True  # its first proposal needs the prompt's K/V (drafters/base.py)
     def __init__(self, model: Transformer, skip_layers: Sequence[int], confidence_threshold: float = 0.0) -> None:
         self.model = model  # the target itself
         self.skip_layers = check_skip_layers(skip_layers, model.config.num_layers)

@@ -324,9 +324,11 @@ class BatchEngine:
                 proposals, draft_passes, draft_rows = self._draft(running, wanted, forced)
             with verify_watch:
                 emitted, proposals = self._verify(running, proposals)
+        # A pass that also fed a prompt's tail (``_prefill``) is no verify pass to learn from.
+        merged = any(seq.prefilled < len(seq.state.tokens) - 1 for seq in running)
         self.chooser.observe(
             batch=len(proposals), width=1 + max(p.num_tokens for p in proposals), drafted=sum(p.num_tokens for p in proposals),
-            verify_seconds=verify_watch.elapsed, draft_rows=draft_rows,
+            verify_seconds=None if merged else verify_watch.elapsed, draft_rows=draft_rows,
             # A step that read a backlog first says little about one draft pass: not learnt from.
             draft_passes=0 if read_ahead else draft_passes, draft_seconds=draft_watch.elapsed,
         )
@@ -393,7 +395,11 @@ class BatchEngine:
         chunk) ends: one padded pass for all of them, of at most ``prefill_chunk`` tokens in all,
         shortest remaining first, so a long prompt is prefilled over several steps while the
         batch keeps decoding. A sequence whose prefill ends here decodes in this step; the draft
-        model reads it the first time it drafts (``BatchDraftModel.add``)."""
+        model reads it the first time it drafts (``BatchDraftModel.add``).
+
+        On a flat batch (``merges_prefill``, llama.cpp) a prompt's last chunk is not fed here but
+        in this step's verify pass, before the last token and the drafts (``_verify``): its first
+        token then costs one pass, as llama-server's does, not a prefill and a pass."""
         started = time.perf_counter()
         budget = self.scheduling.prefill_chunk or None
         chunks: list[tuple[ScheduledSequence, int, int]] = []  # (sequence, first position, end)
@@ -403,7 +409,10 @@ class BatchEngine:
                 end = min(end, seq.prefilled + budget)
                 budget -= end - seq.prefilled
             chunks.append((seq, seq.prefilled, end))
-        rows = [(seq, start, end) for seq, start, end in chunks if end > start]
+        merge = self.target.merges_prefill
+        fed = {seq.seq_id for seq, start, end in chunks
+               if end > start and not (merge and end == len(seq.state.tokens) - 1)}
+        rows = [(seq, start, end) for seq, start, end in chunks if seq.seq_id in fed]
         if rows:
             self.target.forward([seq.seq_id for seq, _, _ in rows],
                                 [seq.state.committed[start:end] for seq, start, end in rows],
@@ -411,14 +420,15 @@ class BatchEngine:
         elapsed = time.perf_counter() - started
         for seq, start, end in chunks:
             request: BatchRequest = seq.state
-            seq.prefilled = end
-            self.target.commit(seq.seq_id, end)
-            request.stats.target_forward_passes += int(end > start)
-            request.stats.prefill_seconds += elapsed * (end > start)
+            if seq.seq_id in fed:
+                seq.prefilled = end
+                request.stats.target_forward_passes += 1
+                request.stats.prefill_seconds += elapsed
+            self.target.commit(seq.seq_id, seq.prefilled)
             # What it has computed is findable by requests admitted later, while it still runs
             # (chunk by chunk: a request waiting for this prefix is admitted once it is done).
             self.target_cache.register(seq.seq_id, request.tokens, seq.cache_group)
-            if seq.prefilling:
+            if end < len(request.tokens) - 1:  # chunks to come
                 # A paged pool's commit frees the blocks past ``end``: take back those of the
                 # prompt's coming chunks now (nothing was admitted in between, so they are free);
                 # a step with no decoding row never reaches the step's own reserve.
@@ -460,9 +470,16 @@ class BatchEngine:
         for seq, proposal in zip(running, proposals, strict=True):
             request: BatchRequest = seq.state
             length = len(request.tokens)
-            inputs.append(torch.cat([request.committed[length - 1 : length], proposal.tokens[0]]))
-            starts.append(length - 1)
-        raw = logits = self.target.forward([seq.seq_id for seq in running], inputs, starts)  # (B, T, V)
+            # From the last committed token, or where a merged prompt's last chunk starts.
+            start = seq.prefilled
+            assert start <= length - 1, (start, length)
+            inputs.append(torch.cat([request.committed[start:length], proposal.tokens[0]]))
+            starts.append(start)
+        merged = any(start < len(seq.state.tokens) - 1 for seq, start in zip(running, starts, strict=True))
+        # Logits for each row's last token and drafts only, not for a merged prompt's tail.
+        logit_rows = [p.num_tokens + 1 for p in proposals] if merged else None
+        raw = logits = self.target.forward([seq.seq_id for seq in running], inputs, starts,
+                                           logit_rows=logit_rows)  # (B, T, V)
         assert logits is not None
         if masks:
             logits = apply_row_masks(logits, masks)
@@ -504,7 +521,10 @@ class BatchEngine:
             request: BatchRequest = seq.state
             stats = request.stats
             stats.draft_seconds += draft_seconds
-            stats.verify_seconds += verify_seconds
+            if seq.prefilled < len(request.tokens) - 1:  # it fed its prompt's last chunk: mostly prefill
+                stats.prefill_seconds += verify_seconds
+            else:
+                stats.verify_seconds += verify_seconds
             if request.method == "draft":
                 stats.draft_forward_passes += draft_passes
             if proposal.forced:

@@ -156,6 +156,12 @@ class SpecEngine:
         # Trained heads read the target's features of every prompt position, which a reused
         # prefix does not recompute: they prefill the whole prompt.
         reads_features = tree_mode and plan.method in TREE_METHODS
+        # The prompt's tail goes into the first verify pass (logits for its verify rows only):
+        # the first token then costs one pass, not a prefill and a pass. Not where something
+        # reads the prompt's K/V or features before that pass (layer skip, tree heads), nor on a
+        # backend that compiles each pass shape.
+        merge = (not tree_mode and self.target.merges_prefill
+                 and not (speculate and getattr(drafter, "reads_target_cache", False)))
         cached, self._cached = self._cached, None  # taken: a failure below leaves nothing reusable
         match = NO_MATCH
         if self.prefix_cache and not reads_features:
@@ -179,29 +185,34 @@ class SpecEngine:
         step = self._stepper(plan, committed, processor, generator, acceptance, watches, constraint)
         on_committed = getattr(drafter, "on_committed", None) if speculate else None
         try:
-            # Prefill all but the last prompt token; the first verify pass feeds that one with
-            # the first draft, so even the first new token can be speculated.
+            # The first verify pass feeds the last prompt token (and, merged, the rest of the
+            # uncached prompt before it) with the first drafts, so even the first new token can
+            # be speculated. Unmerged, all but that token are prefilled here first.
             with Stopwatch(device, self.sync_timing) as prefill_watch:
                 if speculate:
                     drafter.start(prompt_len, capacity, self.target, shared_prefix=match.shared)
                 if on_committed is not None:
                     on_committed(list(prompt_ids))
-                if prompt_len - 1 > match.keep:
+                if prompt_len - 1 > match.keep and not merge:
                     out = self.target.extend(committed[:, match.keep : prompt_len - 1], match.keep,
                                              compute_logits=False)
                     stats.target_forward_passes += 1
                     if tree_mode:
                         drafter.observe(out.hidden, match.keep)
-                self.target.commit(prompt_len - 1)
-                valid = prompt_len - 1
+                    self.target.commit(prompt_len - 1)
+                    valid = prompt_len - 1
             stats.prefill_seconds = prefill_watch.elapsed
 
             length = prompt_len
             while True:
                 remaining = max_new - stats.new_tokens
-                result = step(length, remaining)
+                prompt_rows = length - 1 - valid  # prompt tokens this step's pass also feeds
+                result = step(length, remaining, valid)
                 stats.draft_seconds += result.draft_seconds
-                stats.verify_seconds += result.verify_seconds
+                if prompt_rows:  # the pass was mostly the prompt's: counted as prefill time
+                    stats.prefill_seconds += result.verify_seconds
+                else:
+                    stats.verify_seconds += result.verify_seconds
                 stats.draft_forward_passes += result.draft_passes
                 stats.tree_nodes_proposed += result.nodes
                 if result.forced:
@@ -268,32 +279,36 @@ class SpecEngine:
         acceptance: str,
         watches: tuple[Stopwatch, Stopwatch],
         constraint: GrammarState | None,
-    ) -> Callable[[int, int], StepResult]:
-        """The step function for this request, chosen once: ``step(length, remaining)`` drafts,
-        verifies and returns what the step emitted (plain, a chain of drafts, or a token tree)."""
+    ) -> Callable[[int, int, int], StepResult]:
+        """The step function for this request, chosen once: ``step(length, remaining, start)``
+        drafts, verifies and returns what the step emitted (plain, a chain of drafts, or a token
+        tree). Its pass feeds the committed tokens from ``start`` (valid K/V end there: the last
+        one, or a chain's first step's uncached prompt tail) before the drafts."""
         drafter, schedule = plan.drafter, plan.schedule
         if drafter is None:
-            return lambda length, remaining: self._chain_step(None, committed, length, 0, processor, generator, watches,
-                                                              constraint, remaining - 1)
+            return lambda length, remaining, start: self._chain_step(
+                None, committed, length, 0, processor, generator, watches, constraint, remaining - 1, start
+            )
         if plan.tree:
             tree_drafter = cast(TreeDrafter, drafter)
-            return lambda length, remaining: self._tree_step(
+            return lambda length, remaining, start: self._tree_step(
                 tree_drafter, committed, length, remaining - 1, processor, generator, acceptance, watches, constraint
             )
 
-        def chain(length: int, remaining: int) -> StepResult:
+        def chain(length: int, remaining: int, start: int) -> StepResult:
             # This step's k: the schedule's choice, at most the plan's; never past max_new_tokens
             # (a step emits at most k + 1 tokens).
             k = min(schedule.next_k() if schedule is not None else plan.k, plan.k, remaining - 1)
             result = self._chain_step(drafter, committed, length, k, processor, generator, watches, constraint,
-                                      remaining - 1)
+                                      remaining - 1, start)
             if result.forced:
                 return result  # the drafter did not propose: nothing for it or its schedule to learn
             if result.proposed > 0:
                 drafter.on_verified(result.accepted)
             if schedule is not None:
+                # A pass that also fed the prompt's tail says nothing of what verifying costs.
                 schedule.observe(result.proposed, result.accepted, result.draft_seconds, result.draft_passes,
-                                 result.verify_seconds)
+                                 result.verify_seconds if start == length - 1 else None)
             return result
 
         return chain
@@ -309,11 +324,14 @@ class SpecEngine:
         watches: tuple[Stopwatch, Stopwatch],
         constraint: GrammarState | None = None,
         forced_limit: int = 0,
+        start: int | None = None,
     ) -> StepResult:
         """Draft up to k tokens in a line, verify them in one target pass (under the grammar, the
         rows masked by its state after each draft: engine/grammar.py). Where the grammar forces
         what comes next, up to ``forced_limit`` of its tokens are the drafts instead (a step
-        emits at most its drafts + 1 tokens: the caller passes what max_new_tokens leaves)."""
+        emits at most its drafts + 1 tokens: the caller passes what max_new_tokens leaves).
+        The pass feeds the committed tokens from ``start`` (default: the last one) before the
+        drafts; logits come for the last committed token and the drafts only."""
         draft_watch, verify_watch = watches
         device = self.device
         draft_seconds, draft_passes = 0.0, 0
@@ -346,8 +364,10 @@ class SpecEngine:
                 if draft_probs is not None:
                     draft_probs = draft_probs[:, :legal]
         with verify_watch:
-            inputs = torch.cat([committed[:, length - 1 : length], draft_tokens], dim=1)
-            raw = logits = self.target.extend(inputs, length - 1).logits  # (1, k + 1, V)
+            start = length - 1 if start is None else start
+            inputs = torch.cat([committed[:, start:length], draft_tokens], dim=1)
+            rows = k + 1 if start < length - 1 else None  # a merged prompt tail: no logits of its own
+            raw = logits = self.target.extend(inputs, start, logits_last=rows).logits  # (1, k + 1, V)
             if allowed is not None:
                 logits = apply_masks(logits, allowed)
             if processor.penalties is not None:  # row i penalised with the drafts before it
