@@ -51,14 +51,14 @@ from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeErr
 __all__ = ["BackendUnavailableError", "ContextOverflowError", "LlamaCppDecodeError", "LlamaCppModel", "physical_core_count"]
 
 LOGITS_MODES = ("all", "last", "none")  # or an int n >= 1: the last n tokens' rows
+KV_TYPES = ("f16", "f32")  # llama.cpp's default is f16; f32 makes logits match fp32 torch closely
 
 
-def logit_rows(mode: str | int, count: int) -> int:
-    """How many of a request's ``count`` tokens get a logit row (its last ones)."""
+def output_rows(mode: str | int, count: int) -> int:
+    """How many of a request's ``count`` tokens get a logit row (its last ones) in ``mode``."""
     if isinstance(mode, int):
         return min(mode, count)
     return {"all": count, "last": 1, "none": 0}[mode]
-KV_TYPES = ("f16", "f32")  # llama.cpp's default is f16; f32 makes logits match fp32 torch closely
 
 
 # The environment variable that forces llama.cpp's extra (repacked) weight buffers on (1) or off (0).
@@ -349,7 +349,7 @@ class LlamaCppModel:
             flat_tokens.extend(tokens)
             flat_pos.extend(range(start, start + count))
             flat_seq.extend([seq] * count)
-            rows = logit_rows(mode, count)
+            rows = output_rows(mode, count)
             flat_out.extend([False] * (count - rows) + [True] * rows)
             given = None if out is None else out[len(results)]
             if given is not None and given.shape != (rows, self.vocab_size):
