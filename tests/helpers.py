@@ -247,6 +247,25 @@ def copyable_prompt(dec) -> list[int]:
     return head + [chosen] + head
 
 
+def merged_and_apart(dec, ids: list[int], params: SamplingParams, method: str, k) -> list[tuple[object, tuple]]:
+    """``dec.generate`` twice from an empty prefix record: with the prompt fed in the first
+    verify pass (the backend's default), then prefilled apart first (``merges_prefill`` off on
+    the target's sequence for the call). Each result with its first target extend's
+    (start, rows, logit rows)."""
+    out = []
+    for merges in (True, False):
+        dec.forget_prefix()
+        dec.engine.target.merges_prefill = merges
+        try:
+            with dec.trace_passes() as trace:
+                result = dec.generate(ids, params, method=method, k=k)
+        finally:
+            del dec.engine.target.merges_prefill  # back to the class's
+        first = next(e for e in trace.events if e.role == "target" and e.op == "extend")
+        out.append((result, first.args))
+    return out
+
+
 @cache
 def llamacpp_decoder(target: Path, draft: Path | None, backend: str = "llama.cpp") -> SpecDecoder:
     """A decoder of F32 GGUF files (``tiny_ggufs``) on llama.cpp in its exact mode (f32 KV cache,

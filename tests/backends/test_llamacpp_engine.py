@@ -27,6 +27,7 @@ from helpers import (
     greedy_margins,
     install_wrong_residual,
     llamacpp_decoder,
+    merged_and_apart,
 )
 
 from specdecode import SamplingParams, SpecDecoder, cli
@@ -173,20 +174,12 @@ def test_the_prompt_is_fed_in_the_first_verify_pass(ggufs: dict[str, Path]) -> N
     for prompt in PROMPTS[:3]:
         ids = dec.encode(prompt)
         for method in ("none", "draft"):
-            outputs, firsts = [], []
-            for merges in (True, False):
-                dec.forget_prefix()
-                dec.engine.target.merges_prefill = merges
-                try:
-                    with dec.trace_passes() as trace:
-                        outputs.append(dec.generate(ids, params, method=method, k=3).token_ids)
-                finally:
-                    del dec.engine.target.merges_prefill
-                firsts.append(next(e for e in trace.events if e.role == "target" and e.op == "extend"))
-            start, rows, logit_rows = firsts[0].args
+            (merged, first), (apart, first_apart) = merged_and_apart(dec, ids, params, method, 3)
+            start, rows, logit_rows = first
             assert (start, rows - logit_rows) == (0, len(ids) - 1) and logit_rows == (1 if method == "none" else 4)
-            assert firsts[1].args == (0, len(ids) - 1, 0)
-            margins = greedy_margins(dec, ids, outputs[1])
-            compared += assert_greedy_equal_up_to_near_tie(outputs[0], outputs[1], margins, f"{method} {prompt!r}")
-            total += len(outputs[1])
+            assert first_apart == (0, len(ids) - 1, 0)
+            margins = greedy_margins(dec, ids, apart.token_ids)
+            compared += assert_greedy_equal_up_to_near_tie(merged.token_ids, apart.token_ids, margins,
+                                                           f"{method} {prompt!r}")
+            total += len(apart.token_ids)
     assert compared >= total * 3 // 4

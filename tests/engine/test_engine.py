@@ -4,7 +4,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square, decoder, install_wrong_residual, plain_tokens
+from helpers import (
+    CHI2_CRITICAL_P001,
+    PROMPTS,
+    chi_square,
+    decoder,
+    install_wrong_residual,
+    merged_and_apart,
+    plain_tokens,
+)
 from transformers import AutoModelForCausalLM
 
 from specdecode import SamplingParams
@@ -160,22 +168,12 @@ def test_the_prompt_is_fed_in_the_first_verify_pass(tiny_qwen2_dir: Path, tiny_c
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     ids = dec.encode(PROMPTS[1])
     for method, k in (("none", None), ("draft", 3), ("ngram", 3)):
-        outputs, firsts = [], []
-        for merges in (True, False):
-            dec.forget_prefix()
-            dec.engine.target.merges_prefill = merges
-            try:
-                with dec.trace_passes() as trace:
-                    outputs.append(dec.generate(ids, params, method=method, k=k))
-            finally:
-                del dec.engine.target.merges_prefill  # back to the class's
-            firsts.append(next(e for e in trace.events if e.role == "target" and e.op == "extend"))
-        merged, apart = outputs
+        (merged, first), (apart, first_apart) = merged_and_apart(dec, ids, params, method, k)
         assert merged.token_ids == apart.token_ids, method
-        start, rows, logit_rows = firsts[0].args
+        start, rows, logit_rows = first
         drafted = rows - len(ids)
-        assert (start, logit_rows) == (0, drafted + 1), (method, firsts[0])
-        assert drafted == 0 if method == "none" else method == "ngram" or drafted == 3, (method, firsts[0])
-        assert firsts[1].args == (0, len(ids) - 1, 0)  # apart: a prefill without logits first
+        assert (start, logit_rows) == (0, drafted + 1), (method, first)
+        assert drafted == 0 if method == "none" else method == "ngram" or drafted == 3, (method, first)
+        assert first_apart == (0, len(ids) - 1, 0)  # apart: a prefill without logits first
         assert merged.stats.target_forward_passes == apart.stats.target_forward_passes - 1
         assert merged.stats.prefill_seconds > 0
