@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdecode.backends.llamacpp import LlamaCppModel
+from specdecode.backends.llamacpp import LlamaCppModel, output_rows
 from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
 from specdecode.engine.prefix import common_prefix_length
 from specdecode.kv.paged import OutOfBlocks, PrefixCacheStats
@@ -305,7 +305,7 @@ class LlamaCppBatchModel:
         if logit_rows is not None:
             if logits != "all":
                 raise ValueError("logit_rows goes with logits='all'")
-            modes = [min(rows, x.shape[0]) for rows, x in zip(logit_rows, inputs, strict=True)]
+            modes = list(logit_rows)
         requests = [(self.pool.slots[seq], x.tolist(), start, mode)
                     for seq, x, start, mode in zip(seqs, inputs, starts, modes, strict=True)]
         if logits == "none":
@@ -317,7 +317,7 @@ class LlamaCppBatchModel:
             out = np.empty((len(inputs), self.vocab_size), dtype=np.float32)
             views = [out[b : b + 1] for b in range(len(inputs))]
         else:
-            counts = [x.shape[0] if isinstance(mode, str) else mode for x, mode in zip(inputs, modes, strict=True)]
+            counts = [output_rows(mode, x.shape[0]) for x, mode in zip(inputs, modes, strict=True)]
             out = np.empty((len(inputs), max(counts), self.vocab_size), dtype=np.float32)
             views = []
             for b, count in enumerate(counts):

@@ -143,9 +143,10 @@ class LiveVerifyCosts:
         self._start = tuple(seconds)
         self.scale = 1.0
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A live verify pass over ``rows`` rows took ``seconds``."""
-        if not 1 <= rows <= len(self._start) or self._start[rows - 1] <= 0 or seconds <= 0:
+    def observe(self, rows: int, seconds: float | None) -> None:
+        """A live verify pass over ``rows`` rows took ``seconds`` (None: a pass that also fed a
+        prompt's tail, whose time says nothing of verifying)."""
+        if seconds is None or not 1 <= rows <= len(self._start) or self._start[rows - 1] <= 0 or seconds <= 0:
             return
         self.scale = blend(self.scale, seconds / self._start[rows - 1])
         for i, start in enumerate(self._start):
@@ -286,6 +287,6 @@ class CostAwareK:
             # (n-gram lookup) costs its host time per token.
             per_pass = draft_seconds / (draft_passes if draft_passes > 0 else proposed)
             self.draft_pass_seconds = blend(self.draft_pass_seconds, per_pass)
-        if self._live is not None and verify_seconds is not None:
+        if self._live is not None:
             self._live.observe(proposed + 1, verify_seconds)
 

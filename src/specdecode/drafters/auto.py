@@ -169,7 +169,7 @@ class AutoDrafter:
 
     def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int,
                 verify_seconds: float | None) -> None:
-        if self._live is not None and verify_seconds is not None:
+        if self._live is not None:
             self._live.observe(proposed + 1, verify_seconds)
         source = self.source if proposed else "none"
         self.steps_by_source[source] += 1

@@ -325,7 +325,7 @@ class BatchEngine:
             with verify_watch:
                 emitted, proposals = self._verify(running, proposals)
         # A pass that also fed a prompt's tail (``_prefill``) is no verify pass to learn from.
-        merged = any(seq.prefilled < len(seq.state.tokens) - 1 for seq in running)
+        merged = any(seq.prefilling for seq in running)
         self.chooser.observe(
             batch=len(proposals), width=1 + max(p.num_tokens for p in proposals), drafted=sum(p.num_tokens for p in proposals),
             verify_seconds=None if merged else verify_watch.elapsed, draft_rows=draft_rows,
@@ -475,9 +475,8 @@ class BatchEngine:
             assert start <= length - 1, (start, length)
             inputs.append(torch.cat([request.committed[start:length], proposal.tokens[0]]))
             starts.append(start)
-        merged = any(start < len(seq.state.tokens) - 1 for seq, start in zip(running, starts, strict=True))
         # Logits for each row's last token and drafts only, not for a merged prompt's tail.
-        logit_rows = [p.num_tokens + 1 for p in proposals] if merged else None
+        logit_rows = [p.num_tokens + 1 for p in proposals] if any(seq.prefilling for seq in running) else None
         raw = logits = self.target.forward([seq.seq_id for seq in running], inputs, starts,
                                            logit_rows=logit_rows)  # (B, T, V)
         assert logits is not None
@@ -521,7 +520,7 @@ class BatchEngine:
             request: BatchRequest = seq.state
             stats = request.stats
             stats.draft_seconds += draft_seconds
-            if seq.prefilled < len(request.tokens) - 1:  # it fed its prompt's last chunk: mostly prefill
+            if seq.prefilling:  # this step fed its prompt's last chunk: mostly prefill time
                 stats.prefill_seconds += verify_seconds
             else:
                 stats.verify_seconds += verify_seconds

@@ -322,16 +322,17 @@ class SpecEngine:
         processor: LogitsProcessor,
         generator: torch.Generator | None,
         watches: tuple[Stopwatch, Stopwatch],
-        constraint: GrammarState | None = None,
-        forced_limit: int = 0,
-        start: int | None = None,
+        constraint: GrammarState | None,
+        forced_limit: int,
+        start: int,
     ) -> StepResult:
         """Draft up to k tokens in a line, verify them in one target pass (under the grammar, the
         rows masked by its state after each draft: engine/grammar.py). Where the grammar forces
         what comes next, up to ``forced_limit`` of its tokens are the drafts instead (a step
         emits at most its drafts + 1 tokens: the caller passes what max_new_tokens leaves).
-        The pass feeds the committed tokens from ``start`` (default: the last one) before the
-        drafts; logits come for the last committed token and the drafts only."""
+        The pass feeds the committed tokens from ``start`` (the last one, or a merged prompt
+        tail's first) before the drafts; logits come for the last committed token and the drafts
+        only."""
         draft_watch, verify_watch = watches
         device = self.device
         draft_seconds, draft_passes = 0.0, 0
@@ -364,7 +365,6 @@ class SpecEngine:
                 if draft_probs is not None:
                     draft_probs = draft_probs[:, :legal]
         with verify_watch:
-            start = length - 1 if start is None else start
             inputs = torch.cat([committed[:, start:length], draft_tokens], dim=1)
             rows = k + 1 if start < length - 1 else None  # a merged prompt tail: no logits of its own
             raw = logits = self.target.extend(inputs, start, logits_last=rows).logits  # (1, k + 1, V)
