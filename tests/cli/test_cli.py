@@ -206,3 +206,24 @@ def test_stream_spans_mark_exactly_the_accepted_drafts(tiny_qwen2_dir: Path, tin
     chunks = list(dec.engine.decode(dec.encode("Once upon a time"), params, dec.plan(k=3), stats))
     assert sum(c.drafted for c in chunks) == stats.draft_tokens_accepted > 0
     assert all(len(c) - c.drafted == 1 for c in chunks)  # no cut: every step ends with the target's token
+
+
+def test_the_cli_runs_without_the_server_extras() -> None:
+    """The README's first command installs no server extras (fastapi, uvicorn): every command's
+    parser must build without them (the serve parser's connection defaults once imported uvicorn,
+    and `specdecode generate` failed on a fresh install), and `serve` says which extra it needs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for name in ('fastapi', 'uvicorn', 'starlette'):\n"
+        "    sys.modules[name] = None  # import fails, as where the serve extra is not installed\n"
+        "from specdecode.cli.app import build_parser, main\n"
+        "args = build_parser().parse_args(['generate', '--chat', 'hi'])\n"
+        "assert args.chat\n"
+        "sys.exit(main(['serve']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and 'pip install "specdecode[serve]"' in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -19,13 +19,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from specdecode.cli.train import non_negative_int, positive_int
     from specdecode.config import DEFAULT_PREFILL_CHUNK, DEFAULT_SPARE_SLOTS, DEFAULT_TIME_SLICE
     from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_BATCH_POLICY, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
-    from specdecode.serving.connections import (
+    from specdecode.serving.guard import DEFAULT_MAX_BODY_BYTES
+    from specdecode.serving.state import (
+        DEFAULT_DRAIN_TIMEOUT,
         DEFAULT_HEADER_TIMEOUT,
         DEFAULT_KEEP_ALIVE_TIMEOUT,
         DEFAULT_MAX_CONNECTIONS,
     )
-    from specdecode.serving.guard import DEFAULT_MAX_BODY_BYTES
-    from specdecode.serving.server import DEFAULT_DRAIN_TIMEOUT
     from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE, SUFFIX_SHARES
 
     parser = sub.add_parser(

@@ -17,11 +17,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0  # uvicorn's default: an idle keep-alive connection is closed after it
-DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a client has to send a request's headers
-# Connections and requests in flight at once; past it uvicorn answers 503. Each request in flight
-# holds a thread; a 2-core server has long queued everyone by then.
-DEFAULT_MAX_CONNECTIONS = 512
+from specdecode.serving.state import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+
 # uvicorn's graceful wait, after the drain (serving/shutdown.py): the ended responses only flush.
 FLUSH_TIMEOUT_SECONDS = 3.0
 

@@ -19,7 +19,6 @@ from specdecode.api import SpecDecoder
 from specdecode.config import METHODS
 from specdecode.engine.batch import BATCH_METHODS
 from specdecode.errors import SpecDecodeError
-from specdecode.serving.connections import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 from specdecode.serving.guard import GuardOptions
 from specdecode.serving.metrics import ServerMetrics
 from specdecode.serving.protocol import APIError, ParsedRequest, client_message, parse_request
@@ -28,6 +27,13 @@ from specdecode.serving.tools import OPEN
 from specdecode.serving.worker import BatchWorker
 
 DEFAULT_DRAIN_TIMEOUT = 10.0
+# HTTP connections (serving/connections.py applies them to uvicorn). Here, not there: the CLI reads
+# them to build its parser, and connections.py imports uvicorn, which only the serve extra installs.
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0  # uvicorn's default: an idle keep-alive connection is closed after it
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a client has to send a request's headers
+# Connections and requests in flight at once; past it uvicorn answers 503. Each request in flight
+# holds a thread; a 2-core server has long queued everyone by then.
+DEFAULT_MAX_CONNECTIONS = 512
 NORMALIZATION_SLACK = 4  # characters a tokenizer's Unicode normalization may fold into one, at most
 
 
