@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -204,16 +205,82 @@ def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: An
     return value
 
 
-def _text(value: str, param: str, where: str | None = None) -> str:
-    """``value`` if UTF-8 can encode it. JSON's ``\\ud800`` escape yields a lone surrogate, which
-    no tokenizer and no response encoder accepts: refuse it here as the client's error.
-    ``where``: the place to name in the message when finer than ``param``."""
+# A key a path names with a dot (``tools[0].function.name``); any other key is quoted in brackets.
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _segment(key: str) -> str:
+    if _PLAIN_KEY.match(key):
+        return f".{key}"
+    return f"[{json.dumps(key, ensure_ascii=True)}]"  # escaped: the key may be the bad string itself
+
+
+WELL_FORMED = "send well-formed UTF-8 text (a character past U+FFFF escaped as a surrogate pair, or as itself)."
+# A place in a request: (parent node, its path segment such as ".name" or "[0]", top-level key).
+_PathNode = tuple[Any, str, str | None]
+
+
+def _path(node: _PathNode) -> str:
+    segments = []
+    while node is not None:
+        node, segment, _ = node
+        segments.append(segment)
+    return "".join(reversed(segments)).lstrip(".")
+
+
+def _where(node: _PathNode) -> str:
+    path = _path(node)
+    return f"'{path}'" if path else "the request body"
+
+
+def _unencodable_at(text: str) -> int | None:
+    """The index of ``text``'s first character that UTF-8 cannot encode (a lone surrogate), or None."""
+    if text.isascii():  # the common case, without encoding a copy of a long prompt
+        return None
     try:
-        value.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise APIError(400, f"'{where or param}' holds invalid Unicode (a lone surrogate at character {err.start}); "
-                            "send well-formed UTF-8 text.", param) from err
-    return value
+        return err.start
+    return None
+
+
+def check_unicode(value: Any, root: str = "", param: str | None = None) -> None:
+    """Refuse (400) the first string in ``value``, a decoded JSON value, that UTF-8 cannot
+    encode: dict keys and strings at any depth, named by their path (``tools[0].function.
+    description``) and the character's index. JSON's ``\\ud800`` escape decodes to a lone
+    surrogate, which no tokenizer, chat template or response encoder accepts; walking the whole
+    body rather than the fields the server reads today covers fields added later too. Refused,
+    not replaced: a lossless server does not change the user's text.
+
+    ``root``: the path of ``value`` in the request (JSON the server decodes out of a request's
+    string, such as a tool call's ``arguments``, goes through here again). ``param``: the field
+    to name in the error (default: the top-level key the string is under)."""
+    # Iterative, not recursive: a body may be nested as deep as the JSON parser allows. A node is
+    # (parent node, path segment, top-level key), so a path is built only for a string that fails.
+    stack: list[tuple[Any, _PathNode]] = [(value, (None, root, param))]
+    while stack:
+        item, node = stack.pop()
+        if isinstance(item, str):
+            at = _unencodable_at(item)
+            if at is not None:
+                where = _where(node)
+                raise APIError(400, f"{where[:1].upper() + where[1:]} holds invalid Unicode (a lone surrogate at "
+                                    f"character {at}); {WELL_FORMED}", node[2])
+        elif isinstance(item, dict):
+            children = []
+            for key, child in item.items():
+                # The body's own keys are the fields an error names (escaped, as in any message).
+                top = node[2] if node[2] is not None else json.dumps(key)[1:-1]
+                at = _unencodable_at(key)
+                if at is not None:
+                    raise APIError(400, f"A key in {_where(node)} ({json.dumps(key)}) holds invalid Unicode (a lone "
+                                        f"surrogate at character {at}); {WELL_FORMED}", top)
+                if isinstance(child, str | dict | list):
+                    children.append((child, (node, _segment(key), top)))
+            stack.extend(reversed(children))  # reversed: the first field is checked first
+        elif isinstance(item, list):
+            stack.extend((child, (node, f"[{i}]", node[2])) for i, child in reversed(list(enumerate(item)))
+                         if isinstance(child, str | dict | list))
 
 
 def _message_content(content: Any, index: int) -> str:
@@ -221,7 +288,7 @@ def _message_content(content: Any, index: int) -> str:
     joins them)."""
     param = f"messages[{index}].content"
     if isinstance(content, str):
-        return _text(content, "messages", param)
+        return content
     if not isinstance(content, list) or not content:
         raise APIError(400, f"{param} must be a string or a non-empty list of {{'type': 'text', 'text': ...}} parts.",
                        "messages")
@@ -231,7 +298,7 @@ def _message_content(content: Any, index: int) -> str:
         if kind != "text" or not isinstance(part.get("text"), str):
             raise APIError(400, f"{param}[{j}] must be a {{'type': 'text', 'text': ...}} part; this server reads text "
                                 f"only (got type {_short(kind)}).", "messages")
-        texts.append(_text(part["text"], "messages", f"{param}[{j}].text"))
+        texts.append(part["text"])
     return "\n".join(texts)
 
 
@@ -255,6 +322,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 parsed.append(tool_message(message, i, text))
             except ToolError as err:
                 raise APIError(400, str(err), err.param) from err
+            # Arguments sent as a JSON string were decoded just now, escapes included.
+            check_unicode(parsed[-1], f"messages[{i}]", "messages")
             continue
         if role not in CHAT_ROLES:
             raise APIError(400, f"messages[{i}] needs a role in {', '.join(CHAT_ROLES)}, got {_short(role)}.",
@@ -268,7 +337,7 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return _text(prompt, "prompt")
+        return prompt
     if isinstance(prompt, list) and prompt:
         token_ids = [_integer(t) for t in prompt]
         if all(t is not None for t in token_ids):
@@ -288,9 +357,9 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     if stop is None:
         return ()
     if isinstance(stop, str):
-        return (_text(stop, "stop"),)
+        return (stop,)
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
-        return tuple(_text(s, "stop") for s in stop)
+        return tuple(stop)
     raise APIError(400, f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings.", "stop")
 
 
@@ -360,6 +429,9 @@ def parse_request(body: Any, chat: bool, served_names: tuple[str, ...], methods:
     if model not in served_names:
         raise APIError(404, f"The model {_short(model)} does not exist; this server serves {', '.join(served_names)}.",
                        "model", "model_not_found")
+    # Every text field, before any is read: what reaches a tokenizer or a template is encodable.
+    # After the model: a name this server does not serve is a 404 whatever its characters.
+    check_unicode(body)
     _check_unsupported(body)
     prompt: str | list[int] | list[dict[str, Any]] = _messages(body) if chat else _prompt(body)
     tools = None
