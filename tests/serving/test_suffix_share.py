@@ -98,3 +98,34 @@ def test_concurrent_requests_of_one_tenant_keep_their_greedy_output(tiny_qwen2_d
             thread.join(timeout=300)
         assert [replies.get(i) for i in range(len(prompts))] == [expected[p] for p in prompts]
         assert dec.suffix_cache.stats().responses == len(prompts)
+
+
+def complete_salted(url: str, key: str, salt: str) -> dict:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "k": 8, "cache_salt": salt}
+    response = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_one_key_with_another_salt_drafts_from_its_own_responses_only(tiny_qwen2_dir: Path, batched: bool) -> None:
+    """The salt isolates suffix drafts as it isolates cached prefixes (suffix_share.tenant_key)."""
+    with suffix_server(tiny_qwen2_dir, "tenant", batched) as (url, dec):
+        output_ids = dec.generate(PROMPT, SamplingParams(max_new_tokens=TOKENS), method="none").token_ids
+        first = complete_salted(url, "alice", "s1")
+        context = output_ids[:4]  # the start of the answer the server kept
+
+        def drafted(salt: str | None) -> int:
+            """Tokens the group of alice with this salt drafts after the first answer's start."""
+            draft = dec.suffix_cache.draft(suffix_group("tenant", "Bearer alice", salt), context, max_nodes=8,
+                                           max_depth=8, min_prob=0.0, max_match=16)
+            return len(draft.tokens)
+
+        assert drafted("s1") > 0 and drafted("s2") == 0 and drafted(None) == 0  # kept under s1's group only
+        again = complete_salted(url, "alice", "s1")  # drafts from the first answer
+        other = complete_salted(url, "alice", "s2")  # must not: another salt is another tenant
+        for reply in (again, other):
+            assert reply["choices"][0]["text"] == first["choices"][0]["text"]
+        assert again["specdecode"]["tau"] > first["specdecode"]["tau"]
+        assert again["specdecode"]["tau"] > other["specdecode"]["tau"], (again["specdecode"], other["specdecode"])
+        assert dec.suffix_cache.stats().groups == 2

@@ -1,9 +1,10 @@
 """Earlier responses for suffix decoding: one suffix tree per group, a token budget, LRU eviction.
 
 A *group* is who may draft from whose responses: the library uses one group per ``SpecDecoder``
-(``DEFAULT_GROUP``), the server one per tenant (``--suffix-share tenant``: requests with the
-same API key), one for everyone (``global``) or none at all (``none``). Responses of different
-groups never meet: each group has its own tree. Requests never read another group's tree,
+(``DEFAULT_GROUP``), the server one per tenancy key (``serving/suffix_share.py``: with
+``--suffix-share tenant``, requests with the same API key and ``cache_salt``), one per salt for
+everyone (``global``) or none at all (``none``). Responses of different groups never meet: each
+group has its own tree. Requests never read another group's tree,
 because a tree shared across users leaks through timing (a request that speculates well tells
 its sender that someone sent similar text).
 

@@ -126,7 +126,7 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
             raw = await request.body()  # the guard has read it, within the size limit
             req = await asyncio.to_thread(state.prepare, raw, chat)
             authorization = request.headers.get("authorization")
-            req.suffix_group = suffix_group(options.suffix_share, authorization)
+            req.suffix_group = suffix_group(options.suffix_share, authorization, req.cache_salt)
             req.cache_group = cache_group(options.suffix_share, authorization, req.cache_salt)
             loop = asyncio.get_running_loop()
             # One generation per choice (n); batched choices after the first start from its prompt K/V.
