@@ -85,7 +85,8 @@ class SpecDecoder:
         self.eos_token_ids = eos_token_ids(target.tokenizer, target.folder, target.config.eos_token_ids)
         # Structured outputs' compiler over this tokenizer (built on the first structured request).
         self.grammars = GrammarCompiler(self.tokenizer, target.config.vocab_size, self.eos_token_ids,
-                                        jump_forward=config.jump_forward)
+                                        jump_forward=config.jump_forward, timeout=config.grammar_timeout,
+                                        cache_bytes=config.grammar_cache_bytes)
         self.backend = target.backend
         # compile=: the repeated passes compiled per shape (backends/compiled.py); None: eager.
         if config.compile:

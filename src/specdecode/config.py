@@ -346,6 +346,12 @@ DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_MIN = 1
 # Earlier responses kept for suffix decoding, in tokens over all groups (drafters/suffix_cache.py).
 DEFAULT_SUFFIX_CACHE_TOKENS = 1 << 17
+# Structured outputs: seconds a grammar may take to compile (in a child process that is killed
+# past it: engine/grammar_process.py); the largest schema of the test sets compiles in under 1 s
+# on 2 cores. And the bytes of compiled grammars kept for reuse (xgrammar's estimate; a schema
+# of tool calls takes 1-6 MiB).
+DEFAULT_GRAMMAR_TIMEOUT = 10.0
+DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024
 
 
 # Choices of the loading options, validated here once (each is also the flag's choices).
@@ -404,6 +410,10 @@ class DecoderConfig:
     # Structured outputs: draft the text a grammar forces (``{"name": "``) in the tokenizer's own
     # tokens, in place of the drafter's proposal (engine/grammar.py); lossless either way.
     jump_forward: bool = True
+    # Bounds on a request's grammar: compile seconds (None: in this thread, with no bound, for
+    # trusted specs) and the bytes of compiled grammars kept (engine/grammar.py).
+    grammar_timeout: float | None = DEFAULT_GRAMMAR_TIMEOUT
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
     # Time the passes the cost-aware choices read again instead of reading an earlier run's
     # stored timings for the same model, backend and machine (costs/store.py).
     retime_costs: bool = False
@@ -441,6 +451,11 @@ class DecoderConfig:
             raise InvalidRequestError(
                 f"suffix_cache_tokens={self.suffix_cache_tokens} is out of range: use >= 0 (0 keeps no earlier responses)."
             )
+        if self.grammar_timeout is not None and not self.grammar_timeout > 0:
+            raise InvalidRequestError(f"grammar_timeout={self.grammar_timeout} is out of range: use seconds > 0, or "
+                                      "None to compile in this thread with no limit.")
+        if self.grammar_cache_bytes < 0:
+            raise InvalidRequestError(f"grammar_cache_bytes={self.grammar_cache_bytes} is out of range: use >= 0.")
         for name, choices in (("backend", BACKEND_CHOICES), ("dtype", DTYPES), ("target_quant", QUANTS),
                               ("draft_quant", QUANTS), ("kv_dtype", KV_DTYPES)):
             if getattr(self, name) not in choices:

@@ -353,13 +353,16 @@ def test_specs_that_would_compile_for_minutes_are_refused() -> None:
 
 
 def test_warm_builds_the_grammar_engine_once(tiny_qwen2_dir: Path) -> None:
-    """A server warms the compiler at start (cli/serve.py); requests then reuse it."""
+    """A server warms the compiler at start (cli/serve.py): the tokenizer info is built and the
+    compile process started; requests then reuse both."""
     from specdecode.engine.grammar import GrammarCompiler
 
     dec = decoder(tiny_qwen2_dir, None, "none")
     compiler = GrammarCompiler(dec.tokenizer, dec.target.config.vocab_size, dec.eos_token_ids)
     seconds = compiler.warm()
     assert seconds is not None and seconds >= 0
-    built = compiler._get()
+    built, process = compiler._tokenizer_info(), compiler._compile_process()
+    pid = process.pid
+    assert pid is not None
     compiler.compile(StructuredOutput(regex="ab"))
-    assert compiler._get() is built and compiler.warm() is not None
+    assert compiler._tokenizer_info() is built and process.pid == pid and compiler.warm() is not None

@@ -140,6 +140,10 @@ def add_decoder_arguments(parser: argparse.ArgumentParser, *, exclude: frozenset
         "docs/design.md#prefix-caching)")
     add("jump_forward", "--no-jump-forward", action="store_false", help="under a grammar or schema, do not draft "
         "the text it forces (on by default; docs/structured.md)")
+    add("grammar_timeout", type=positive_float, help="seconds a request's grammar or schema may take to compile "
+        f"(in a child process, stopped past it: the request gets an error naming it; default {d.grammar_timeout:g})")
+    add("grammar_cache_bytes", type=_non_negative_int, help="bytes of compiled grammars kept for reuse, least "
+        f"recently used dropped first (default {d.grammar_cache_bytes // 2**20} MiB)")
     add("retime_costs", action="store_true", help="time the passes the cost-aware draft length reads again, "
         "instead of the timings stored by an earlier run for the same model file, backend and machine")
     add("backend", choices=BACKEND_CHOICES, help="auto (default): llama.cpp for GGUF files on the CPU where "

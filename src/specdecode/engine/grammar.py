@@ -33,12 +33,16 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from specdecode.config import StructuredOutput
+from specdecode.config import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_TIMEOUT, StructuredOutput
+from specdecode.engine.grammar_check import check_grammar
+from specdecode.engine.grammar_child import GrammarRefused, build_and_compile
+from specdecode.engine.grammar_process import CompileProcess, compile_process, refused
 from specdecode.errors import InvalidRequestError
 
 # The longest run of whitespace JSON may hold between tokens: enough for a newline and the
@@ -48,6 +52,10 @@ MAX_WHITESPACE = 20
 # The most forced tokens one step drafts: a schema's forced runs (`", "arguments": {"city": "`)
 # are 2-10 tokens; a longer run is drafted over several steps.
 MAX_FORCED_TOKENS = 16
+# Characters of a forced text tokenized per token drafted: a forced run can be long (a regex's
+# ``a{5000}``), and only its first few tokens are drafted in one step.
+FORCED_CHARS_PER_TOKEN = 32
+FAILED_SPECS = 256  # failed specs remembered, so that a resent one is refused without compiling
 INSTALL_HINT = "Structured outputs need xgrammar: pip install 'specdecode[structured]'."
 
 
@@ -81,63 +89,135 @@ class GrammarCompiler:
 
     Building xgrammar's tokenizer info reads the whole vocabulary (0.7-1 s for the demo's 151k
     tokens on a 2-core CPU), so it happens on the first structured request, not at load; a server
-    calls ``warm`` at start so that no request pays it."""
+    calls ``warm`` at start so that no request pays it.
+
+    Bounds (a request's grammar must not take the process down): with ``timeout`` (seconds) a
+    compile runs in a child process that is killed past it or past a memory bound
+    (``engine/grammar_process.py``; None: in this thread, unbounded, for a caller that trusts its
+    specs); compiled grammars are kept least recently used first within ``cache_bytes``
+    (xgrammar's own size estimate); and a grammar in which some way cannot end is refused before
+    decoding (``engine/grammar_check.py``). A spec that failed is remembered too (the last
+    ``FAILED_SPECS``), so that sending it again is refused at once instead of compiling again."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 jump_forward: bool = True) -> None:
+                 jump_forward: bool = True, timeout: float | None = DEFAULT_GRAMMAR_TIMEOUT,
+                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.stop_token_ids = list(stop_token_ids)
         self.jump_forward = jump_forward  # draft the tokens the grammar forces (DecoderConfig.jump_forward)
-        self._compiler: Any = None
-        self._lock = threading.Lock()
+        self.timeout = timeout
+        self.cache_bytes = cache_bytes
+        self._info: Any = None
+        self._compiler: Any = None  # in-process compiler (timeout None)
+        self._process: CompileProcess | None = None
+        self._lock = threading.Lock()  # the tokenizer info, the cache
+        # xgrammar's compiled grammars and their sizes, least recently used first.
+        self._cache: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self._failed: OrderedDict[str, InvalidRequestError] = OrderedDict()
+        self.cached_bytes = 0
 
-    def _get(self) -> Any:
+    def _tokenizer_info(self) -> Any:
         with self._lock:
-            if self._compiler is None:
+            if self._info is None:
                 xgr = _xgrammar()
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-            return self._compiler
+                self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                stop_token_ids=self.stop_token_ids)
+            return self._info
+
+    def _compile_process(self) -> CompileProcess:
+        if self._process is None:
+            self._process = compile_process(self._tokenizer_info().serialize_json())
+        return self._process
 
     def warm(self) -> float | None:
-        """Build the tokenizer info now; its seconds, or None when xgrammar is not installed
-        (structured requests then get the install hint)."""
+        """Build the tokenizer info (and start the compile process) now; its seconds, or None when
+        xgrammar is not installed (structured requests then get the install hint)."""
         started = time.perf_counter()
         try:
-            self._get()
+            self._tokenizer_info()
+            if self.timeout is not None:
+                self._compile_process().start()
         except InvalidRequestError:
             return None
         return time.perf_counter() - started
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """The compiled grammar, or InvalidRequestError saying what is wrong with the spec."""
-        compiler = self._get()
+        builder, args, kwargs = _compile_call(spec)
+        key = json.dumps([builder, args, kwargs], sort_keys=True)
+        tokenize = self._tokenize if self.jump_forward else None
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return CompiledGrammar(self._cache[key][0], self.vocab_size, spec, tokenize)
+            if key in self._failed:
+                self._failed.move_to_end(key)
+                raise self._failed[key]
         try:
-            if spec.json_schema is not None:
-                schema = spec.json_schema if isinstance(spec.json_schema, str) else json.dumps(spec.json_schema)
-                compiled = compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace,
-                                                        strict_mode=spec.strict, max_whitespace_cnt=MAX_WHITESPACE)
-            elif spec.json_object:  # any JSON object (OpenAI's JSON mode), not any JSON value
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
-                                                        max_whitespace_cnt=MAX_WHITESPACE)
-            elif spec.regex is not None:
-                compiled = compiler.compile_regex(spec.regex)
-            elif spec.choice is not None:
-                compiled = compiler.compile_regex("|".join(_regex_escape(c) for c in spec.choice))
-            elif spec.structural_tag is not None:
-                compiled = compiler.compile_structural_tag(json.dumps(spec.structural_tag))
-            else:
-                assert spec.grammar is not None
-                compiled = compiler.compile_grammar(spec.grammar)
+            compiled = self._compile(spec, builder, args, kwargs)
+        except InvalidRequestError as err:
+            with self._lock:
+                self._failed[key] = err
+                while len(self._failed) > FAILED_SPECS:
+                    self._failed.popitem(last=False)
+            raise
+        with self._lock:
+            self._remember(key, compiled)
+        return CompiledGrammar(compiled, self.vocab_size, spec, tokenize)
+
+    def _compile(self, spec: StructuredOutput, builder: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """xgrammar's compiled grammar for ``spec``, checked (``grammar_child.build_and_compile``)."""
+        xgr = _xgrammar()
+        info = self._tokenizer_info()
+        if self.timeout is not None:
+            serialized = self._compile_process().compile(builder, args, kwargs, spec.kind, self.timeout)
+            return xgr.CompiledGrammar.deserialize_json(serialized, info)
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        try:
+            return build_and_compile(xgr, self._compiler, check_grammar, builder, args, kwargs)
+        except GrammarRefused as err:
+            raise refused(spec.kind, str(err)) from err
         except Exception as err:  # noqa: BLE001 - the spec is the request's; xgrammar raises several kinds
             raise _not_compiled(spec.kind, err) from err
-        tokenize = self._tokenize if self.jump_forward else None
-        return CompiledGrammar(compiled, self.vocab_size, spec, tokenize)
+
+    def _remember(self, key: str, compiled: Any) -> None:
+        """Keep ``compiled``, dropping the least recently used grammars past ``cache_bytes`` (a
+        grammar larger than the whole bound is not kept; requests using a dropped grammar keep it
+        alive until they end)."""
+        size = int(compiled.memory_size_bytes)
+        if size > self.cache_bytes:
+            return
+        self._cache[key] = (compiled, size)
+        self.cached_bytes += size
+        while self.cached_bytes > self.cache_bytes:
+            _, (_, dropped) = self._cache.popitem(last=False)
+            self.cached_bytes -= dropped
 
     def _tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _compile_call(spec: StructuredOutput) -> tuple[str, list[Any], dict[str, Any]]:
+    """The grammar builder (``grammar_child.BUILDERS``) and its arguments (JSON values: they travel
+    to the compile process) that make ``spec``'s grammar."""
+    if spec.json_schema is not None:
+        schema = spec.json_schema if isinstance(spec.json_schema, str) else json.dumps(spec.json_schema)
+        return "json_schema", [schema], {"any_whitespace": spec.any_whitespace, "strict_mode": spec.strict,
+                                         "max_whitespace_cnt": MAX_WHITESPACE}
+    if spec.json_object:  # any JSON object (OpenAI's JSON mode), not any JSON value
+        return "json_schema", ['{"type": "object"}'], {"any_whitespace": spec.any_whitespace,
+                                                        "max_whitespace_cnt": MAX_WHITESPACE}
+    if spec.regex is not None:
+        return "regex", [spec.regex], {}
+    if spec.choice is not None:
+        return "regex", ["|".join(_regex_escape(c) for c in spec.choice)], {}
+    if spec.structural_tag is not None:
+        return "structural_tag", [json.dumps(spec.structural_tag)], {}
+    assert spec.grammar is not None
+    return "ebnf", [spec.grammar], {}
 
 
 def _regex_escape(text: str) -> str:
@@ -196,7 +276,9 @@ class GrammarState:
             return []
         started = time.perf_counter()
         tokens: list[int] = []
-        text = self.matcher.find_jump_forward_string()
+        # Bounded by the state's shortest completion: every way through the grammar can end
+        # (engine/grammar_check.py), so the forced text is finite. Only its head is tokenized.
+        text = self.matcher.find_jump_forward_string()[: (limit + 1) * FORCED_CHARS_PER_TOKEN]
         if text:
             for token in self._tokenize(text)[:limit]:
                 if not self.matcher.accept_token(token):
