@@ -42,7 +42,7 @@ import torch
 from specdecode.config import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_TIMEOUT, StructuredOutput
 from specdecode.engine.grammar_check import check_grammar
 from specdecode.engine.grammar_child import GrammarRefused, build_and_compile
-from specdecode.engine.grammar_process import CompileProcess, compile_process, refused
+from specdecode.engine.grammar_process import CompileBoundError, CompileProcess, compile_process, refused
 from specdecode.errors import InvalidRequestError
 
 # The longest run of whitespace JSON may hold between tokens: enough for a newline and the
@@ -56,6 +56,10 @@ MAX_FORCED_TOKENS = 16
 # ``a{5000}``), and only its first few tokens are drafted in one step.
 FORCED_CHARS_PER_TOKEN = 32
 FAILED_SPECS = 256  # failed specs remembered, so that a resent one is refused without compiling
+# How long a spec stopped by a bound (its deadline, the memory bound) stays refused: long enough
+# that a client resending it cannot keep the compile process busy, short enough that a spec
+# that timed out on a loaded machine is tried again later.
+BOUND_FAILURE_SECONDS = 300.0
 INSTALL_HINT = "Structured outputs need xgrammar: pip install 'specdecode[structured]'."
 
 
@@ -97,7 +101,8 @@ class GrammarCompiler:
     specs); compiled grammars are kept least recently used first within ``cache_bytes``
     (xgrammar's own size estimate); and a grammar in which some way cannot end is refused before
     decoding (``engine/grammar_check.py``). A spec that failed is remembered too (the last
-    ``FAILED_SPECS``), so that sending it again is refused at once instead of compiling again."""
+    ``FAILED_SPECS``; one stopped by a bound for ``BOUND_FAILURE_SECONDS``), so that sending it
+    again is refused at once instead of compiling again."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
                  jump_forward: bool = True, timeout: float | None = DEFAULT_GRAMMAR_TIMEOUT,
@@ -114,7 +119,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the tokenizer info, the cache
         # xgrammar's compiled grammars and their sizes, least recently used first.
         self._cache: OrderedDict[str, tuple[Any, int]] = OrderedDict()
-        self._failed: OrderedDict[str, InvalidRequestError] = OrderedDict()
+        # Failed specs: the error and until when (time.monotonic()) it stands.
+        self._failed: OrderedDict[str, tuple[InvalidRequestError, float]] = OrderedDict()
         self.cached_bytes = 0
 
     def _tokenizer_info(self) -> Any:
@@ -152,13 +158,17 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return CompiledGrammar(self._cache[key][0], self.vocab_size, spec, tokenize)
             if key in self._failed:
-                self._failed.move_to_end(key)
-                raise self._failed[key]
+                error, until = self._failed[key]
+                if time.monotonic() < until:
+                    self._failed.move_to_end(key)
+                    raise error
+                del self._failed[key]
         try:
             compiled = self._compile(spec, builder, args, kwargs)
         except InvalidRequestError as err:
+            until = time.monotonic() + BOUND_FAILURE_SECONDS if isinstance(err, CompileBoundError) else float("inf")
             with self._lock:
-                self._failed[key] = err
+                self._failed[key] = (err, until)
                 while len(self._failed) > FAILED_SPECS:
                     self._failed.popitem(last=False)
             raise

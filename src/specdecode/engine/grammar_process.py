@@ -47,6 +47,11 @@ DEFAULT_MEMORY_LIMIT_BYTES = 1536 * 1024 * 1024
 COMPILE_THREADS = 2  # xgrammar's threads in the child (at the lowest priority)
 
 
+class CompileBoundError(InvalidRequestError):
+    """A compile stopped by a bound (the deadline, the memory bound, a crash), not refused for its
+    content: the same spec may compile on a quieter machine."""
+
+
 class CompileProcess:
     """One child process compiling for one vocabulary; thread-safe, one job at a time."""
 
@@ -85,7 +90,7 @@ class CompileProcess:
                 child.stdin.flush()
             except OSError as err:  # the child died between jobs
                 self._kill()
-                raise InvalidRequestError(f"The {what} could not be compiled: the compiler process failed "
+                raise CompileBoundError(f"The {what} could not be compiled: the compiler process failed "
                                           f"({err}); retry the request.") from err
             reply = self._await_reply(child, what, deadline, timeout)
         finally:
@@ -108,13 +113,13 @@ class CompileProcess:
             except queue.Empty:
                 if resident_bytes(child.pid) > self.memory_limit_bytes:
                     self._kill()
-                    raise InvalidRequestError(
+                    raise CompileBoundError(
                         f"The {what} is too large to compile: its compile took more than "
                         f"{self.memory_limit_bytes // 2**20} MiB and was stopped; send a simpler one.")
                 continue
             if line is None:  # the child died mid-job: out of memory in C++ (std::bad_alloc), or killed
                 self._kill()
-                raise InvalidRequestError(f"The {what} could not be compiled: the compiler process failed on it; "
+                raise CompileBoundError(f"The {what} could not be compiled: the compiler process failed on it; "
                                           "send a simpler one.")
             return json.loads(line)
 
@@ -181,9 +186,9 @@ def refused(what: str, problem: str) -> InvalidRequestError:
                                "or a character class that matches nothing cannot).")
 
 
-def _too_slow(what: str, timeout: float, queued: bool) -> InvalidRequestError:
+def _too_slow(what: str, timeout: float, queued: bool) -> CompileBoundError:
     where = "waiting for other compiles" if queued else "compiling"
-    return InvalidRequestError(f"The {what} did not compile within the limit of grammar_timeout={timeout:g} seconds "
+    return CompileBoundError(f"The {what} did not compile within the limit of grammar_timeout={timeout:g} seconds "
                                f"(the time ran out {where}); send a simpler one.")
 
 

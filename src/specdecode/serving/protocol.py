@@ -36,7 +36,7 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "method": "method", "k": "k", "temperature": "temperature",
                   "top_k": "top_k", "top_p": "top_p", "seed": "seed"}
 SERVER_FLAGS = {"kv_cache_tokens": "--kv-cache-tokens", "backend": "--backend", "kv_dtype": "--kv-dtype",
-                "k_max": "--k-max", "heads": "--heads", "draft": "--draft"}
+                "k_max": "--k-max", "heads": "--heads", "draft": "--draft", "grammar_timeout": "--grammar-timeout"}
 
 
 def _as_client_words(name: str, value: str) -> str | None:
