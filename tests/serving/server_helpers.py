@@ -67,3 +67,23 @@ def wait_for(condition: Any, what: str, timeout: float = 10.0) -> None:
 def sse_data(lines: Iterator[str]) -> list[str]:
     """The payloads of a server-sent event stream's ``data:`` lines."""
     return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+@contextmanager
+def running_limited_server(app: Any, **connections: Any) -> Iterator[tuple[str, uvicorn.Server]]:
+    """Serve ``app`` as ``specdecode serve`` does, with its connection settings
+    (``serving/connections.py: uvicorn_config``; ``connections`` are its keyword arguments:
+    ``max_connections``, ``header_timeout``, ...); yields its base URL and the uvicorn server."""
+    from specdecode.serving.connections import uvicorn_config
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", **connections))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started or not thread.is_alive(), "the server did not start", START_TIMEOUT_SECONDS)
+    assert thread.is_alive(), "the server thread died"
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

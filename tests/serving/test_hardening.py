@@ -354,7 +354,9 @@ def test_idle_and_slow_connections_are_closed_and_their_number_bounded(tiny_deco
     """The server's uvicorn settings (serving/connections.py: uvicorn_config): a keep-alive
     connection idle past --keep-alive-timeout is closed; one that sends its headers a byte at a
     time (slowloris) is closed after --header-timeout, also on a kept-alive connection after a
-    first request; past --max-connections a request gets a 503; below it, requests are served."""
+    first request; past --max-connections a request gets a 503 in OpenAI's shape with Retry-After,
+    but /health is still answered (uvicorn's own limit answered it a plain-text 503 too); below it,
+    requests are served."""
     import uvicorn
     from server_helpers import free_port
 
@@ -413,12 +415,16 @@ def test_idle_and_slow_connections_are_closed_and_their_number_bounded(tiny_deco
         idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
         try:
             wait_for(lambda: len(server.server_state.connections) >= 3, "the idle connections were not accepted")
-            assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503
+            refused = httpx.get(f"http://127.0.0.1:{port}/v1/models")
+            error = assert_openai_error(refused, 503)
+            assert error["code"] == "too_many_connections" and int(refused.headers["retry-after"]) >= 1
+            assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         finally:
             for sock in idle:
                 sock.close()
         wait_for(lambda: len(server.server_state.connections) == 0, "the idle connections stayed")
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200
     finally:
         server.should_exit = True
         thread.join(timeout=10)

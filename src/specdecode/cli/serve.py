@@ -19,12 +19,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from specdecode.cli.train import non_negative_int, positive_int
     from specdecode.config import DEFAULT_PREFILL_CHUNK, DEFAULT_SPARE_SLOTS, DEFAULT_TIME_SLICE
     from specdecode.engine.batch import BATCH_POLICIES, DEFAULT_BATCH_POLICY, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
-    from specdecode.serving.guard import DEFAULT_MAX_BODY_BYTES
+    from specdecode.serving.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES
     from specdecode.serving.state import (
         DEFAULT_DRAIN_TIMEOUT,
         DEFAULT_HEADER_TIMEOUT,
         DEFAULT_KEEP_ALIVE_TIMEOUT,
         DEFAULT_MAX_CONNECTIONS,
+        DEFAULT_MAX_QUEUE_TIME,
+        MIN_MAX_WAITING,
+        WAITING_PER_BATCH_SEAT,
     )
     from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE, SUFFIX_SHARES
 
@@ -84,8 +87,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         help="seconds a client has to send a request's headers before its connection is closed "
                              "(default: 10)")
     limits.add_argument("--max-connections", type=non_negative_int, default=DEFAULT_MAX_CONNECTIONS,
-                        help=f"connections and requests at once; past it new ones get 503 (default: "
-                             f"{DEFAULT_MAX_CONNECTIONS}; 0: no limit)")
+                        help=f"connections and requests at once; past it new requests get 503 with Retry-After, but "
+                             f"/health is answered (default: {DEFAULT_MAX_CONNECTIONS}; 0: no limit)")
+    limits.add_argument("--body-timeout", type=non_negative_float, default=DEFAULT_BODY_TIMEOUT,
+                        help=f"seconds a client has to send a request's body once its headers are in; then 408 and "
+                             f"the connection is closed (default: {DEFAULT_BODY_TIMEOUT:g}; 0: no limit)")
+    limits.add_argument("--max-waiting", type=positive_int, default=None,
+                        help=f"requests that may wait for an engine (behind a full batch, or for the one-at-a-time "
+                             f"engine) before new ones get 429 with Retry-After (default: {WAITING_PER_BATCH_SEAT} x "
+                             f"--max-batch, at least {MIN_MAX_WAITING})")
+    limits.add_argument("--max-queue-time", type=non_negative_float, default=DEFAULT_MAX_QUEUE_TIME,
+                        help=f"seconds a request may wait without starting to decode; then 503 with Retry-After, "
+                             f"streams included (default: {DEFAULT_MAX_QUEUE_TIME:g}; 0: no limit)")
     add_ray_arguments(parser)
 
 
@@ -123,10 +136,11 @@ def server_spec(args: argparse.Namespace) -> ServerSpec:
 
     hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
     guard = GuardOptions(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
-                         allowed_hosts=default_allowed_hosts(args.host, hosts))
+                         allowed_hosts=default_allowed_hosts(args.host, hosts), body_timeout=args.body_timeout or None)
     options = ServerOptions(guard=guard, request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
                             suffix_share=args.suffix_share, keep_alive_timeout=args.keep_alive_timeout,
-                            max_connections=args.max_connections or None, header_timeout=args.header_timeout)
+                            max_connections=args.max_connections or None, header_timeout=args.header_timeout,
+                            max_waiting=args.max_waiting, max_queue_time=args.max_queue_time or None)
     scheduling = SchedulerConfig(prefill_chunk=args.prefill_chunk, time_slice=args.time_slice,
                                  spare_slots=args.spare_slots)
     return ServerSpec(decoder=DecoderConfig.from_args(args), model_name=args.model_name, max_batch=args.max_batch,

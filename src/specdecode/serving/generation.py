@@ -2,14 +2,18 @@
 
 A request the batch engine decodes is submitted to the ``BatchWorker``; any other waits for
 the single-sequence engine's lock, first come first served, checking every
-``LOCK_POLL_SECONDS`` whether its client left. However it ends (finished, cancelled, stopped by
-the server, failed), it counts once in the server's metrics and wakes its reader.
+``LOCK_POLL_SECONDS`` whether its client left. It has *started* once it leaves that queue (the
+batch admitted it, or it holds the lock): ``settled`` is set then, or when it ends first, so
+that a stream can wait to send its 200 until its request decodes, and the server's queue-time
+limit ends only requests that have not started. However it ends (finished, cancelled, stopped
+by the server, failed), it counts once in the server's metrics and wakes its reader.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +27,8 @@ if TYPE_CHECKING:
     from specdecode.serving.state import ServerState
 
 LOCK_POLL_SECONDS = 0.1  # how often a request queued for the single-sequence engine checks it was cancelled
+# The /metrics outcome of a request the server ended early, by its reason's code (others: "shutdown").
+ENDED_BY_STATUS = {"request_timeout": "timeout", "queue_timeout": "queue_timeout"}
 
 
 class Generation:
@@ -42,6 +48,11 @@ class Generation:
         self.ended_by: APIError | None = None  # why the server ended it early (a timeout, a shutdown)
         self.token_count = 0  # new tokens the request kept (stop strings applied), once it has ended
         self.timer: asyncio.TimerHandle | None = None
+        self.queue_timer: asyncio.TimerHandle | None = None  # the queue-time limit (ServerState.limit_queue_time)
+        # Set on the event loop once the request has started decoding (``has_started``) or ended.
+        self.settled = asyncio.Event()
+        self.has_started = False
+        self._started_at: float | None = None  # perf_counter time it started, from its own thread or the worker's
         self.batch_id = state.worker.new_request_id() if state.worker is not None and state.batched(request) else None
         self._finished = False
         self._lock = threading.Lock()  # orders stop() against the thread's end
@@ -60,13 +71,37 @@ class Generation:
         try:
             self._submitted = state.worker.submit(req.prompt, self.params, state.method_of(req), state.k_of(req),
                                                   request_id=self.batch_id, suffix_group=req.suffix_group,
-                                                  cache_salt=req.cache_group, grammar=req.grammar, fork_of=source)
+                                                  cache_salt=req.cache_group, grammar=req.grammar, fork_of=source,
+                                                  on_start=self._mark_started)
         except BaseException as err:  # raised in the thread, as an error of the request's own
             self._submit_error = err
 
     def start(self) -> Generation:
+        """Start decoding in a thread, from the event loop. A request for the single-sequence
+        engine counts as waiting from now, not from when its thread first runs, so that the
+        server's count of waiting requests (its admission bound) includes it at once."""
+        if self.batch_id is None:
+            with self.state.metrics.lock:
+                self.state.metrics.waiting += 1
         self.thread.start()
         return self
+
+    def _mark_started(self) -> None:
+        """It has started decoding (from its own thread, or the batch worker's)."""
+        if self._started_at is None:
+            self._started_at = time.perf_counter()
+        self._call(self._on_started)
+
+    def _on_started(self) -> None:
+        self.has_started = True
+        self.settled.set()
+
+    def _call(self, callback: Any, *args: Any) -> None:
+        """Run ``callback`` on the event loop, from any thread."""
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop has closed (the server exited): nobody reads it
+            self.cancelled.set()
 
     def stop(self, reason: APIError | None = None) -> None:
         """End the generation early, from the event loop: the client left (no ``reason``) or the
@@ -79,24 +114,23 @@ class Generation:
             self.cancelled.set()
         if self.batch_id is not None and self.state.worker is not None:
             self.state.worker.abort(self.batch_id)  # also when it is still queued and emits nothing
+        self._ended()
+
+    def _ended(self) -> None:
         self.queue.put_nowait(self._DONE)
+        self.settled.set()
 
     def _put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop has closed (the server exited): nobody reads it
-            self.cancelled.set()
+        self._call(self.queue.put_nowait, item)
 
     def _run(self) -> None:
         metrics = self.state.metrics
         status = "error"
         try:
-            if self.state.batched(self.request):
+            if self.batch_id is not None:
                 status = self._decode()
                 return
-            with metrics.lock:
-                metrics.waiting += 1
-            try:
+            try:  # counted as waiting by start()
                 while not self.state.engine_lock.acquire(timeout=LOCK_POLL_SECONDS):
                     if self.cancelled.is_set():
                         status = "cancelled"
@@ -107,6 +141,8 @@ class Generation:
             try:
                 with metrics.lock:
                     metrics.running += 1
+                if not self.cancelled.is_set():
+                    self._mark_started()
                 status = self._decode()
             finally:
                 self.state.engine_lock.release()
@@ -119,14 +155,16 @@ class Generation:
             with self._lock:
                 self._finished = True
                 if self.ended_by is not None:
-                    status = "timeout" if self.ended_by.code == "request_timeout" else "shutdown"
+                    status = ENDED_BY_STATUS.get(self.ended_by.code or "", "shutdown")
                 elif self.cancelled.is_set() and self.error is None:
                     status = "cancelled"
             if self.stats is not None:
                 metrics.record(self.stats, status)
             else:
                 metrics.count("rejected" if isinstance(self.error, SpecDecodeError) else status)
-            self._put(self._DONE)
+            if status == "ok" and self._started_at is not None:
+                metrics.observe_seat(self.batch_id is not None, time.perf_counter() - self._started_at)
+            self._call(self._ended)
 
     def _decode(self) -> str:
         if self.cancelled.is_set():  # the client left while waiting

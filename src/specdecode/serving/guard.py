@@ -4,14 +4,18 @@ In order: a Host header the server does not answer to (DNS rebinding: a web page
 site that resolves its own name to 127.0.0.1 must not reach a loopback server) gets a 400; a
 request without the API key, when one is set, a 401 (on every route but ``/health``); while the server drains for
 shutdown, a new ``/v1/`` POST gets a 503; a POST body that is not ``application/json`` a 415;
-and a body over ``max_body_bytes`` a 413, refused from its Content-Length before a byte of it
-is read, or as soon as a chunked body passes the limit. Every refusal carries the OpenAI error
-body. The body of an accepted POST is read here and replayed to the application, which then
-never holds more than the limit.
+past the connection limit (``ConnectionLimit``: requests in flight, or connections open,
+beyond ``--max-connections``), any route but ``/health`` a 503 with ``Retry-After``; a body
+over ``max_body_bytes`` a 413, refused from its Content-Length before a byte of it is read, or
+as soon as a chunked body passes the limit; and a body not all sent within ``body_timeout``
+seconds of its headers a 408. Every refusal carries the OpenAI error body and closes the
+connection. The body of an accepted POST is read here and replayed to the application, which
+then never holds more than the limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -27,8 +31,58 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's default payload limit
+# Seconds a client has to send a request's body once its headers are in. A 2 MiB body (the size
+# limit) takes under a second on any real link; 30 s leaves room for a slow mobile one, while a
+# client trickling a byte a second is cut off before it has held its connection long.
+DEFAULT_BODY_TIMEOUT = 30.0
 LOOPBACK_NAMES = ("localhost",)
 UNGUARDED_PATHS = frozenset({"/health"})  # answered without the API key
+# Answered past the connection limit too: a load balancer that cannot reach /health while the
+# server is merely busy takes it out of rotation, which turns a busy server into a down one.
+UNLIMITED_PATHS = frozenset({"/health"})
+# Retry-After of the connection limit's 503: a request in flight usually ends, and frees its
+# place, within about a second (a whole generation takes longer, but there are many in flight).
+CONNECTION_RETRY_AFTER_SECONDS = 1
+
+
+class RetryLater(APIError):
+    """An APIError for a server too busy to take the request now: its response says, in a
+    ``Retry-After`` header, after how many whole seconds a retry has a chance (OpenAI's client,
+    and most HTTP clients, honour it)."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: int, kind: str = "server_error") -> None:
+        super().__init__(status, message, code=code, kind=kind)
+        self.retry_after = max(1, int(retry_after))
+
+
+def error_headers(error: APIError) -> list[tuple[bytes, bytes]]:
+    """The headers an error response carries besides its body's: ``Retry-After`` for a
+    ``RetryLater``, ``WWW-Authenticate`` for a 401."""
+    headers = []
+    if isinstance(error, RetryLater):
+        headers.append((b"retry-after", str(error.retry_after).encode()))
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    return headers
+
+
+@dataclass(slots=True)
+class ConnectionLimit:
+    """How many connections and requests the server holds, against ``--max-connections``.
+
+    ``most`` is set by the HTTP layer that applies the limit (``serving/connections.py:
+    uvicorn_config``), which also counts ``connections`` as they open and close; the guard
+    counts ``requests`` in flight (all but ``/health``). Both change on the event loop only.
+    None: no limit (the application run by another server, as in the tests or under Ray)."""
+
+    most: int | None = None
+    connections: int = 0
+    requests: int = 0
+
+    def exceeded(self) -> bool:
+        """Whether the request just counted is past the limit: more requests in flight, or
+        connections open, than ``most``."""
+        return self.most is not None and (self.requests > self.most or self.connections > self.most)
 
 
 def is_loopback(host: str) -> bool:
@@ -67,12 +121,17 @@ class GuardOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # None: any Host. Otherwise the names (no ports) answered to, loopback ones always included.
     allowed_hosts: tuple[str, ...] | None = ("127.0.0.1",)
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT  # seconds to send a body after its headers; None: no limit
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, options: GuardOptions, draining: Callable[[], bool]) -> None:
-        self.app, self.options, self.draining = app, options, draining
+    def __init__(self, app: ASGIApp, options: GuardOptions, draining: Callable[[], bool],
+                 overloaded: Callable[[], None] | None = None) -> None:
+        """``draining``: whether the server is shutting down; ``overloaded``: called for each
+        request refused past the connection limit (the server counts it in /metrics)."""
+        self.app, self.options, self.draining, self.overloaded = app, options, draining, overloaded
         self.state = getattr(app, "state", None)  # the wrapped application's (app.state.specdecode)
+        self.limit = ConnectionLimit()  # its ``most`` set where the server applies --max-connections
         self._key = options.api_key.encode() if options.api_key else None
         self._hosts = None if options.allowed_hosts is None else {host_name(h) for h in options.allowed_hosts}
 
@@ -80,10 +139,21 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        counted = scope["path"] not in UNLIMITED_PATHS
+        if counted:
+            self.limit.requests += 1
+        try:
+            await self._guard(scope, receive, send)
+        finally:
+            if counted:
+                self.limit.requests -= 1
+
+    async def _guard(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
-        error = self._refusal(scope, headers)
+        # The limit last, so that a request the server would refuse anyway hears why.
+        error = self._refusal(scope, headers) or self._over_limit(scope)
         if error is None and scope["method"] == "POST":
-            body, error = await self._read_body(headers, receive)
+            body, error = await self._read_body_in_time(headers, receive)
             if body is None and error is None:
                 return  # the client left while sending
             if error is None:
@@ -119,6 +189,30 @@ class RequestGuard:
             return APIError(415, f"The request body must be JSON sent with 'Content-Type: application/json', got "
                                  f"{media_type or 'no Content-Type'!r}.", code="unsupported_media_type")
         return None
+
+    def _over_limit(self, scope: Scope) -> APIError | None:
+        """The 503 for a request past --max-connections, else None; never for /health."""
+        limit = self.limit
+        if scope["path"] in UNLIMITED_PATHS or not limit.exceeded():
+            return None
+        if self.overloaded is not None:
+            self.overloaded()
+        return RetryLater(503, f"The server holds as many connections and requests as it takes at once ({limit.most}, "
+                               "--max-connections); retry shortly or on another instance.",
+                          code="too_many_connections", retry_after=CONNECTION_RETRY_AFTER_SECONDS)
+
+    async def _read_body_in_time(self, headers: dict[str, str],
+                                 receive: Receive) -> tuple[bytes | None, APIError | None]:
+        """``_read_body``, ended with a 408 when the body has not all come ``body_timeout``
+        seconds after its headers: uvicorn waits for a body as long as its client sends it, so a
+        client sending a byte a second would hold its connection, and its place under the
+        connection limit, for as long as it liked."""
+        timeout = self.options.body_timeout
+        try:
+            return await asyncio.wait_for(self._read_body(headers, receive), timeout)
+        except TimeoutError:
+            return None, APIError(408, f"The request body did not arrive within {timeout:g} s of its headers "
+                                       "(--body-timeout); send it whole, at once.", code="body_timeout")
 
     async def _read_body(self, headers: dict[str, str], receive: Receive) -> tuple[bytes | None, APIError | None]:
         limit = self.options.max_body_bytes
@@ -162,8 +256,6 @@ async def _send_error(send: Send, error: APIError) -> None:
     body = error.json().encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                # The body may be unread: close rather than parse what is left of it as a request.
-               (b"connection", b"close")]
-    if error.status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
+               (b"connection", b"close"), *error_headers(error)]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 from specdecode.drafters.suffix_cache import SuffixCache
 from specdecode.engine.metrics import GenerationStats
 from specdecode.serving.worker import BatchWorker
 
-OUTCOMES = ("ok", "error", "cancelled", "rejected", "timeout", "shutdown")
+OUTCOMES = ("ok", "error", "cancelled", "rejected", "timeout", "shutdown", "overloaded", "queue_timeout")
+# Finished requests whose time in a seat (from starting to decode to the end) the Retry-After
+# estimate averages: enough to smooth one long or short request, few enough to follow the load.
+RECENT_SEATS = 32
 
 
 def resident_bytes() -> int | None:
@@ -27,7 +31,9 @@ class ServerMetrics:
     """Counters for /metrics; updated under ``lock`` from worker threads."""
 
     # ok; error (the server failed); cancelled (the client left); rejected (bad input, 4xx);
-    # timeout (past --request-timeout); shutdown (ended by a drain past --drain-timeout).
+    # timeout (past --request-timeout); shutdown (ended by a drain past --drain-timeout);
+    # overloaded (refused at once: --max-waiting requests already waiting, or past
+    # --max-connections); queue_timeout (ended after waiting --max-queue-time without starting).
     requests: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # of them, served from the prefix cache
@@ -45,6 +51,21 @@ class ServerMetrics:
     # Labels on every series, e.g. {"replica": ...} under Ray Serve, where replicas' series meet.
     labels: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Seconds recent requests that finished ok held their seat, batched (True) and one at a time (False).
+    seat_seconds: dict[bool, deque[float]] = field(
+        default_factory=lambda: {True: deque(maxlen=RECENT_SEATS), False: deque(maxlen=RECENT_SEATS)})
+
+    def observe_seat(self, batched: bool, seconds: float) -> None:
+        """A request that finished ok held its seat (the batch's, or the single-sequence
+        engine's) for ``seconds``."""
+        with self.lock:
+            self.seat_seconds[batched].append(seconds)
+
+    def mean_seat_seconds(self, batched: bool) -> float | None:
+        """How long recent requests held a seat, on average (None before any finished)."""
+        with self.lock:
+            recent = self.seat_seconds[batched]
+            return sum(recent) / len(recent) if recent else None
 
     def count(self, status: str) -> None:
         """Count a request that ended without decoding (rejected, or failed before its first step)."""

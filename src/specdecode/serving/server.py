@@ -20,6 +20,13 @@ an unexpected failure inside one request gets a 500 with the same shape, and the
 serving. A request past ``request_timeout`` seconds is stopped with a 504 (or a final error
 event). On SIGTERM or SIGINT the server drains (``serving/shutdown.py``).
 
+Backpressure (``ServerState.check_room``, ``limit_queue_time``): a request that finds
+``max_waiting`` requests already waiting for its engine is refused at once with a 429, and one
+that waits ``max_queue_time`` seconds without starting is ended with a 503, both with
+``Retry-After``. A stream's 200 waits until its request has started decoding (or ended), so
+that it too gets a plain error status rather than an error event after a 200: every response
+is a whole completion or a refusal.
+
 Extension fields a request may carry besides OpenAI's: ``top_k`` (int), ``method`` (one of
 the loaded decoder's methods) and ``k`` (tokens drafted per step). Each response carries the
 request's decoding metrics under ``specdecode``. Method ``suffix`` drafts from earlier
@@ -37,12 +44,12 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from specdecode.api import SpecDecoder
 from specdecode.serving.generation import Generation
-from specdecode.serving.guard import RequestGuard
+from specdecode.serving.guard import RequestGuard, error_headers
 from specdecode.serving.health import engine_problem
 from specdecode.serving.protocol import APIError, parse_request
 from specdecode.serving.responses import choice_body, events, final_body, logprobs_body
@@ -51,6 +58,8 @@ from specdecode.serving.suffix_share import cache_group, suffix_group
 from specdecode.serving.worker import BatchWorker
 
 __all__ = ["DEFAULT_DRAIN_TIMEOUT", "APIError", "ServerOptions", "create_app", "parse_request", "serve"]
+
+T = TypeVar("T")
 
 
 def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] = (),
@@ -70,7 +79,8 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
     app.state.specdecode = state
 
     def error_response(err: APIError) -> Response:
-        return Response(err.json(), status_code=err.status, media_type="application/json")
+        headers = {name.decode(): value.decode() for name, value in error_headers(err)}  # Retry-After, ...
+        return Response(err.json(), status_code=err.status, media_type="application/json", headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> Response:
@@ -120,6 +130,10 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
                 for generation in self.generations:
                     state.untrack(generation)
 
+    def release(generations: list[Generation]) -> None:
+        for generation in generations:
+            state.untrack(generation)
+
     async def respond(request: Request, chat: bool) -> Any:
         state.arriving += 1  # until submitted: the batch worker's window waits for it
         try:
@@ -128,6 +142,9 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
             authorization = request.headers.get("authorization")
             req.suffix_group = suffix_group(options.suffix_share, authorization, req.cache_salt)
             req.cache_group = cache_group(options.suffix_share, authorization, req.cache_salt)
+            # No await from here to the submits: the count of waiting requests it reads is the
+            # one the submits add to, so a burst cannot all pass the check before any is counted.
+            state.check_room(req)
             loop = asyncio.get_running_loop()
             # One generation per choice (n); batched choices after the first start from its prompt K/V.
             generations = [Generation(state, req, loop, choice) for choice in range(req.n)]
@@ -136,18 +153,32 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
                 if generation.batch_id is not None:
                     generation.submit(fork_of=generations[0] if generation.choice else None)
                 generation.start()
+            state.limit_queue_time(generations, state.batched(req))
         finally:
             state.arriving -= 1
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:
+            # The 200 waits for the request to start (or end): until then it can still be
+            # refused with a status of its own (the queue-time limit's 503, a shutdown's).
+            try:
+                settled = await _unless_disconnected(_all_settled(generations), request)
+            except BaseException:
+                release(generations)
+                raise
+            if settled is None:
+                release(generations)
+                return Response(status_code=499)  # the client left while its request waited
+            failure = _failed_before_start(generations)
+            if failure is not None:
+                release(generations)
+                raise failure
             return GenerationResponse(generations, events(generations, request_id, created, state.model_name, chat,
                                                           state.token_text))
         try:
-            texts = await _texts_unless_disconnected(generations, request)
+            texts = await _unless_disconnected(_texts(generations), request)
         finally:
-            for generation in generations:
-                state.untrack(generation)  # cancels it when the client left (or this task was cancelled)
+            release(generations)  # cancels them when the client left (or this task was cancelled)
         if texts is None:
             return Response(status_code=499)  # nobody reads it: the client is gone
         for generation in generations:
@@ -166,20 +197,42 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
     async def chat_completions(request: Request) -> Any:
         return await respond(request, chat=True)
 
-    return RequestGuard(app, options.guard, lambda: state.draining)
+    return RequestGuard(app, options.guard, lambda: state.draining, lambda: state.metrics.count("overloaded"))
 
 
-async def _texts_unless_disconnected(generations: list[Generation], request: Any) -> list[str] | None:
-    """Each generation's whole text, or None when the client disconnects first."""
+async def _texts(generations: list[Generation]) -> list[str]:
+    """Each generation's whole text."""
 
     async def text(generation: Generation) -> str:
         return "".join([delta async for delta in generation.deltas()])
+
+    return list(await asyncio.gather(*(text(g) for g in generations)))
+
+
+async def _all_settled(generations: list[Generation]) -> bool:
+    """Once every generation has started decoding or ended."""
+    await asyncio.gather(*(g.settled.wait() for g in generations))
+    return True
+
+
+def _failed_before_start(generations: list[Generation]) -> APIError | None:
+    """The error of a choice that ended before it started decoding (the queue-time limit, a
+    shutdown, a refusal by the engine), to answer as the response's status; else None."""
+    for generation in generations:
+        failure = generation.failure()
+        if failure is not None and not generation.has_started:
+            return failure
+    return None
+
+
+async def _unless_disconnected(work: Coroutine[Any, Any, T], request: Any) -> T | None:
+    """``work``'s result, or None when the client disconnects first (``work`` is cancelled)."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    collect = asyncio.ensure_future(asyncio.gather(*(text(g) for g in generations)))
+    collect = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)

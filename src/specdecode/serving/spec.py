@@ -30,7 +30,7 @@ class ServerSpec:
     kv_cache_tokens: the batch engine's KV pool, in tokens.
     batch_policy:    the batch's draft-length policy (``engine/batch.py: BATCH_POLICIES``).
     scheduling:      chunked prefill and time slices (``SchedulerConfig``).
-    options:         the HTTP side: guard, timeouts, suffix sharing, connections."""
+    options:         the HTTP side: guard, timeouts, suffix sharing, connections, backpressure."""
 
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     model_name: str | None = None

@@ -1,6 +1,8 @@
 """The server's state: its options, the decoder it serves, the requests in flight.
 
 ``ServerState.prepare`` parses, validates and tokenizes a request body (off the event loop);
+``check_room`` refuses a request when too many already wait for its engine, and
+``limit_queue_time`` ends one that waits too long (backpressure: docs/server.md#security-and-limits);
 ``track``/``untrack`` keep the set of generations in flight, each with its timeout;
 ``drain`` ends them on shutdown (``serving/shutdown.py``).
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,7 +22,7 @@ from specdecode.api import SpecDecoder
 from specdecode.config import METHODS
 from specdecode.engine.batch import BATCH_METHODS
 from specdecode.errors import SpecDecodeError
-from specdecode.serving.guard import GuardOptions
+from specdecode.serving.guard import GuardOptions, RetryLater
 from specdecode.serving.metrics import ServerMetrics
 from specdecode.serving.protocol import APIError, ParsedRequest, client_message, parse_request
 from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE
@@ -31,18 +34,36 @@ DEFAULT_DRAIN_TIMEOUT = 10.0
 # them to build its parser, and connections.py imports uvicorn, which only the serve extra installs.
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0  # uvicorn's default: an idle keep-alive connection is closed after it
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a client has to send a request's headers
-# Connections and requests in flight at once; past it uvicorn answers 503. Each request in flight
-# holds a thread; a 2-core server has long queued everyone by then.
+# Connections and requests in flight at once; past it the guard answers 503 (but /health). Each
+# request in flight holds a thread; a 2-core server has long queued everyone by then.
 DEFAULT_MAX_CONNECTIONS = 512
+# Backpressure. Requests that may wait for an engine (beyond the batch's free seats; for the
+# single-sequence engine, for its lock) before new ones are refused with a 429, unless
+# --max-waiting says: two batches' worth, so that a burst of twice the batch queues and each
+# waiting request starts within about two requests' time, the same order as the queue-time limit.
+# The floor keeps a burst of a few dozen (parallel tool calls, a benchmark's clients) queueing
+# on a small batch, and on the one-at-a-time engine.
+WAITING_PER_BATCH_SEAT = 2
+MIN_MAX_WAITING = 32
+# Seconds a request may wait without starting to decode before it is ended with a 503: well
+# within the minute after which proxies and clients commonly give up, so the client hears
+# "overloaded" in time to retry elsewhere rather than timing out with nothing.
+DEFAULT_MAX_QUEUE_TIME = 30.0
+# Bounds of the Retry-After the backpressure refusals send (the estimate: ``retry_after``).
+MIN_RETRY_AFTER_SECONDS = 1
+MAX_RETRY_AFTER_SECONDS = 30
 NORMALIZATION_SLACK = 4  # characters a tokenizer's Unicode normalization may fold into one, at most
 
 
 class InFlight(Protocol):
     """What the registry of requests in flight needs of one (``serving/generation.py: Generation``):
-    its event loop and timeout timer, and a way to stop it with a reason."""
+    its event loop, timeout and queue-time timers, whether it has started decoding or ended
+    (``settled``), and a way to stop it with a reason."""
 
     loop: asyncio.AbstractEventLoop
     timer: asyncio.TimerHandle | None
+    queue_timer: asyncio.TimerHandle | None
+    settled: asyncio.Event
 
     def stop(self, reason: APIError | None = None) -> None: ...
 
@@ -58,6 +79,14 @@ class ServerOptions:
     keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
     max_connections: int | None = DEFAULT_MAX_CONNECTIONS
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    # Backpressure: requests that may wait for each engine (None: WAITING_PER_BATCH_SEAT x the
+    # batch, at least MIN_MAX_WAITING), and seconds one may wait before starting (None: no limit).
+    max_waiting: int | None = None
+    max_queue_time: float | None = DEFAULT_MAX_QUEUE_TIME
+
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be at least 1 (or None for the default), got {self.max_waiting}.")
 
 
 @dataclass(slots=True)
@@ -78,6 +107,7 @@ class ServerState:
     # The most characters one token stands for (None: unknown): bounds a prompt's length before
     # it is tokenized (_check_prompt_chars).
     longest_token_chars: int | None = field(init=False, default=None)
+    max_waiting: int = field(init=False, default=MIN_MAX_WAITING)  # options.max_waiting, or sized from the batch
 
     def method_of(self, request: ParsedRequest) -> str:
         return request.method or self.decoder.config.method
@@ -115,6 +145,60 @@ class ServerState:
         self.longest_token_chars = longest_token_chars(self.decoder.tokenizer)
         if self.worker is not None and self.worker.arriving is None:
             self.worker.arriving = lambda: self.arriving
+        self.max_waiting = self.options.max_waiting or default_max_waiting(self.worker)
+
+    def check_room(self, request: ParsedRequest) -> None:
+        """Refuse the request at once (429, with Retry-After) when ``max_waiting`` requests
+        already wait for the engine it would run on: queued behind a full batch, or for the
+        single-sequence engine's lock. Checked once per request, so one of n choices may take
+        the queue up to n - 1 past the bound."""
+        batched = self.batched(request)
+        if batched:
+            assert self.worker is not None
+            waiting = self.worker.waiting
+        else:
+            with self.metrics.lock:
+                waiting = self.metrics.waiting
+        if waiting < self.max_waiting:
+            return
+        self.metrics.count("overloaded")
+        engine = "the batch" if batched else f"the {self.method_of(request)!r} method's one-at-a-time engine"
+        raise RetryLater(429, f"The server is overloaded: {waiting} requests are already waiting for {engine} "
+                              f"(--max-waiting {self.max_waiting}). Retry after the seconds in the Retry-After header.",
+                         code="server_overloaded", retry_after=self.retry_after(batched), kind="rate_limit_error")
+
+    def retry_after(self, batched: bool) -> int:
+        """Seconds after which a refused request has a fair chance: about when a seat frees, the
+        time recent requests held one divided by the seats (the batch's, or the one of the
+        single-sequence engine), within [MIN_RETRY_AFTER_SECONDS, MAX_RETRY_AFTER_SECONDS]."""
+        held = self.metrics.mean_seat_seconds(batched)
+        if held is None:
+            return MIN_RETRY_AFTER_SECONDS
+        seats = self.worker.max_batch if batched and self.worker is not None else 1
+        return min(MAX_RETRY_AFTER_SECONDS, max(MIN_RETRY_AFTER_SECONDS, math.ceil(held / seats)))
+
+    def limit_queue_time(self, generations: list[InFlight], batched: bool) -> None:
+        """End the request (all its choices) with a 503 and Retry-After if one of its choices
+        has neither started decoding nor ended ``max_queue_time`` seconds from now. A stream has
+        sent nothing by then (``server.py`` holds its 200 until it starts), so either way the
+        client gets a plain 503, not a cut response."""
+        limit = self.options.max_queue_time
+        if limit is None or not generations:
+            return
+        reason = RetryLater(503, f"The request waited {limit:g} s (--max-queue-time) without starting: the server is "
+                                 "overloaded. Retry after the seconds in the Retry-After header, or on another instance.",
+                            code="queue_timeout", retry_after=MIN_RETRY_AFTER_SECONDS)
+
+        def expire() -> None:
+            if all(generation.settled.is_set() for generation in generations):
+                return
+            reason.retry_after = self.retry_after(batched)  # as of now, not of the request's arrival
+            for generation in generations:
+                generation.stop(reason)
+
+        timer = generations[0].loop.call_later(limit, expire)
+        for generation in generations:
+            generation.queue_timer = timer
 
     def max_prompt_tokens(self, batched: bool) -> int:
         """The most prompt tokens a request could have: the context less one new token, and for
@@ -203,8 +287,9 @@ class ServerState:
 
     def untrack(self, generation: InFlight) -> None:
         generation.stop()  # a no-op when it finished; cancels it when its client left
-        if generation.timer is not None:
-            generation.timer.cancel()
+        for timer in (generation.timer, generation.queue_timer):
+            if timer is not None:
+                timer.cancel()
         self.inflight.discard(generation)
 
     def end_all(self) -> None:
@@ -229,6 +314,12 @@ class ServerState:
         flush_deadline = loop.time() + 2.0
         while self.inflight and loop.time() < flush_deadline:
             await asyncio.sleep(poll)
+
+
+def default_max_waiting(worker: BatchWorker | None) -> int:
+    """``--max-waiting``'s default: WAITING_PER_BATCH_SEAT x the batch, at least MIN_MAX_WAITING."""
+    seats = worker.max_batch if worker is not None else 1
+    return max(MIN_MAX_WAITING, WAITING_PER_BATCH_SEAT * seats)
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:

@@ -10,6 +10,10 @@ a client that went away) cancels the request, which frees its KV blocks before t
 the request's iterator. A step that fails because of one request fails that request only
 (the engine reruns the step without it); a failure no single request causes fails every request
 in flight and empties the pools. Either way the worker keeps serving new requests.
+
+For the server's backpressure, any thread may read ``waiting`` (requests queued beyond the
+batch's free seats) without touching the engine, and ``submit``'s ``on_start`` hears when a
+request first leaves the engine's waiting queue for the batch.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class _Add:
     grammar: CompiledGrammar | None = None
     fork_of: str | None = None
     arrived: float = 0.0  # perf_counter time of submit: the engine's clock for it starts here
+    on_start: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)
@@ -82,8 +87,32 @@ class BatchWorker:
         # (start, end) perf_counter times of the latest steps: how long a step of the running
         # batch takes, which bounds a new request's wait (docs/design.md#fair-scheduling).
         self.recent_steps: deque[tuple[float, float]] = deque(maxlen=RECENT_STEPS)
+        self.max_batch = engine.scheduler.max_batch  # fixed configuration, read by any thread
+        # What ``waiting`` reads, under ``_count_lock``: requests in the inbox not yet taken, and
+        # the engine's waiting and running counts as of the worker's last look (it looks after
+        # taking commands and after each step). Copies, so that no other thread reads the engine.
+        self._count_lock = threading.Lock()
+        self._in_inbox = 0
+        self._engine_waiting = 0
+        self._engine_running = 0
+        # Requests not yet admitted to the batch, with what to call when they are (worker thread only).
+        self._unstarted: dict[str, Callable[[], None]] = {}
         self._thread = threading.Thread(target=self._loop, name="specdecode-batch", daemon=True)
         self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for the batch beyond its free seats, from any thread: those submitted
+        and not yet taken by the worker, plus those in the engine's waiting queue (preempted ones
+        included), less the seats the batch has free (those start at the next step)."""
+        with self._count_lock:
+            queued = self._in_inbox + self._engine_waiting
+            free = self.max_batch - self._engine_running
+        return max(0, queued - max(0, free))
+
+    def _recount(self) -> None:
+        with self._count_lock:
+            self._engine_waiting, self._engine_running = self.engine.num_waiting, self.engine.num_running
 
     def new_request_id(self) -> str:
         with self._id_lock:
@@ -94,19 +123,24 @@ class BatchWorker:
         self, prompt_ids: list[int], params: SamplingParams, method: str, k: int | None = None,
         request_id: str | None = None, suffix_group: str | None = DEFAULT_GROUP, cache_salt: str | None = None,
         grammar: CompiledGrammar | None = None, fork_of: str | None = None,
+        on_start: Callable[[], None] | None = None,
     ) -> tuple[Iterator[list[int]], GenerationStats]:
         """Queue a request (validated now: InvalidRequestError is raised here, not later).
         ``request_id`` (from ``new_request_id``) lets the caller ``abort`` it later;
         ``suffix_group`` is whose earlier responses method suffix drafts from; ``cache_salt``
         whose cached prompt prefixes it reuses; ``grammar`` its compiled structured output;
         ``fork_of`` the id of a request submitted before it, from this thread, with the same
-        prompt (another sample of it: ``BatchEngine.add_request``)."""
+        prompt (another sample of it: ``BatchEngine.add_request``). ``on_start`` is called, on
+        the worker's thread, when the request first leaves the engine's waiting queue for the
+        batch, before its first tokens go out; not when it ends or fails before that."""
         self.engine.check_request(len(prompt_ids), params, method, k)
         request_id = request_id or self.new_request_id()
         stats = GenerationStats(method=method, prompt_tokens=len(prompt_ids))
         outbox: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        with self._count_lock:
+            self._in_inbox += 1
         self._inbox.put(_Add(request_id, list(prompt_ids), params, method, k, stats, outbox, suffix_group, cache_salt,
-                              grammar, fork_of, time.perf_counter()))
+                              grammar, fork_of, time.perf_counter(), on_start))
         return self._chunks(request_id, outbox), stats
 
     def _chunks(self, request_id: str, outbox: queue.Queue[RequestOutput | BaseException]) -> Iterator[list[int]]:
@@ -179,9 +213,16 @@ class BatchWorker:
                         cache_salt=command.cache_salt, grammar=command.grammar, fork_of=command.fork_of,
                         arrived=command.arrived,
                     )
+                    if command.on_start is not None:
+                        self._unstarted[command.request_id] = command.on_start
                 except Exception as err:  # refused (e.g. no room): tell that caller only
                     self._outboxes.pop(command.request_id).put(err)
+                finally:
+                    with self._count_lock:  # out of the inbox, and into the engine's queue (or refused)
+                        self._in_inbox -= 1
+                        self._engine_waiting = self.engine.num_waiting
             elif isinstance(command, _Abort):
+                self._unstarted.pop(command.request_id, None)
                 output = self.engine.abort(command.request_id)
                 outbox = self._outboxes.pop(command.request_id, None)
                 if output is not None and outbox is not None:
@@ -189,6 +230,7 @@ class BatchWorker:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
+                self._recount()
                 return
 
     def _wait_for_arrivals(self) -> None:
@@ -204,6 +246,25 @@ class BatchWorker:
             if left <= 0:
                 return
             self._stopped.wait(min(ARRIVAL_POLL_SECONDS, left))
+
+    def _announce_starts(self, outputs: list[RequestOutput]) -> None:
+        """Call ``on_start`` for the requests that left the engine's waiting queue in the step
+        just run (admitted to the batch; or admitted and already finished), but not for one
+        that failed in it. Before the step's outputs go out, so that a request is known to have
+        started before its first tokens are."""
+        if not self._unstarted:
+            return
+        failed = {output.request_id for output in outputs if output.error is not None}
+        # The worker's own thread: the only one that reads the engine's queue.
+        waiting = {seq.state.request_id for seq in self.engine.scheduler.waiting}
+        for request_id in [r for r in self._unstarted if r not in waiting]:
+            on_start = self._unstarted.pop(request_id)
+            if request_id in failed:
+                continue
+            try:
+                on_start()
+            except Exception:  # noqa: BLE001 - a caller's callback must not stop the batch for everyone
+                continue
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
@@ -222,6 +283,10 @@ class BatchWorker:
             except Exception as err:  # one bad step must not take the server down
                 self.failed_steps_in_a_row += 1
                 outputs = self.engine.abort_all(err)
+                self._unstarted.clear()  # they failed before starting: nothing to announce
+            else:
+                self._announce_starts(outputs)
+            self._recount()
             for output in outputs:
                 outbox = self._outboxes.get(output.request_id)
                 if outbox is None:
