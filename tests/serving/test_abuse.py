@@ -158,6 +158,70 @@ def test_32_concurrent_streams_with_random_disconnects_leak_nothing(start_server
         assert after == before
 
 
+# Issue 49's hostile grammars, tools and text, merged into generated bodies (each took the server
+# down, or a core for minutes, before): a grammar with no finite string, an empty language, nested
+# repetition counts, a schema and a required tool whose parameters contain themselves, lone
+# surrogates where text reaches the template.
+SELF_REQUIRED = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+HOSTILE_PATCHES = [
+    {"structured_outputs": {"grammar": 'root ::= "a" root'}},
+    {"structured_outputs": {"grammar": "root ::= x\nx ::= y\ny ::= x"}},
+    {"structured_outputs": {"regex": "[^\\s\\S]"}},
+    {"structured_outputs": {"regex": "((a{0,99}){0,99}){0,99}"}},
+    {"structured_outputs": {"regex": ".{0,1000}z1"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SELF_REQUIRED}}},
+    {"tools": [{"type": "function", "function": {"name": "nest", "parameters": SELF_REQUIRED}}],
+     "tool_choice": "required"},
+    {"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]},
+    {"stop": ["\ud800"]},
+]
+HOSTILE_EXAMPLES = 36  # per route: each patch about four times over different generated bodies
+HOSTILE_RSS_GROWTH_BOUND = 500 * 2**20  # issue 49's bound over idle
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_schema_fuzz_with_hostile_grammars_and_tools(served, path: str) -> None:
+    """Valid generated bodies with one hostile patch each: every answer is a 200 or a 4xx with the
+    OpenAI error body within REQUEST_SECONDS, /health stays ok, and the server's resident memory
+    grows by less than HOSTILE_RSS_GROWTH_BOUND."""
+    from hypothesis import strategies as st
+
+    base, _ = served
+    schema = schemathesis.openapi.from_url(base + "/openapi.json")
+    operation = schema[path]["POST"]
+    rss_before = metric(base, "specdecode_process_resident_memory_bytes")
+    statuses: list[int] = []
+
+    @settings(max_examples=HOSTILE_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(operation.as_strategy(generation_mode=schemathesis.GenerationMode("positive")),
+           st.sampled_from(HOSTILE_PATCHES))
+    def check(case, patch: dict) -> None:
+        body = _shorten(case.body)
+        if not isinstance(body, dict):
+            return
+        for name in ("response_format", "structured_outputs", "tools", "tool_choice"):
+            body.pop(name, None)  # the patch's constraint alone (two would be a plain 400)
+        raw = json.dumps(body | patch).encode()  # surrogates as \\ud800 escapes
+        started = time.perf_counter()
+        response = httpx.post(base + path, content=raw, headers={"content-type": "application/json"},
+                              timeout=REQUEST_SECONDS)
+        assert time.perf_counter() - started < REQUEST_SECONDS
+        statuses.append(response.status_code)
+        assert response.status_code < 500, (patch, response.text)
+        if response.status_code >= 400:
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text
+        assert httpx.get(base + "/health").json()["status"] == "ok"
+
+    check()
+    growth = metric(base, "specdecode_process_resident_memory_bytes") - rss_before
+    print(f"hostile fuzz {path}: {len(statuses)} requests, statuses {sorted(set(statuses))}, "
+          f"RSS growth {growth / 2**20:+.1f} MiB")
+    assert len(statuses) >= HOSTILE_EXAMPLES // 2
+    assert growth < HOSTILE_RSS_GROWTH_BOUND
+
+
 SOAK_REQUESTS = 300
 SOAK_WARMUP = 40
 SOAK_RSS_GROWTH_BOUND = 150 * 2**20  # generous: a leak of a few KiB per request stays below it
