@@ -43,13 +43,16 @@ def trickle(port: int, payload: bytes, chunked: bool = False) -> tuple[bytes, by
     with socket.create_connection(("127.0.0.1", port), timeout=BYTE_EVERY) as sock:
         sock.sendall(headers(None if chunked else len(payload)))
         started = time.perf_counter()
-        reply, sent = b"", 0
+        reply, sent, writable = b"", 0, True
         while (response := read_response(sock, reply)) is None:
             assert time.perf_counter() - started < BODY_TIMEOUT + SLACK_SECONDS, f"no answer in time: {reply!r}"
-            if sent < len(payload):
+            if writable and sent < len(payload):
                 byte = payload[sent:sent + 1]
-                sock.sendall(b"1\r\n" + byte + b"\r\n" if chunked else byte)
-                sent += 1
+                try:
+                    sock.sendall(b"1\r\n" + byte + b"\r\n" if chunked else byte)
+                    sent += 1
+                except OSError:  # the server answered and closed while the reply was on its way: read it
+                    writable = False
             try:
                 chunk = sock.recv(65536)
             except TimeoutError:
