@@ -111,3 +111,25 @@ def test_a_slow_compile_is_a_400_at_the_limit_and_others_are_served(served) -> N
     # A plain request and a small schema are served right after.
     assert post(base, {}).status_code == 200
     assert post(base, {"structured_outputs": {"choice": ["yes", "no"]}}).json()["choices"][0]["text"] in ("yes", "no")
+
+
+def test_a_plain_request_is_not_held_by_compiles_in_flight(served) -> None:
+    """Eight requests wait for slow compiles (each about a second, one at a time in the compile
+    process): a plain 2-token completion meanwhile is prepared and served at once. Before, the
+    waits held asyncio's default threads (6 on 2 cores), which prepare every request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base, dec = served
+    started = time.monotonic()
+    assert post(base, {"max_tokens": 2}).status_code == 200
+    idle = time.monotonic() - started
+    with ThreadPoolExecutor(8) as pool:
+        slow = [pool.submit(post, base, {"response_format": {"type": "json_schema", "json_schema": {
+            "name": f"slow{i}", "schema": {**SLOW_SCHEMA, "title": f"variant {i}"}}}}) for i in range(8)]
+        time.sleep(0.5)  # the compiles are under way
+        started = time.monotonic()
+        assert post(base, {"max_tokens": 2}).status_code == 200
+        during = time.monotonic() - started
+        statuses = [future.result().status_code for future in slow]
+    assert all(status in (200, 400) for status in statuses), statuses
+    assert during < idle + 1.0, (idle, during)

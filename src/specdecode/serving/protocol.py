@@ -90,7 +90,7 @@ class ParsedRequest:
     cache_salt: str | None = None
     # The prefix cache's group: the tenant and the salt (serving/suffix_share.py: cache_group).
     cache_group: str | None = None
-    # params.structured compiled for the decoder's tokenizer (ServerState.prepare), or None, and
+    # params.structured compiled for the decoder's tokenizer (ServerState.compile_grammar), or None, and
     # the field that asked for it (named in a 400 when it does not compile).
     grammar: Any = None
     structured_field: str = "response_format"

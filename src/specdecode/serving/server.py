@@ -139,6 +139,8 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
         try:
             raw = await request.body()  # the guard has read it, within the size limit
             req = await asyncio.to_thread(state.prepare, raw, chat)
+            if req.params.structured is not None:
+                await asyncio.get_running_loop().run_in_executor(state.grammar_waits, state.compile_grammar, req)
             authorization = request.headers.get("authorization")
             req.suffix_group = suffix_group(options.suffix_share, authorization, req.cache_salt)
             req.cache_group = cache_group(options.suffix_share, authorization, req.cache_salt)

@@ -15,6 +15,7 @@ import json
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,6 +53,9 @@ DEFAULT_MAX_QUEUE_TIME = 30.0
 # Bounds of the Retry-After the backpressure refusals send (the estimate: ``retry_after``).
 MIN_RETRY_AFTER_SECONDS = 1
 MAX_RETRY_AFTER_SECONDS = 30
+# Requests waiting for their grammar's compile at once; more queue for a thread (compiles run one
+# at a time in the compile process anyway: engine/grammar_process.py).
+GRAMMAR_WAIT_THREADS = 16
 NORMALIZATION_SLACK = 4  # characters a tokenizer's Unicode normalization may fold into one, at most
 
 
@@ -108,6 +112,11 @@ class ServerState:
     # it is tokenized (_check_prompt_chars).
     longest_token_chars: int | None = field(init=False, default=None)
     max_waiting: int = field(init=False, default=MIN_MAX_WAITING)  # options.max_waiting, or sized from the batch
+    # Threads that wait for grammar compiles (compile_grammar), apart from asyncio's default pool
+    # (6 threads on 2 cores), which prepares every request: eight requests waiting out their
+    # compile deadline there held a plain completion's preparation for 10 s.
+    grammar_waits: ThreadPoolExecutor = field(
+        init=False, default_factory=lambda: ThreadPoolExecutor(GRAMMAR_WAIT_THREADS, thread_name_prefix="specdecode-grammar"))
 
     def method_of(self, request: ParsedRequest) -> str:
         return request.method or self.decoder.config.method
@@ -261,11 +270,6 @@ class ServerState:
                 if bias and max(bias) >= vocab:
                     raise APIError(400, f"'logit_bias' names token {max(bias)}, past the vocabulary's {vocab} ids.",
                                    "logit_bias")
-                if req.params.structured is not None:  # a schema that cannot compile is a 400 too
-                    try:
-                        req.grammar = self.decoder.grammars.compile(req.params.structured)
-                    except SpecDecodeError as err:
-                        raise APIError(400, client_message(err), req.structured_field) from err
                 if self.batched(req):
                     assert self.worker is not None
                     self.worker.engine.check_request(len(prompt_ids), req.params, self.method_of(req), self.k_of(req))
@@ -276,6 +280,19 @@ class ServerState:
             raise
         req.prompt, req.chat = prompt_ids, False
         return req
+
+    def compile_grammar(self, req: ParsedRequest) -> None:
+        """Compile the request's structured output, if it has one (a 400 naming its field when it
+        cannot be compiled or followed: engine/grammar.py). Run it in ``grammar_waits``: the
+        thread mostly waits for the compile process, and must not hold one of the threads that
+        prepare requests without a grammar."""
+        if req.params.structured is None:
+            return
+        try:
+            req.grammar = self.decoder.grammars.compile(req.params.structured)
+        except SpecDecodeError as err:
+            self.metrics.count("rejected")
+            raise APIError(400, client_message(err), req.structured_field) from err
 
     def track(self, generation: InFlight) -> None:
         self.inflight.add(generation)
