@@ -348,10 +348,11 @@ DEFAULT_NGRAM_MIN = 1
 DEFAULT_SUFFIX_CACHE_TOKENS = 1 << 17
 # Structured outputs: seconds a grammar may take to compile (in a child process that is killed
 # past it: engine/grammar_process.py); the largest schema of the test sets compiles in under 1 s
-# on 2 cores. And the bytes of compiled grammars kept for reuse (xgrammar's estimate; a schema
-# of tool calls takes 1-6 MiB).
+# on 2 cores. And the bytes of compiled grammars kept for reuse (xgrammar's estimate): about 30
+# small tool schemas of the demo's 151k vocabulary (4.3 MiB each), an agent's tool set; 200
+# distinct schemas then grew the server by 343 MB with 256 MiB (benchmarks/hostile_requests.py).
 DEFAULT_GRAMMAR_TIMEOUT = 10.0
-DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024
+DEFAULT_GRAMMAR_CACHE_BYTES = 128 * 1024 * 1024
 
 
 # Choices of the loading options, validated here once (each is also the flag's choices).

@@ -42,7 +42,13 @@ import torch
 from specdecode.config import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_TIMEOUT, StructuredOutput
 from specdecode.engine.grammar_check import check_grammar
 from specdecode.engine.grammar_child import GrammarRefused, build_and_compile
-from specdecode.engine.grammar_process import CompileBoundError, CompileProcess, compile_process, refused
+from specdecode.engine.grammar_process import (
+    CompileBoundError,
+    CompileProcess,
+    compile_process,
+    refused,
+    release_freed_memory,
+)
 from specdecode.errors import InvalidRequestError
 
 # The longest run of whitespace JSON may hold between tokens: enough for a newline and the
@@ -174,6 +180,8 @@ class GrammarCompiler:
             raise
         with self._lock:
             self._remember(key, compiled)
+        if self.timeout is not None:
+            release_freed_memory()  # the compiled grammar's JSON, read back from the compile process
         return CompiledGrammar(compiled, self.vocab_size, spec, tokenize)
 
     def _compile(self, spec: StructuredOutput, builder: str, args: list[Any], kwargs: dict[str, Any]) -> Any:

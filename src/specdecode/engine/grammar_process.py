@@ -21,6 +21,7 @@ a second would halve the wait behind a slow compile at that cost.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import hashlib
 import json
 import os
@@ -190,6 +191,24 @@ def _too_slow(what: str, timeout: float, queued: bool) -> CompileBoundError:
     where = "waiting for other compiles" if queued else "compiling"
     return CompileBoundError(f"The {what} did not compile within the limit of grammar_timeout={timeout:g} seconds "
                                f"(the time ran out {where}); send a simpler one.")
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the system (glibc's ``malloc_trim``; a no-op elsewhere).
+    Reading a compiled grammar back passes tens of MB of JSON through the heap (64 MB of RSS for
+    a 4 MiB grammar of the demo vocabulary); freed, it stayed resident: the server grew by 560 MB
+    over eight such compiles. Trimmed after each, it did not grow past the grammars kept."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM: Any = None
 
 
 def resident_bytes(pid: int) -> int:
