@@ -36,19 +36,13 @@ from typing import Any
 
 import httpx
 
+from specdecode.engine.grammar_process import resident_bytes
+
 MODEL = "demo"
 START_TIMEOUT_SECONDS = 600
 SAMPLE_SECONDS = 0.1
 SELF_REQUIRED = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
-
-
-def resident(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def children(pid: int) -> list[int]:
@@ -73,11 +67,11 @@ class MemoryWatch(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(SAMPLE_SECONDS):
-            server = resident(self.pid)
-            self.samples.append((time.monotonic(), server, sum(resident(c) for c in children(self.pid))))
+            server = resident_bytes(self.pid)
+            self.samples.append((time.monotonic(), server, sum(resident_bytes(c) for c in children(self.pid))))
 
     def now(self) -> tuple[int, int]:
-        return (self.samples[-1][1], self.samples[-1][2]) if self.samples else (resident(self.pid), 0)
+        return (self.samples[-1][1], self.samples[-1][2]) if self.samples else (resident_bytes(self.pid), 0)
 
     def peak_since(self, since: float) -> tuple[int, int]:
         window = [s for s in self.samples if s[0] >= since] or self.samples[-1:]

@@ -65,6 +65,19 @@ def _shorten(body: object) -> object:
     return body
 
 
+def _send(url: str, body: object) -> httpx.Response:
+    """POST a generated body (sent with httpx rather than case.call: the same bytes, and a stream
+    read in full): an answer within REQUEST_SECONDS, no 5xx, and OpenAI's error body on a 4xx."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()  # surrogates as \\ud800 escapes
+    started = time.perf_counter()
+    response = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=REQUEST_SECONDS)
+    assert time.perf_counter() - started < REQUEST_SECONDS
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text
+    return response
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("mode", ["positive", "negative"])
@@ -82,17 +95,11 @@ def test_schema_fuzz_gets_no_5xx_and_no_hang(served, path: str, mode: str) -> No
     @given(operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
     def check(case) -> None:
         body = _shorten(case.body)
-        # Sent with httpx rather than case.call: the same bytes, and a stream read in full.
-        raw = body if isinstance(body, bytes) else json.dumps(body).encode()  # surrogates as \\ud800 escapes
-        started = time.perf_counter()
-        response = httpx.post(base + path, content=raw, headers={"content-type": "application/json"},
-                              timeout=REQUEST_SECONDS)
-        assert time.perf_counter() - started < REQUEST_SECONDS
+        response = _send(base + path, body)
         statuses.append(response.status_code)
-        assert response.status_code < 500, (body, response.text)
         if response.status_code >= 400:
-            assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text
-        elif response.headers["content-type"].startswith("text/event-stream"):
+            return
+        if response.headers["content-type"].startswith("text/event-stream"):
             events = sse_data(response.text.split("\n"))  # SSE lines end at \n only
             assert events[-1] == "[DONE]" and "error" not in json.loads(events[-2]), response.text
         else:
@@ -203,15 +210,7 @@ def test_schema_fuzz_with_hostile_grammars_and_tools(served, path: str) -> None:
             return
         for name in ("response_format", "structured_outputs", "tools", "tool_choice"):
             body.pop(name, None)  # the patch's constraint alone (two would be a plain 400)
-        raw = json.dumps(body | patch).encode()  # surrogates as \\ud800 escapes
-        started = time.perf_counter()
-        response = httpx.post(base + path, content=raw, headers={"content-type": "application/json"},
-                              timeout=REQUEST_SECONDS)
-        assert time.perf_counter() - started < REQUEST_SECONDS
-        statuses.append(response.status_code)
-        assert response.status_code < 500, (patch, response.text)
-        if response.status_code >= 400:
-            assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text
+        statuses.append(_send(base + path, body | patch).status_code)
         assert httpx.get(base + "/health").json()["status"] == "ok"
 
     check()
