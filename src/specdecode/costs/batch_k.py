@@ -11,6 +11,15 @@ batch plainly, and is kept unless some k is predicted to beat it by ``SPECULATIO
 over a single row, while a speculative pass carries B x (k + 1) rows, so as the batch grows
 speculation stops paying and the choice falls to plain decoding by itself.
 
+A row that picks its source every step (method auto: ``RowChoices``) offers several
+``BatchRow``s, its lookups (prompt lookup, the suffix chain: each as long as its match, at the
+rate its offers agreed with the emitted tokens) and, where it holds draft KV, the draft model.
+For each k it takes the option that emits most within that k (a padded batch verifies its rows
+at the width of the longest, so a row's tokens up to it cost nothing more), or none: plain
+decoding. The draft model joins as an option only where that pays for the batch (each k is
+priced with and without it: its passes and read-ahead are the batch's too), so each such row
+chooses its source and draft length priced as the batch pass it rides in.
+
 Costs are per pass *shape* (rows, tokens per row): ``PassCosts`` starts from single-sequence
 passes timed over a few token counts and a few batched shapes (``time_batch_costs``, through
 the backend's own ``BatchModel.pass_seconds``); unseen shapes are priced by the prior scaled by what
@@ -21,9 +30,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from specdecode.backends.base import BatchModel
-from specdecode.costs.k_policy import MAX_PROBE_AFTER, PROBE_AFTER, PROBE_K, blend, expected_tokens, interpolate
+from specdecode.costs.k_policy import (
+    MAX_PROBE_AFTER,
+    PROBE_AFTER,
+    PROBE_K,
+    blend,
+    expected_tokens,
+    interpolate,
+    speculation_can_pay,
+)
 
 OPTIMISTIC_ACCEPTANCE = 0.9  # probe only if drafts accepted this often would pay
 READ_AHEAD_HORIZON = 16  # steps over which a draft read-ahead's cost is spread
@@ -80,6 +98,31 @@ class BatchRow:
     stops_early: bool = False  # its drafts end at the draft model's confidence cut-off
 
 
+@dataclass(slots=True, frozen=True)
+class RowChoices:
+    """A row that picks one of ``options`` (or plain decoding) every step: method auto."""
+
+    options: tuple[BatchRow, ...]
+
+    @property
+    def has_model(self) -> bool:
+        return any(option.uses_draft_model for option in self.options)
+
+
+class RowPick(NamedTuple):
+    """What a row drafts at one batch k: ``option`` (None: plain decoding), its index in the
+    row's options, the acceptance it is priced at and its draft length."""
+
+    option: BatchRow | None
+    index: int | None
+    acceptance: float
+    k: int
+
+
+def uses_model(row: BatchRow | RowChoices) -> bool:
+    return row.has_model if isinstance(row, RowChoices) else row.uses_draft_model
+
+
 @dataclass(slots=True)
 class BatchK:
     """The batch's k (module docstring). Drafting after plain steps first costs a read-ahead
@@ -100,25 +143,34 @@ class BatchK:
     plain_streak: int = 0
     probe_after: int = PROBE_AFTER
     probing: bool = False
+    # Whether rows that pick their source (``RowChoices``) may pick the draft model at the k of
+    # the last ``choose`` (``pick``).
+    model_allowed: bool = True
 
-    def choose(self, speculative: Sequence[BatchRow], batch_size: int) -> int:
+    def choose(self, speculative: Sequence[BatchRow | RowChoices], batch_size: int) -> int:
+        """The batch's k; each ``RowChoices`` row then drafts what ``pick`` says at it."""
+        self.model_allowed = True
         if not speculative:
             # Steps with no row that could draft are not plain steps the probes wait out: a
             # draft request joining after a run of plain-only requests starts a fresh count.
             self.plain_streak = 0
             return 0
-        if self.verify is None or (self.draft is None and any(row.uses_draft_model for row in speculative)):
+        if self.verify is None or (self.draft is None and any(uses_model(row) for row in speculative)):
             return self.k_max
-        if self.plain_streak >= self.probe_after:
+        # A lookup's offers are scored every step, drafted or not (drafters/auto.py
+        # LookupAgreement): only rows with a model or a fixed drafter need probes.
+        if self.plain_streak >= self.probe_after and any(uses_model(row) or isinstance(row, BatchRow)
+                                                         for row in speculative):
             # Probe only where fresh estimates could change the answer.
-            if self._best(speculative, batch_size, OPTIMISTIC_ACCEPTANCE) > 0:
+            if self._best(speculative, batch_size, OPTIMISTIC_ACCEPTANCE)[0] > 0:
                 self.probing = True
                 return min(PROBE_K, self.k_max)
             self.plain_streak = 0
-        best = self._best(speculative, batch_size)
+        best, self.model_allowed = self._best(speculative, batch_size)
         if best > 0:
             self.probe_after = PROBE_AFTER  # speculation pays again: probe at the usual rate later
-            if batch_size == 1 and speculative[0].stops_early:
+            lone = speculative[0]
+            if batch_size == 1 and isinstance(lone, BatchRow) and lone.stops_early:
                 # A lone row whose drafts stop where the draft model is unsure: the cut-off, not
                 # k, should end them (priced as k full passes, long drafts look dearer than they
                 # are: at one request the batch engine made 1.48x plain with the chosen k, 1.61x
@@ -130,45 +182,75 @@ class BatchK:
         self.probing = False
         return best
 
-    def _best(self, speculative: Sequence[BatchRow], batch_size: int, acceptance: float | None = None) -> int:
-        """The k with the highest expected rate; ``acceptance`` replaces every row's estimate."""
-        assert self.verify is not None
-        model_rows = [row for row in speculative if row.uses_draft_model]
-        plain_rows = batch_size - len(speculative)
+    def pick(self, row: RowChoices, k: int, batch_size: int) -> RowPick:
+        """What a row that picks its source drafts at the batch's ``k`` (from ``choose``)."""
+        return self._pick(row, k, batch_size, self.model_allowed, None)
+
+    def _pick(self, row: BatchRow | RowChoices, k: int, batch_size: int, model_allowed: bool,
+              acceptance: float | None) -> RowPick:
+        """A fixed row drafts min(k, its cap); a ``RowChoices`` row the option that emits most
+        at k (ties to the earlier option: lookups come before the draft model), or nothing.
+        ``acceptance`` replaces a fixed row's or a draft model's estimate (a probe's optimism),
+        never a lookup's scores."""
+        if isinstance(row, BatchRow):
+            return RowPick(row, 0, self._rate(row, batch_size, acceptance), min(k, row.cap))
+        best, most = RowPick(None, None, 0.0, 0), 1.0  # plain decoding emits one token
+        for index, option in enumerate(row.options):
+            if option.uses_draft_model and not model_allowed:
+                continue
+            rate = self._rate(option, batch_size, acceptance if option.uses_draft_model else None)
+            drafted = min(k, option.cap)
+            if drafted > 0 and expected_tokens(rate, drafted) > most * (1 + 1e-9):
+                best, most = RowPick(option, index, rate, drafted), expected_tokens(rate, drafted)
+        return best
+
+    @staticmethod
+    def _rate(row: BatchRow, batch_size: int, acceptance: float | None) -> float:
+        if acceptance is not None:
+            return acceptance
+        # A lone row not yet verified gets the benefit of the doubt once: its first step
+        # measures its acceptance (as CostAwareK drafts its first k before any measurement).
+        # In a batch of several the doubt is dearer (every row's verify is padded to the
+        # longest draft; the rows' prompts are read into the draft model first) and the
+        # rows' own estimates (the pooled rate, or the prior) stand: a fresh server's first
+        # batch of 4 took 90% on trust and ran at 0.89x plain (benchmarks/replay_load.py).
+        if row.observed or batch_size > 1:
+            return row.acceptance
+        return OPTIMISTIC_ACCEPTANCE
+
+    def _read_ahead(self, model_rows: Sequence[BatchRow]) -> float:
+        """A step's share of reading the model rows' backlogs (``READ_AHEAD_HORIZON``)."""
         behind = [row for row in model_rows if row.backlog > 0]
-        read_ahead = 0.0
-        if behind:
-            assert self.draft is not None
-            # Two tokens a step is a modest guess of how many steps the rows have left.
-            horizon = max(1, min(READ_AHEAD_HORIZON, min(row.remaining for row in behind) // 2))
-            read_ahead = self.draft.seconds(len(behind), max(row.backlog for row in behind)) / horizon
+        if not behind:
+            return 0.0
+        assert self.draft is not None
+        # Two tokens a step is a modest guess of how many steps the rows have left.
+        horizon = max(1, min(READ_AHEAD_HORIZON, min(row.remaining for row in behind) // 2))
+        return self.draft.seconds(len(behind), max(row.backlog for row in behind)) / horizon
 
-        def rate_of(row: BatchRow) -> float:
-            if acceptance is not None:
-                return acceptance
-            # A lone row not yet verified gets the benefit of the doubt once: its first step
-            # measures its acceptance (as CostAwareK drafts its first k before any measurement).
-            # In a batch of several the doubt is dearer (every row's verify is padded to the
-            # longest draft; the rows' prompts are read into the draft model first) and the
-            # rows' own estimates (the pooled rate, or the prior) stand: a fresh server's first
-            # batch of 4 took 90% on trust and ran at 0.89x plain (benchmarks/replay_load.py).
-            if row.observed or batch_size > 1:
-                return row.acceptance
-            return OPTIMISTIC_ACCEPTANCE
-
+    def _best(self, speculative: Sequence[BatchRow | RowChoices], batch_size: int,
+              acceptance: float | None = None) -> tuple[int, bool]:
+        """(k, whether ``RowChoices`` rows may pick the draft model) with the highest expected
+        rate; ``acceptance`` replaces every estimate but lookups' (``_pick``)."""
+        assert self.verify is not None
+        plain_rows = batch_size - len(speculative)
+        ways = (False, True) if any(isinstance(row, RowChoices) and row.has_model for row in speculative) else (True,)
         # Speculate only for a clear predicted gain: the cost model's error on a busy CPU is
         # about this size, and a marginal gain is lost to read-aheads and probes.
-        best, best_rate = 0, batch_size / self.verify.seconds(batch_size, 1) * (1 + SPECULATION_MARGIN)
+        best, best_model = 0, True
+        best_rate = batch_size / self.verify.seconds(batch_size, 1) * (1 + SPECULATION_MARGIN)
         for k in range(1, self.k_max + 1):
-            capped = [(rate_of(row), min(k, row.cap)) for row in speculative]
-            tokens = plain_rows + sum(expected_tokens(a, kb) for a, kb in capped)
-            seconds = self.verify.seconds(batch_size, 1 + max(kb for _, kb in capped))
-            if model_rows:
-                assert self.draft is not None
-                seconds += k * self.draft.seconds(len(model_rows), 1) + read_ahead
-            if tokens / seconds > best_rate * (1 + 1e-9):
-                best, best_rate = k, tokens / seconds
-        return best
+            for model_allowed in ways:
+                picks = [self._pick(row, k, batch_size, model_allowed, acceptance) for row in speculative]
+                tokens = plain_rows + sum(expected_tokens(p.acceptance, p.k) for p in picks)
+                seconds = self.verify.seconds(batch_size, 1 + max(p.k for p in picks))
+                model_rows = [p.option for p in picks if p.option is not None and p.option.uses_draft_model]
+                if model_rows:
+                    assert self.draft is not None
+                    seconds += k * self.draft.seconds(len(model_rows), 1) + self._read_ahead(model_rows)
+                if tokens / seconds > best_rate * (1 + 1e-9):
+                    best, best_model, best_rate = k, model_allowed, tokens / seconds
+        return best, best_model
 
     def observe(
         self, batch: int, width: int, drafted: int, verify_seconds: float | None,
@@ -192,3 +274,13 @@ def time_batch_costs(
     timed = model.pass_seconds([(1, rows) for rows in row_counts] + list(shapes), repeats)
     return PassCosts({rows: timed[(1, rows)] for rows in row_counts}, live=live,
                      shapes={shape: timed[shape] for shape in shapes} or None)
+
+
+def model_can_pay(verify: PassCosts | None, draft: PassCosts | None, k_max: int) -> bool:
+    """Whether one row drafting with the draft model beats plain decoding at all, at full
+    acceptance (``k_policy.speculation_can_pay`` on the timed single-row passes); True where
+    the passes were not timed (nothing says it cannot)."""
+    if verify is None or draft is None:
+        return True
+    rows = [verify.seconds(1, width) for width in range(1, k_max + 2)]
+    return speculation_can_pay(rows, draft.seconds(1, 1), k_max)
