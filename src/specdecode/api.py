@@ -383,8 +383,8 @@ class SpecDecoder:
         cost_aware: bool = True,
         scheduling: SchedulerConfig | None = None,
     ) -> BatchEngine:
-        """A continuous-batching engine over this decoder's models (methods none, ngram, draft, suffix),
-        with KV pools of ``kv_cache_tokens`` slots per model: paged on torch; on llama.cpp a context
+        """A continuous-batching engine over this decoder's models (methods none, ngram, draft, suffix,
+        auto: ``engine/batch_rows.py``), with KV pools of ``kv_cache_tokens`` slots per model: paged on torch; on llama.cpp a context
         per model with ``max_batch`` sequences of ``kv_cache_tokens // max_batch`` positions each
         (and ``scheduling.spare_slots`` more).
 
@@ -454,7 +454,7 @@ class SpecDecoder:
         n: int = 1,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once with the batch engine (methods none, ngram, draft,
-        suffix: the prompts share this decoder's earlier responses, and each other's).
+        suffix, auto: suffix and auto draft from this decoder's earlier responses, and each other's).
 
         ``params`` is one ``SamplingParams`` for all prompts or one per prompt. ``engine`` reuses
         a ``batch_engine()`` (its cost timing is paid once); without one, a cost-aware engine is

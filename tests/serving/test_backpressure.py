@@ -187,10 +187,11 @@ def test_a_stream_that_starts_in_time_is_served_whole(slow_server, tiny_decoder)
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_one_at_a_time_engine_has_the_same_bounds(start_server, tiny_decoder, stream: bool) -> None:
-    """Method auto waits for the single-sequence engine's lock (held here by the test): with
-    max-waiting 2, two wait and a third is refused at once with a 429; the two waiting are
-    ended after --max-queue-time with a 503, streams included. Released, the engine serves."""
-    with start_server(ServerOptions(max_waiting=2, max_queue_time=1.0)) as (base, state):
+    """Without a batch worker (--max-batch 0) a request (method auto here) waits for the
+    single-sequence engine's lock (held here by the test): with max-waiting 2, two wait and a
+    third is refused at once with a 429; the two waiting are ended after --max-queue-time with
+    a 503, streams included. Released, the engine serves."""
+    with start_server(ServerOptions(max_waiting=2, max_queue_time=1.0), max_batch=0) as (base, state):
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "method": "auto", "stream": stream}
         state.engine_lock.acquire()
         try:

@@ -20,8 +20,11 @@ distribution the target's; ``sync`` only emits less per step.
 
 Invariant per sequence between steps (as in ``engine/single.py``): L committed tokens, target KV
 valid for positions [0, L - 1); the next verify pass feeds the last committed token with the
-drafts. Methods: ``none``, ``ngram``, ``draft`` and ``suffix`` (its best chain) batch; the tree methods, ``auto`` and
-``layerskip`` keep their single-sequence engine.
+drafts. Methods: ``none``, ``ngram``, ``draft``, ``suffix`` (its best chain) and ``auto`` batch
+(``engine/batch_rows.py``: what each method's row drafts with); the tree methods and ``layerskip``
+keep their single-sequence engine. An ``auto`` row picks its source (prompt lookup, the suffix
+chain, the draft model where it can pay, or none) and its draft length every step, priced as
+the batch pass it rides in (``drafters/auto_row.py``, ``costs/batch_k.py``).
 """
 
 from __future__ import annotations
@@ -36,17 +39,24 @@ from specdecode.backends.base import BatchModel, SequencePool
 from specdecode.backends.device import host_to_device
 from specdecode.backends.torch_batch import PagedBatchModel
 from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SamplingParams, SchedulerConfig
-from specdecode.costs.batch_k import BatchK, PassCosts
+from specdecode.costs.batch_k import BatchK, PassCosts, model_can_pay
 from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import BatchDraftModel
-from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
-from specdecode.engine.batch_proposals import forced_drafts, max_draft, may_draft, plan_row, propose
+from specdecode.engine.batch_proposals import (
+    choose_sources,
+    constrain_proposals,
+    drafts_with_model,
+    forced_drafts,
+    plan_rows,
+    propose,
+    reads_backlog,
+)
 from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
+from specdecode.engine.batch_rows import BATCH_METHODS, row_drafters, uses_draft
 from specdecode.engine.batch_verify import logprob_rows, penalise_rows, verify_rows
-from specdecode.engine.grammar import CompiledGrammar, GrammarState, apply_row_masks, first_forbidden
+from specdecode.engine.grammar import CompiledGrammar, apply_row_masks
 from specdecode.engine.logprobs import unpack
 from specdecode.engine.metrics import GenerationStats, Stopwatch
 from specdecode.engine.penalties import TokenPenalties, wants_penalties
@@ -58,7 +68,6 @@ from specdecode.errors import InvalidRequestError
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
 from specdecode.models.llama import Transformer
 
-BATCH_METHODS = ("none", "ngram", "draft", "suffix")
 BATCH_POLICIES = ("async", "sync")
 DEFAULT_BATCH_POLICY = "async"
 DEFAULT_MAX_BATCH = 8
@@ -114,6 +123,9 @@ class BatchEngine:
                                    time_slice=self.scheduling.time_slice)
         self._prefilling: list[ScheduledSequence] = []  # admitted, their prefill not finished yet
         self.chooser = BatchK(k_max, verify_costs, draft_costs)
+        # Whether auto rows may draft with the draft model (and so hold draft KV blocks): not
+        # where it loses to plain decoding even at full acceptance.
+        self.model_can_pay = self.drafter is not None and model_can_pay(verify_costs, draft_costs, k_max)
         self.ngram_sizes = (ngram_max, ngram_min)
         self.draft_confidence = draft_confidence  # the draft model's per-row cut-off (batch_draft.DraftRow)
         self.sync_timing = sync_timing
@@ -178,15 +190,19 @@ class BatchEngine:
         penalties = (TokenPenalties(params, prompt_ids, self.target.vocab_size, self.device)
                      if wants_penalties(params) else None)
         processor = LogitsProcessor.from_params(params, state, penalties)
+        drafters = row_drafters(method, k, self.k_max, suffix_group, self.suffix_cache, self.ngram_sizes,
+                                self.model_can_pay)
         request = BatchRequest(
             request_id=request_id, params=params, method=method, k=k, processor=processor,
             generator=None if processor.greedy else make_generator(params.seed, self.device),
             tokens=list(prompt_ids), committed=committed,
             stats=stats or GenerationStats(), started=time.perf_counter() if arrived is None else arrived,
-            ngram=self._host_drafter(method, k, suffix_group),
+            ngram=drafters.host, sources=drafters.sources,
             grammar=state,
         )
         request.stats.method, request.stats.prompt_tokens = method, prompt_len
+        if drafters.sources is not None:
+            request.stats.steps_by_source = drafters.sources.steps_by_source  # filled as it decodes
         if params.logprobs is not None:
             request.stats.token_logprobs = []
         pooled = self._pooled_acceptance[method]
@@ -195,18 +211,11 @@ class BatchEngine:
             request.acceptance = AcceptanceEstimate(trials=pooled.trials * weight, accepted=pooled.accepted * weight)
         if request.ngram is not None:
             request.ngram.start(prompt_len, capacity)
-        seq = ScheduledSequence(next(self._ids), prompt_len, capacity, uses_draft=method == "draft", state=request,
+        seq = ScheduledSequence(next(self._ids), prompt_len, capacity, uses_draft=drafters.uses_draft, state=request,
                                 tokens=request.tokens, cache_group=cache_salt, fork_of=source)
         self.scheduler.add(seq)
         self._requests[request_id] = seq
         return request_id
-
-    def _host_drafter(self, method: str, k: int, suffix_group: str | None) -> NgramDrafter | SuffixDrafter | None:
-        if method == "ngram":
-            return NgramDrafter(*self.ngram_sizes)
-        if method == "suffix":
-            return SuffixDrafter(SuffixProposer(self.suffix_cache, suffix_group, depth=max(k, 1)))
-        return None
 
     def check_request(self, prompt_len: int, params: SamplingParams, method: str, k: int | None) -> int:
         """Raise InvalidRequestError for a request this engine cannot take; the k cap it would use.
@@ -220,7 +229,7 @@ class BatchEngine:
         k = self.k_max if k is None else k
         if method != "none" and not 1 <= k <= self.k_max:
             raise InvalidRequestError(f"k must be in 1..{self.k_max} (the engine's k_max), got {k}.")
-        self.scheduler.check_fits(prompt_len + params.max_new_tokens, uses_draft=method == "draft")
+        self.scheduler.check_fits(prompt_len + params.max_new_tokens, uses_draft=uses_draft(method, self.model_can_pay))
         return k
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -282,16 +291,15 @@ class BatchEngine:
         self._prefilling = [seq for seq in self._prefilling if seq in self.scheduler.running]  # not preempted, not ended
         if self._prefilling:
             failed += self._prefill_isolated(self._prefilling)
+        drafting, plans, broken = plan_rows(self._decoding(), self.drafter, self.draft_confidence)
+        failed += [self._fail(seq, err) for seq, err in broken]
         running = self._decoding()
         if not running:
             return failed
-        requests: list[BatchRequest] = [seq.state for seq in running]
-        drafting = [seq for seq in running if may_draft(seq.state)]
-        plans = [plan_row(seq, self.drafter, self.draft_confidence) for seq in drafting]
-        k = self.chooser.choose(plans, len(requests))
-        read_ahead = k > 0 and any(plan.backlog for plan in plans)
+        k = self.chooser.choose(plans, len(running))
         wanted = {seq.seq_id: 0 for seq in running}
-        wanted.update({seq.seq_id: min(k, max_draft(seq.state)) for seq in drafting})
+        wanted.update(choose_sources(drafting, plans, k, self.chooser, len(running)))
+        read_ahead = reads_backlog(drafting, wanted, self.drafter)
         forced = forced_drafts(running)
         wanted.update({seq_id: len(tokens) for seq_id, tokens in forced.items()})
 
@@ -438,7 +446,7 @@ class BatchEngine:
                 self._prefilling.remove(seq)
             if request.stats.new_tokens == 0:  # a readmission after preemption is not the prompt's hit
                 request.stats.cached_tokens = seq.cached_target
-            if request.method == "draft":
+            if seq.uses_draft:
                 assert self.drafter is not None
                 self.drafter.add(seq.seq_id, cached=seq.cached_draft)  # reads the rest when it first drafts
 
@@ -524,13 +532,18 @@ class BatchEngine:
                 stats.prefill_seconds += verify_seconds
             else:
                 stats.verify_seconds += verify_seconds
-            if request.method == "draft":
+            with_model = drafts_with_model(seq)
+            if with_model:
                 stats.draft_forward_passes += draft_passes
             if proposal.forced:
                 stats.record_forced_step(proposal.num_tokens, accepted_len)
             else:
                 stats.record_step(proposal.num_tokens, accepted_len)
-            if proposal.num_tokens > 0 and not proposal.forced:
+                if request.sources is not None:
+                    request.sources.observe(proposal.num_tokens)
+            # A row's acceptance is its drafter's; a row that picks its source keeps its lookups'
+            # scores apart (drafters/auto_row.py), so only its draft model's count here.
+            if proposal.num_tokens > 0 and not proposal.forced and (request.sources is None or with_model):
                 request.acceptance.observe(proposal.num_tokens, accepted_len)
                 self._pooled_acceptance[request.method].observe(proposal.num_tokens, accepted_len)
             new_tokens, stop_reason = cut_at_stop(row, request.remaining, self.eos_token_ids, request.params.ignore_eos)
@@ -553,7 +566,7 @@ class BatchEngine:
             seq.num_tokens = len(request.tokens)
             seq.prefilled = length + min(accepted_len, count - 1)
             self.target.commit(seq.seq_id, seq.prefilled)
-            if request.method == "draft" and proposal.num_tokens > 0 and not proposal.forced:
+            if with_model and proposal.num_tokens > 0 and not proposal.forced:
                 assert self.drafter is not None
                 self.drafter.on_verified(seq.seq_id, accepted_len)
             if stats.new_tokens == 0 and count:  # from its arrival, waiting in the queue included
@@ -579,27 +592,3 @@ def _batch_model(model: Transformer | BatchModel, kv_cache_tokens: int, block_si
     if isinstance(model, Transformer):
         return PagedBatchModel.with_pool(model, kv_cache_tokens, block_size)
     return model
-
-
-def constrain_proposals(
-    grammars: Sequence[GrammarState | None],
-    greedy: Sequence[bool],
-    proposals: Sequence[DraftProposal],
-) -> tuple[list[DraftProposal], dict[int, torch.Tensor]]:
-    """A batch's proposals as its structured rows verify them, and each such row's masks
-    (row b: (k_b + 1, V) bool, host). As in the single path, a deterministic draft (or any draft
-    under greedy) is cut at its first forbidden token."""
-    out, masks = list(proposals), {}
-    for b, (state, proposal) in enumerate(zip(grammars, proposals, strict=True)):
-        if state is None:
-            continue
-        drafts = proposal.tokens[0].tolist()
-        allowed = state.chain_masks(drafts)
-        if proposal.probs is None or greedy[b]:
-            legal = first_forbidden(allowed, drafts)
-            if legal < len(drafts):
-                probs = None if proposal.probs is None else proposal.probs[:, :legal]
-                out[b] = DraftProposal(proposal.tokens[:, :legal], probs, proposal.forward_passes, proposal.forced)
-                allowed = allowed[: legal + 1]
-        masks[b] = allowed
-    return out, masks

@@ -1,15 +1,20 @@
 """Which rows of the batch draft this step, how many tokens each may, and their proposals:
-prompt lookup per row on the host, the draft model for all its rows together."""
+prompt lookup per row on the host, the draft model for all its rows together. A row that picks
+its source every step (method auto, ``drafters/auto_row.py``) offers its options here and is
+told its choice once the batch's k is known (``choose_sources``)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from specdecode.backends.device import host_to_device
-from specdecode.costs.batch_k import BatchRow
+from specdecode.costs.batch_k import BatchK, BatchRow, RowChoices
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import BatchDraftModel, DraftRow
 from specdecode.engine.batch_request import BatchRequest
+from specdecode.engine.grammar import GrammarState, first_forbidden
 from specdecode.engine.scheduler import ScheduledSequence
 
 # Below this many tried draft positions a row's estimate is too thin to stop drafting on (one
@@ -29,16 +34,74 @@ def max_draft(request: BatchRequest) -> int:
     return max(0, min(request.k, request.remaining - 1))
 
 
-def plan_row(seq: ScheduledSequence, drafter: BatchDraftModel | None, draft_confidence: float) -> BatchRow:
-    """What the batch's draft-length chooser needs to know of one drafting row."""
+def drafts_with_model(seq: ScheduledSequence) -> bool:
+    """Whether the draft model drafts for this row this step (a row that picks its source: if
+    it picked the model)."""
     request: BatchRequest = seq.state
+    return seq.uses_draft and (request.sources is None or request.sources.drafts_with_model)
+
+
+def plan_row(seq: ScheduledSequence, drafter: BatchDraftModel | None, draft_confidence: float) -> BatchRow | RowChoices:
+    """What the batch's draft-length chooser needs to know of one drafting row: its drafter,
+    or the options of a row that picks its source (each lookup's offer, recorded to be scored,
+    and the draft model where the row holds draft KV)."""
+    request: BatchRequest = seq.state
+    if request.ngram is not None:  # the lookups look at every committed token
+        request.ngram.extend(request.tokens[len(request.ngram.history):])
     backlog = 0
-    if request.method == "draft":
+    if seq.uses_draft:
         assert drafter is not None
         backlog = drafter.backlog(seq.seq_id, len(request.tokens))
-    return BatchRow(request.acceptance.rate, max_draft(request), request.method == "draft", backlog,
-                    observed=request.acceptance.trials >= MIN_OBSERVED_TRIALS, remaining=request.remaining,
-                    stops_early=request.method == "draft" and draft_confidence > 0)
+    row = BatchRow(request.acceptance.rate, max_draft(request), seq.uses_draft, backlog,
+                   observed=request.acceptance.trials >= MIN_OBSERVED_TRIALS, remaining=request.remaining,
+                   stops_early=seq.uses_draft and draft_confidence > 0)
+    if request.sources is not None:
+        return request.sources.choices(request.remaining, row if seq.uses_draft else None)
+    return row
+
+
+def plan_rows(
+    running: list[ScheduledSequence], drafter: BatchDraftModel | None, draft_confidence: float,
+) -> tuple[list[ScheduledSequence], list[BatchRow | RowChoices], list[tuple[ScheduledSequence, Exception]]]:
+    """The rows that may draft this step and their plans (``plan_row``), and the rows whose
+    planning raised, with the error: a row's host lookups run here, outside the step's rerun
+    (``BatchEngine._isolate_failures``), and what they raise is that row's alone."""
+    drafting, plans, broken = [], [], []
+    for seq in running:
+        if not may_draft(seq.state):
+            continue
+        try:
+            plans.append(plan_row(seq, drafter, draft_confidence))
+        except Exception as err:  # noqa: BLE001 - any error of a row's own lookups is that row's
+            broken.append((seq, err))
+            continue
+        drafting.append(seq)
+    return drafting, plans, broken
+
+
+def choose_sources(drafting: list[ScheduledSequence], plans: list[BatchRow | RowChoices], k: int,
+                   chooser: BatchK, batch_size: int) -> dict[int, int]:
+    """Each drafting row's draft length at the batch's ``k`` (chosen for ``batch_size`` rows) by
+    seq_id; a row that picks its source is told what it drafts (``BatchK.pick``)."""
+    wanted = {}
+    for seq, plan in zip(drafting, plans, strict=True):
+        request: BatchRequest = seq.state
+        if isinstance(plan, RowChoices):
+            assert request.sources is not None
+            pick = chooser.pick(plan, k, batch_size) if k > 0 else None
+            request.sources.choose(pick.index if pick is not None else None)
+            wanted[seq.seq_id] = pick.k if pick is not None else 0
+        else:
+            wanted[seq.seq_id] = min(k, max_draft(request))
+    return wanted
+
+
+def reads_backlog(drafting: list[ScheduledSequence], wanted: dict[int, int], drafter: BatchDraftModel | None) -> bool:
+    """Whether a row the draft model drafts for this step reads its backlog first (a step that
+    says little about one draft pass)."""
+    return drafter is not None and any(
+        wanted[seq.seq_id] > 0 and drafts_with_model(seq) and drafter.backlog(seq.seq_id, len(seq.state.tokens)) > 0
+        for seq in drafting)
 
 
 def forced_drafts(running: list[ScheduledSequence]) -> dict[int, list[int]]:
@@ -78,16 +141,16 @@ def propose(
         k = wanted[seq.seq_id]
         if k == 0:
             continue
-        if request.ngram is not None:
-            request.ngram.extend(request.tokens[len(request.ngram.history):])
-            match, _ = request.ngram.match(k)
-            if match:
-                proposals[index] = DraftProposal(tokens=host_to_device([match], torch.long, device), probs=None)
-        elif request.method == "draft":
+        if drafts_with_model(seq):
             length = len(request.tokens)
             model_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator,
                                        draft_confidence))
             model_index.append(index)
+        elif request.ngram is not None:
+            request.ngram.extend(request.tokens[len(request.ngram.history):])
+            match, _ = request.ngram.match(k)
+            if match:
+                proposals[index] = DraftProposal(tokens=host_to_device([match], torch.long, device), probs=None)
     passes = 0
     if model_rows:
         assert drafter is not None
@@ -95,3 +158,27 @@ def propose(
         for index, proposal in zip(model_index, drafted, strict=True):
             proposals[index] = proposal
     return proposals, passes, len(model_rows)
+
+
+def constrain_proposals(
+    grammars: Sequence[GrammarState | None],
+    greedy: Sequence[bool],
+    proposals: Sequence[DraftProposal],
+) -> tuple[list[DraftProposal], dict[int, torch.Tensor]]:
+    """A batch's proposals as its structured rows verify them, and each such row's masks
+    (row b: (k_b + 1, V) bool, host). As in the single path, a deterministic draft (or any draft
+    under greedy) is cut at its first forbidden token."""
+    out, masks = list(proposals), {}
+    for b, (state, proposal) in enumerate(zip(grammars, proposals, strict=True)):
+        if state is None:
+            continue
+        drafts = proposal.tokens[0].tolist()
+        allowed = state.chain_masks(drafts)
+        if proposal.probs is None or greedy[b]:
+            legal = first_forbidden(allowed, drafts)
+            if legal < len(drafts):
+                probs = None if proposal.probs is None else proposal.probs[:, :legal]
+                out[b] = DraftProposal(proposal.tokens[:, :legal], probs, proposal.forward_passes, proposal.forced)
+                allowed = allowed[: legal + 1]
+        masks[b] = allowed
+    return out, masks

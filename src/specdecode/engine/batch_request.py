@@ -9,6 +9,7 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.costs.k_policy import AcceptanceEstimate
+from specdecode.drafters.auto_row import AutoRow
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine.grammar import GrammarState
@@ -43,8 +44,11 @@ class BatchRequest:
     committed: torch.Tensor  # (capacity,) long, device: the same tokens
     stats: GenerationStats
     started: float
+    # The acceptance of its drafter's drafts (a row that picks its source: the draft model's;
+    # its lookups keep their own scores, drafters/auto_row.py).
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    ngram: NgramDrafter | SuffixDrafter | None = None  # a host-side drafter: prompt lookup or suffix decoding
+    ngram: NgramDrafter | SuffixDrafter | AutoRow | None = None  # a host-side drafter: lookups (engine/batch_rows.py)
+    sources: AutoRow | None = None  # the same object as ``ngram`` where the row picks its source every step
     grammar: GrammarState | None = None  # structured output: the matcher over committed tokens
     # The last verify pass's logprobs of this row's emitted tokens (SamplingParams.logprobs),
     # kept by the commit that follows it.

@@ -4,10 +4,10 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``
 as server-sent events), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus
 text format).
 
-Requests with methods ``none``, ``ngram``, ``draft`` and ``suffix`` are decoded together by a
+Requests with methods ``none``, ``ngram``, ``draft``, ``suffix`` and ``auto`` are decoded together by a
 continuous-batching engine (``engine/batch.py``) stepping in one worker thread
 (``serving/worker.py``): they join and leave the batch between steps, share each target pass,
-and hold paged KV blocks only while they run. The other methods (``auto``, ``layerskip``,
+and hold paged KV blocks only while they run. The other methods (``layerskip``,
 ``medusa``, ``eagle``) keep the single-sequence engine and run one at a time, first come
 first served, beside the batch. A client that disconnects (streaming or not) cancels its
 request, which frees its blocks before the next step.

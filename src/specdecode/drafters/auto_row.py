@@ -1,0 +1,114 @@
+"""Method auto in the batch engine: one row's choice of source and draft length, every step.
+
+The batched twin of ``AutoDrafter`` (drafters/auto.py, whose docstring says what auto is). Each
+step the row runs both lookups on the host, prompt lookup (``NgramDrafter``) and the suffix
+chain (``SuffixDrafter``: the request's text and its group's earlier responses), and offers
+what they found to the batch's draft-length choice (``costs/batch_k.py``) as ``RowChoices``:
+each lookup at the rate its offers agreed with the tokens the target then emitted, scored
+every step whether it drafted or not and kept in two states, after an agreement or a miss
+(``LookupAgreement``); the draft model, where the row holds draft KV, at the row's measured
+acceptance (the engine adds that option: ``engine/batch_proposals.plan_row``). ``BatchK``
+prices every option as the batch pass it rides in and says which one the row drafts and how
+many of its tokens (``choose``), or none: a plain step. The row then hands the chosen lookup's
+tokens to the engine (``match``); the draft model drafts in the batch's model pass.
+
+Unlike ``AutoDrafter`` the draft model is priced by its per-token acceptance and the batch's
+measured pass costs (as the batch prices method draft), not by its own measured goodput: in a
+batch its passes are shared by every row that drafts with it, so one row's seconds mean
+little. A row whose draft estimate fell stays off the model until the batch's probes (after
+plain steps) let it draft again. Choosing changes only what is proposed, never the
+acceptance rule: output stays lossless.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from specdecode.costs.batch_k import BatchRow, RowChoices
+from specdecode.drafters.auto import LOOKUP_SOURCES, LookupAgreement
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.drafters.suffix_tree import Draft
+
+PLAIN = "none"  # the source of a step that drafted nothing, as the single path counts it
+MODEL = "draft"
+
+
+class AutoRow:
+    """A batch row's host drafter for method auto (the module docstring)."""
+
+    def __init__(self, ngram: NgramDrafter, suffix: SuffixDrafter, lookup_cap: int) -> None:
+        self.ngram = ngram
+        self.suffix = suffix
+        self.lookup_cap = lookup_cap  # the most tokens a lookup drafts (the engine's k_max)
+        self.agreement = {source: LookupAgreement() for source in LOOKUP_SOURCES}
+        # Steps each source drafted (PLAIN: none did); the request's GenerationStats holds it.
+        self.steps_by_source: Counter[str] = Counter()
+        self.source = PLAIN  # this step's choice
+        self._offers: dict[str, list[int]] = {}
+        self._chain = Draft()
+        self._labels: list[str] = []  # the source of each option offered this step
+
+    @property
+    def history(self) -> list[int]:
+        return self.ngram.history
+
+    @property
+    def drafts_with_model(self) -> bool:
+        """Whether the draft model drafts for this row this step."""
+        return self.source == MODEL
+
+    def start(self, prompt_len: int, capacity: int) -> None:
+        self.ngram.start(prompt_len, capacity)
+        self.suffix.start(prompt_len, capacity)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Newly committed tokens: they score this step's offers, then join both lookups."""
+        if not tokens:  # nothing committed since the offers: nothing to score them by
+            return
+        for agreement in self.agreement.values():
+            agreement.score(tokens)
+        self.ngram.extend(tokens)
+        self.suffix.extend(tokens)
+
+    def choices(self, remaining: int, model: BatchRow | None) -> RowChoices:
+        """This step's options: each lookup that found tokens (at most ``lookup_cap`` and
+        ``remaining - 1``: a step emits its drafts and one more), then ``model`` (the draft
+        model's option, None where the row has none). The offers are kept to be scored by the
+        tokens committed next, whichever source steps."""
+        cap = max(0, min(self.lookup_cap, remaining - 1))
+        lookup = self.ngram.match(cap)[0] if cap else []
+        # Only looked at (mark=False): calibrated by the committed tokens only if drafted (``match``).
+        self._chain = self.suffix.proposer.propose(cap, tree=False, mark=False) if cap else Draft()
+        self._offers = {"ngram": lookup, "suffix": list(self._chain.tokens)}
+        self._labels, options = [], []
+        for source, tokens in self._offers.items():
+            self.agreement[source].offer(tokens)
+            if tokens:
+                self._labels.append(source)
+                # Scored every step (drafted or not): an observed rate, never a guess to probe.
+                options.append(BatchRow(self.agreement[source].rate, len(tokens), uses_draft_model=False,
+                                        remaining=remaining))
+        if model is not None:
+            self._labels.append(MODEL)
+            options.append(model)
+        self.source = PLAIN
+        return RowChoices(tuple(options))
+
+    def choose(self, option: int | None) -> None:
+        """The batch chose this row's ``option`` (an index into the last ``choices``; None: plain)."""
+        self.source = PLAIN if option is None else self._labels[option]
+
+    def match(self, num_tokens: int) -> tuple[list[int], int]:
+        """The chosen lookup's first ``num_tokens`` tokens (the engine's host-drafter call); none
+        where the draft model or plain decoding steps."""
+        if self.source == "suffix":
+            kept = self.suffix.proposer.keep(self._chain, num_tokens)  # calibrated once verified
+            return list(kept.tokens), self._chain.match_len
+        if self.source == "ngram":
+            return self._offers["ngram"][:num_tokens], 0
+        return [], 0
+
+    def observe(self, proposed: int) -> None:
+        """The step verified ``proposed`` tokens of this row's choice (0: a plain step)."""
+        self.steps_by_source[self.source if proposed else PLAIN] += 1
