@@ -78,19 +78,32 @@ class DecoderCosts:
             return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max) if can_pay else 0, live_costs=self.live)
         return None
 
+    def take_notes(self) -> list[str]:
+        """Lines for the user about the stored cost tables this decoder read, once each: a table
+        the machine contradicted and that was re-timed, timings too disturbed to store
+        (``CostStore.notes``). A request that plans after a timing shows them."""
+        stores = (getattr(self.engine, "cost_store", None), self.draft_store)
+        return [note for store in stores if store is not None for note in store.take_notes()]
+
     def draft_model_note(self, k_max: int) -> str | None:
         """One line saying why the cost-aware k never drafts with the draft model, where the
-        measured pass costs rule it out (None where it can pay)."""
+        measured pass costs rule it out, followed by what the check of the stored tables those
+        costs came from found (``take_notes``); None where the draft can pay and there is no news.
+        """
         costs = self.engine.verify_costs(k_max + 1)
         draft_pass = self.draft_model()[0]
-        if speculation_can_pay(costs, draft_pass, k_max):
-            return None
-        plain = costs[0]
-        row = (costs[1] - costs[0]) / plain  # what one more verified row adds, in target passes
-        return (f"draft model not used: on this machine a verified row costs {row:.2f} of a target pass and a "
+        lines = []
+        if not speculation_can_pay(costs, draft_pass, k_max):
+            plain = costs[0]
+            row = (costs[1] - costs[0]) / plain  # what one more verified row adds, in target passes
+            lines.append(
+                f"draft model not used: on this machine a verified row costs {row:.2f} of a target pass and a "
                 f"draft pass {draft_pass / plain:.2f}, so no draft length beats plain decoding even if every "
                 "token is accepted; decoded plainly (docs/methods.md#draft-length). --method auto drafts from prompt "
                 "lookup and earlier answers where they pay, with no draft pass")
+        # After the timings above: a stored table they read may just have been re-timed.
+        lines += self.take_notes()
+        return "; ".join(lines) or None
 
 
 def batch_pass_costs(

@@ -8,6 +8,12 @@ backend and its settings (dtype, KV storage, compiled passes), the thread count,
 the GPU and the library versions; a change in any of them is another key, so it is timed
 afresh. ``retime_costs=True`` (``--retime-costs``) times again and overwrites the stored table.
 Live step timings still refine the loaded table within a run, as they refine a measured one.
+
+A stored table is a prior, not a verdict (issue 50). The first read of each table checks it
+(``costs/spot_check.py``: its costs in order, and this machine's one-row pass timed now within 2x
+of the stored one); a table that fails is dropped, so its users time it afresh and store the new
+figures. A timing whose repeats never agreed (``costs/timing.py``) is used for the run but not
+stored. Each such event leaves one line in ``CostStore.notes`` for the user.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,15 +30,38 @@ import torch
 
 from specdecode.backends.device import cpu_model
 from specdecode.backends.llamacpp import llama_cpp_version, use_extra_buffer_types
+from specdecode.backends.llamacpp_sequence import LlamaCppSequence
+from specdecode.backends.torch_backend import TorchSequence
+from specdecode.costs.spot_check import (
+    SPOT_CHECK_REPEATS,
+    contradicted_note,
+    contradiction,
+    not_stored_note,
+    out_of_order,
+    out_of_order_note,
+    out_of_order_why,
+    outliers,
+)
+from specdecode.costs.timing import Timing, best_seconds, is_settled
 from specdecode.models.paths import cache_dir
 
 if TYPE_CHECKING:
+    from specdecode.backends.base import SequenceModel
     from specdecode.models.loader import LoadedModel
 
 COST_STORE_SCHEMA = 1
 VERIFY_TABLE = "verify"  # the target's pass over 1, 2, ... rows
 DRAFT_TABLE = "draft"  # the draft model's one-row pass and its catch-up pass
 IDENTITY_BYTES = 1 << 20  # hashed from each end of a model file: cheap, and catches a re-written file
+SPOT_CHECK_ROWS = 1  # the pass a stored table is checked by: every table has it, and it is the cheapest
+# Cached positions before the spot check's timed row. The tables were timed after 64
+# (``COST_PROBE_CONTEXT``), but attention over 64 positions is a sliver of a one-row pass either
+# way, while prefilling 64 tokens cost most of a check that did (1.4 of 1.7 s on the demo target,
+# 2 cores); a 4-token prefill costs about two one-row passes.
+SPOT_CHECK_CONTEXT = 4
+
+# Seconds of the model's one-row pass on this machine now: what a stored table is checked against.
+OneRowProbe = Callable[[], float]
 
 
 def file_identity(path: Path) -> dict[str, Any]:
@@ -74,18 +104,58 @@ def cost_store_for(loaded: LoadedModel, role: str, kv_dtype: str, compile_mode: 
                    repack=use_extra_buffer_types(), llama_cpp=llama_cpp_version())
     else:
         key.update(threads=torch.get_num_threads(), dtype=str(model.dtype))
-    return CostStore(key, retime=retime)
+    return CostStore(key, retime=retime, probe=one_row_probe(loaded, kv_dtype, compile_mode))
+
+
+def one_row_probe(loaded: LoadedModel, kv_dtype: str, compile_mode: str | None) -> OneRowProbe | None:
+    """Times ``loaded``'s one-row pass on a sequence of its own, as its stored tables were timed
+    (after a warm-up); None for compiled passes, which an eager pass would misprice and whose own
+    shape would cost a compile to time."""
+    if compile_mode is not None:
+        return None
+    model = loaded.model
+    if loaded.backend == "llama.cpp":
+        # Its begin bumps the model's sequence epoch, so the engine's and the drafter's
+        # sequences begin afresh after it, as after any timing (backends/base.py).
+        return lambda: time_one_row(LlamaCppSequence(model))
+    return lambda: time_one_row(TorchSequence(model, kv_dtype))
+
+
+def time_one_row(sequence: SequenceModel) -> Timing:
+    """Seconds of ``sequence``'s one-row pass after ``SPOT_CHECK_CONTEXT`` cached positions
+    (best of ``SPOT_CHECK_REPEATS``, after a warm-up), through the backend protocol."""
+    context = torch.zeros((1, SPOT_CHECK_CONTEXT), dtype=torch.long, device=sequence.device)
+    sequence.begin(SPOT_CHECK_CONTEXT + SPOT_CHECK_ROWS)
+    sequence.extend(context, 0, compute_logits=False)
+    sequence.commit(SPOT_CHECK_CONTEXT)
+    row = context[:, :SPOT_CHECK_ROWS]
+    # Each pass writes past the valid length, which the next overwrites, as a verify pass does.
+    seconds = best_seconds(lambda: sequence.extend(row, SPOT_CHECK_CONTEXT, logits_last=1), sequence.device,
+                           SPOT_CHECK_REPEATS)
+    sequence.commit(0)  # frees llama.cpp's cells for the sequence the engine begins next
+    return seconds
 
 
 class CostStore:
-    """One model's stored pass-cost tables (by name, e.g. "verify" and "draft") under one key."""
+    """One model's stored pass-cost tables (by name, e.g. "verify" and "draft") under one key.
 
-    def __init__(self, key: dict[str, Any], retime: bool = False) -> None:
+    ``probe`` times the model's one-row pass now, to check a stored table before it is trusted
+    (None: trusted as stored). ``notes`` collects one line per event the user should hear of: a
+    stored table re-timed, fresh timings not stored (``take_notes`` reads each once).
+    """
+
+    def __init__(self, key: dict[str, Any], retime: bool = False, probe: OneRowProbe | None = None) -> None:
         self.key = {"schema": COST_STORE_SCHEMA, **key}
         self.retime = retime
+        self.probe = probe
+        self.role = str(key.get("role", "model"))
         name = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode()).hexdigest()[:24]
         self.path = cache_dir() / "costs" / f"{name}.json"
         self._tables: dict[str, dict[str, float]] | None = None
+        self._checked: set[str] = set()  # tables checked against the machine in this run
+        self._one_row_now: float | None = None  # the probe's figure, timed once per store
+        self._left_out: dict[str, set[int]] = {}  # row counts put but not stored (and noted), by table
+        self.notes: list[str] = []
 
     def _load(self) -> dict[str, dict[str, float]]:
         if self._tables is None:
@@ -98,15 +168,71 @@ class CostStore:
         return self._tables
 
     def get(self, name: str) -> dict[int, float]:
-        """The stored table ``name`` (row count -> seconds), empty where none is stored."""
+        """The stored table ``name`` (row count -> seconds), empty where none is stored or where
+        the machine contradicts it (then dropped: its users time it afresh and ``put`` it)."""
+        if name not in self._checked:
+            self._checked.add(name)
+            self._check(name)
         return {int(rows): float(seconds) for rows, seconds in self._load().get(name, {}).items()}
 
+    def _check(self, name: str) -> None:
+        """Drop stored table ``name`` where its costs are out of order or the probe's one-row
+        pass contradicts its own by more than ``CONTRADICTION_FACTOR``, with a note saying so."""
+        table = {int(rows): float(seconds) for rows, seconds in self._load().get(name, {}).items()}
+        if not table:
+            return
+        pair = out_of_order(table)
+        if pair is not None:
+            self._drop(name, out_of_order_note(self.role, *pair, table))
+            return
+        if self.probe is None or SPOT_CHECK_ROWS not in table:
+            return
+        if self._one_row_now is None:
+            self._one_row_now = self.probe()
+        stored, now = table[SPOT_CHECK_ROWS], self._one_row_now
+        factor = contradiction(stored, now)
+        if factor is not None:
+            self._drop(name, contradicted_note(self.role, factor, stored, now))
+
+    def _drop(self, name: str, note: str) -> None:
+        self._load().pop(name, None)
+        self._write()  # so that a contradicted table is not read again, whether or not it is re-timed
+        self.notes.append(note)
+
     def put(self, name: str, table: dict[int, float]) -> None:
-        """Store table ``name`` (merged over what is stored; written atomically)."""
+        """Store table ``name`` (merged over what is stored; written atomically). Timings whose
+        repeats never settled, or that are out of order with the rest, are left out: this run
+        uses them, the next one times them again."""
         tables = self._load()
-        tables[name] = {**tables.get(name, {}), **{str(rows): seconds for rows, seconds in table.items()}}
+        # A caller puts its whole table each time it times more rows: say once what is left out.
+        noted = self._left_out.setdefault(name, set())
+        unsettled = sorted(rows for rows, seconds in table.items() if not is_settled(seconds))
+        merged = {int(rows): seconds for rows, seconds in tables.get(name, {}).items()}
+        merged.update((rows, float(seconds)) for rows, seconds in table.items())
+        if set(unsettled) - noted:
+            spread = max(getattr(table[rows], "spread", 1.0) for rows in unsettled)
+            self.notes.append(not_stored_note(self.role, unsettled, f"repeats {spread:.1f}x apart"))
+        for rows in unsettled:
+            merged.pop(rows)
+        pair = out_of_order(merged)
+        dropped = outliers(merged)
+        if pair is not None and set(dropped) - noted:
+            self.notes.append(not_stored_note(self.role, dropped, out_of_order_why(*pair, merged)))
+        for rows in dropped:
+            merged.pop(rows)
+        noted.update(unsettled, dropped)
+        tables[name] = {str(rows): seconds for rows, seconds in sorted(merged.items())}
+        self._write()
+
+    def _write(self) -> None:
+        tables = self._load()
         with contextlib.suppress(OSError):  # a read-only cache only costs the next run its timing
             self.path.parent.mkdir(parents=True, exist_ok=True)
             scratch = self.path.with_suffix(f".{os.getpid()}.tmp")
             scratch.write_text(json.dumps({"key": self.key, "tables": tables}, indent=1, default=str) + "\n")
             scratch.replace(self.path)
+
+    def take_notes(self) -> list[str]:
+        """The notes not yet read, once each (a decoder shows them with the next request)."""
+        notes, self.notes = self.notes, []
+        return notes

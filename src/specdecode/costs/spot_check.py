@@ -1,0 +1,108 @@
+"""Whether a stored pass-cost table still describes this machine, and the lines that say why not.
+
+A stored table is a prior, not a verdict (issue 50): one timed while other work loaded the cores
+priced a draft pass at 2.70 s where it takes 22.6 ms, every later run decoded plainly because of
+it, and a source priced out is never run, so no live timing corrected it. Before a stored table
+is trusted, the cost store (``costs/store.py``) checks it two ways:
+
+- for free: its costs must be in order with each other (``out_of_order``): a pass over more rows
+  never costs much less than one over fewer, nor much more than their ratio of rows;
+- cheaply: this machine's one-row pass, timed now, must agree with the stored one within
+  ``CONTRADICTION_FACTOR`` (``contradiction``).
+
+A table that fails either is re-timed as its users need it, and the user reads one line saying so.
+"""
+
+from __future__ import annotations
+
+from specdecode.costs.timing import NOISE_FLOOR_SECONDS, is_settled
+
+# How far a stored figure may be from this machine's now before the table is re-timed: wide
+# enough that a quiet machine's run-to-run differences (~20%; 51 against 56 ms for the demo
+# target's one-row pass) never trip it, narrow enough to catch issue 50's tables (30-120x off).
+CONTRADICTION_FACTOR = 2.0
+# Repeats of the spot check's one-row pass (after a warm-up): enough for its spread to say
+# whether the machine is busy now (costs/timing.py), few enough to run at every load.
+SPOT_CHECK_REPEATS = 3
+# How far out of order two stored costs may be: a pass over more rows reads the same weights and
+# computes more, so it costs at least about as much as one over fewer rows and at most their
+# ratio of rows as much (ggml's kernels change at some row counts: a 4-row pass measured 0.98 of a
+# 2-row one with repacked weights, issue 50). Twice either bound is out of order: the table
+# issue 50 stored priced a 9-row verify at 4.4x an 8-row one.
+ORDER_SLACK = 2.0
+
+
+def _conflicts(table: dict[int, float]) -> list[tuple[int, int]]:
+    """Every pair (fewer rows, more rows) of ``table`` whose costs contradict each other by more
+    than ``ORDER_SLACK``."""
+    rows = sorted(table)
+    return [(fewer, more) for i, fewer in enumerate(rows) for more in rows[i + 1:]
+            if table[more] < table[fewer] / ORDER_SLACK or table[more] > ORDER_SLACK * table[fewer] * more / fewer]
+
+
+def out_of_order(table: dict[int, float]) -> tuple[int, int] | None:
+    """The first pair (fewer rows, more rows) of ``table`` (row count -> seconds) whose costs
+    contradict each other by more than ``ORDER_SLACK``, or None where all are in order."""
+    conflicts = _conflicts(table)
+    return conflicts[0] if conflicts else None
+
+
+def outliers(table: dict[int, float]) -> list[int]:
+    """The row counts to leave out of ``table`` so that the rest are in order: repeatedly the
+    ones in the most conflicting pairs (a shape timed while the machine was busy conflicts with
+    most of its neighbours; where two tie, neither can be told right)."""
+    kept = dict(table)
+    dropped: list[int] = []
+    while conflicts := _conflicts(kept):
+        counts = {rows: sum(rows in pair for pair in conflicts) for rows in kept}
+        most = max(counts.values())
+        worst = [rows for rows, count in counts.items() if count == most]
+        dropped += worst
+        for rows in worst:
+            del kept[rows]
+    return sorted(dropped)
+
+
+def contradiction(stored: float, now: float) -> float | None:
+    """How many times off ``stored`` is from ``now`` (>= 1, either way), where the two disagree
+    by more than ``CONTRADICTION_FACTOR``; None where the stored figure stands.
+
+    Load only ever slows a pass, so a ``now`` faster than the stored figure proves the stored one
+    too high however busy the machine is; a slower ``now`` proves it too low only if its timing
+    settled (else the machine is busy now, and the stored figure is the better guess). A
+    difference under ``NOISE_FLOOR_SECONDS`` contradicts nothing.
+    """
+    if abs(stored - now) < NOISE_FLOOR_SECONDS or min(stored, now) <= 0.0:
+        return None
+    factor = max(stored / now, now / stored)
+    if factor <= CONTRADICTION_FACTOR or (now > stored and not is_settled(now)):
+        return None
+    return factor
+
+
+def format_seconds(seconds: float) -> str:
+    """``seconds`` as a person reads a pass cost: "2.70 s", "22.6 ms", "0.31 ms"."""
+    if seconds >= 1.0:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def contradicted_note(role: str, factor: float, stored: float, now: float) -> str:
+    return (f"stored {role} pass costs were {factor:.0f}x off this machine's now (a {role} pass {format_seconds(stored)} "
+            f"stored, {format_seconds(now)} now); re-timed")
+
+
+def out_of_order_why(fewer: int, more: int, table: dict[int, float]) -> str:
+    return f"a {more}-row pass {format_seconds(table[more])} against a {fewer}-row pass {format_seconds(table[fewer])}"
+
+
+def out_of_order_note(role: str, fewer: int, more: int, table: dict[int, float]) -> str:
+    return (f"stored {role} pass costs were out of order ({out_of_order_why(fewer, more, table)}: timed on a busy "
+            "machine); re-timed")
+
+
+def not_stored_note(role: str, rows: list[int], why: str) -> str:
+    """The line for fresh timings kept out of the store: ``why`` says what showed the load."""
+    shapes = ", ".join(str(r) for r in rows)
+    return (f"{role} pass timings over {shapes} rows did not settle ({why}: the machine looks busy); used for this "
+            "run but not stored, so the next run times them again")
