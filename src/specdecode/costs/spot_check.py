@@ -24,25 +24,30 @@ CONTRADICTION_FACTOR = 2.0
 # Repeats of the spot check's one-row pass (after a warm-up): enough for its spread to say
 # whether the machine is busy now (costs/timing.py), few enough to run at every load.
 SPOT_CHECK_REPEATS = 3
-# How far out of order two stored costs may be: a pass over more rows reads the same weights and
-# computes more, so it costs at least about as much as one over fewer rows and at most their
-# ratio of rows as much (ggml's kernels change at some row counts: a 4-row pass measured 0.98 of a
-# 2-row one with repacked weights, issue 50). Twice either bound is out of order: the table
-# issue 50 stored priced a 9-row verify at 4.4x an 8-row one.
+# How far out of order two costs may be. A pass over more rows reads the same weights and
+# computes more, so it costs at least about as much as one over fewer rows: ggml's kernels change
+# at some row counts, but the cheapest such case measured was a 4-row pass at 0.98 of a 2-row one
+# (repacked weights, issue 50), so one more than 1.5x cheaper is out of order (this session timed
+# the demo draft's 64-row catch-up pass at 1.07 s against 1.80 s for one row, with the target's
+# threads and another test run on its 2 cores; 40 ms quiet). And it costs at most about its ratio
+# of rows as much: more than twice that is out of order (issue 50's stored table priced a 9-row
+# verify at 4.4x an 8-row one).
+CHEAPER_SLACK = 1.5
 ORDER_SLACK = 2.0
 
 
 def _conflicts(table: dict[int, float]) -> list[tuple[int, int]]:
-    """Every pair (fewer rows, more rows) of ``table`` whose costs contradict each other by more
-    than ``ORDER_SLACK``."""
+    """Every pair (fewer rows, more rows) of ``table`` whose costs are out of order: the pass over
+    more rows more than ``CHEAPER_SLACK`` cheaper, or more than ``ORDER_SLACK`` times their ratio
+    of rows dearer."""
     rows = sorted(table)
     return [(fewer, more) for i, fewer in enumerate(rows) for more in rows[i + 1:]
-            if table[more] < table[fewer] / ORDER_SLACK or table[more] > ORDER_SLACK * table[fewer] * more / fewer]
+            if table[more] < table[fewer] / CHEAPER_SLACK or table[more] > ORDER_SLACK * table[fewer] * more / fewer]
 
 
 def out_of_order(table: dict[int, float]) -> tuple[int, int] | None:
-    """The first pair (fewer rows, more rows) of ``table`` (row count -> seconds) whose costs
-    contradict each other by more than ``ORDER_SLACK``, or None where all are in order."""
+    """The first pair (fewer rows, more rows) of ``table`` (row count -> seconds) whose costs are
+    out of order (``_conflicts``), or None where all are in order."""
     conflicts = _conflicts(table)
     return conflicts[0] if conflicts else None
 
