@@ -95,11 +95,11 @@ def test_the_busy_spread_ignores_jitter_below_the_noise_floor() -> None:
 
 # --- the checks, on their own --------------------------------------------------------------------
 
-def test_a_stored_figure_is_contradicted_by_more_than_2x_either_way_but_not_by_a_busy_machine_now() -> None:
+def test_a_stored_figure_is_contradicted_when_over_2x_too_high_never_by_a_slower_machine_now() -> None:
     assert contradiction(BUSY_DRAFT_PASS, QUIET_DRAFT_PASS) == pytest.approx(BUSY_DRAFT_PASS / QUIET_DRAFT_PASS)
     assert contradiction(0.030, 0.020) is None  # 1.5x: within the factor
-    assert contradiction(0.010, 0.030) == pytest.approx(3.0)  # slower now, and settled: the machine changed
-    assert contradiction(0.010, Timing(0.030, settled=False)) is None  # slower now because busy now
+    assert contradiction(0.010, 0.030) is None  # slower now: most often a busy machine, settled or not
+    assert contradiction(0.010, Timing(0.030, settled=False)) is None
     assert contradiction(BUSY_DRAFT_PASS, Timing(QUIET_DRAFT_PASS, settled=False)) is not None  # faster is proof
     assert contradiction(2e-4, 6e-4) is None  # under the noise floor
 

@@ -188,7 +188,10 @@ class CostStore:
         if self.probe is None or SPOT_CHECK_ROWS not in table:
             return
         if self._one_row_now is None:
-            self._one_row_now = self.probe()
+            try:
+                self._one_row_now = self.probe()
+            except Exception:  # noqa: BLE001 - a check that cannot run leaves the stored table as it was
+                return
         stored, now = table[SPOT_CHECK_ROWS], self._one_row_now
         factor = contradiction(stored, now)
         if factor is not None:
