@@ -36,9 +36,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="serve the models over an OpenAI-compatible HTTP API",
         description=(
             "OpenAI-compatible /v1/completions and /v1/chat/completions (stream: true for server-sent "
-            "events), /v1/models, /health and /metrics (Prometheus). Requests with methods none, ngram "
-            "and draft are batched together (continuous batching, on torch and on llama.cpp); the other "
-            "methods run one at a time. Listens on loopback unless --host says otherwise."
+            "events), /v1/models, /health and /metrics (Prometheus). Requests with methods none, ngram, "
+            "draft, suffix and auto are batched together (continuous batching, on torch and on llama.cpp); "
+            "the other methods run one at a time. Listens on loopback unless --host says otherwise."
         ),
     )
     add_decoder_arguments(parser, method_help="the default method; a request may pass 'method' (default draft; "
