@@ -330,7 +330,8 @@ class SpecDecoder:
         stats = GenerationStats(method=plan.method)
         if plan.steps_by_source is not None:
             stats.steps_by_source = plan.steps_by_source  # filled as it decodes
-        stats.note = plan.note or ""
+        # A stored cost table found wrong and re-timed (costs/store.py) is told once, whatever the method.
+        stats.note = "; ".join(filter(None, [plan.note, *self.costs.take_notes()]))
         chunks = self.engine.decode(prompt_ids, params, plan, stats, acceptance=acceptance, cache_salt=cache_salt,
                                     grammar=grammar)
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)

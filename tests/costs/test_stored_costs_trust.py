@@ -259,3 +259,24 @@ def test_rows_left_out_are_noted_once_however_often_the_table_is_put(cache: Path
     timed.put(VERIFY_TABLE, {1: Timing(0.05), 4: busy_row})
     timed.put(VERIFY_TABLE, {1: Timing(0.05), 4: busy_row, 8: Timing(0.09)})  # the caller timed 8 rows more
     assert len(timed.take_notes()) == 1 and stored_file(timed)[VERIFY_TABLE] == {"1": 0.05, "8": 0.09}
+
+
+def test_a_re_timed_table_is_told_once_whatever_the_method(tiny_qwen2_dir: Path, cache: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target table stored 30x too high is re-timed at load, and the next request says so in its
+    note, for method none too (SpecDecoder.stream reads DecoderCosts.take_notes), once."""
+    from specdecode import SamplingParams, SpecDecoder
+
+    monkeypatch.setattr(specdecode.costs.store, "one_row_probe", lambda *_: (lambda: VERIFY[1]))
+
+    def load() -> SpecDecoder:
+        return SpecDecoder.from_pretrained(str(tiny_qwen2_dir), method="none", dtype="fp32", device="cpu",
+                                           show_progress=False)
+
+    busy = load()
+    monkeypatch.setattr(busy.engine.target, "pass_seconds", lambda rows, *a, **k: {r: 30 * VERIFY[r] for r in rows})
+    busy.engine.verify_costs(4)  # timed on a busy machine, and stored
+    quiet = load()
+    first = quiet.generate("def quicksort(arr):", SamplingParams(max_new_tokens=4), method="none").stats.note
+    assert "pass costs were 30x off" in first and first.endswith("re-timed")
+    assert quiet.generate("def quicksort(arr):", SamplingParams(max_new_tokens=4), method="none").stats.note == ""

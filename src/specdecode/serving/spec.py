@@ -72,7 +72,7 @@ def load_server(spec: ServerSpec) -> ServerParts:
         # one at a time (--max-batch 0, or methods the batch does not take) run compiled.
         if spec.max_batch > 0:
             print("--compile: the continuous-batching engine's passes run eagerly; requests that run one at a time "
-                  "(--max-batch 0, methods auto, layerskip, medusa, eagle) run compiled.", file=sys.stderr)
+                  "(--max-batch 0, methods layerskip, medusa, eagle) run compiled.", file=sys.stderr)
         print(f"specdecode: {decoder.warm_up(show_progress=True, all_shapes=True).summary()}", file=sys.stderr)
     name = spec.model_name or served_model_name(config.target or demo.DEFAULT_TARGET)
     worker = None
