@@ -5,6 +5,8 @@ Loopback only, a fixed number of requests, stops by itself:
 
     specdecode serve --backend llama.cpp --method none --port 8000 &
     python benchmarks/multi_turn_server.py --url http://127.0.0.1:8000 --chats 4 --out results/chats.json
+    python benchmarks/multi_turn_server.py --url http://127.0.0.1:8000 --agentic --chats 4 --clients 4 \
+        --turn-tokens 192 --out results/agents-4.json
     llama-server -m TARGET.gguf -t 2 -c 4096 -np 1 --port 8001 &
     python benchmarks/multi_turn_server.py --url http://127.0.0.1:8001 --chats 4 --out results/chats-llama-server.json
 
@@ -73,7 +75,8 @@ async def stream_chat(client: httpx.AsyncClient, url: str, model: str, messages:
                     text.append(delta)
     details = (usage or {}).get("prompt_tokens_details") or {}
     return {"ttft": first, "seconds": time.perf_counter() - started, "text": "".join(text),
-            "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": details.get("cached_tokens")}
+            "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": details.get("cached_tokens"),
+            "completion_tokens": (usage or {}).get("completion_tokens")}
 
 
 async def chats(url: str, model: str, count: int, first_tokens: int, second_tokens: int, extra: dict) -> dict:
@@ -94,29 +97,40 @@ async def chats(url: str, model: str, count: int, first_tokens: int, second_toke
     }
 
 
-async def agentic(url: str, model: str, count: int, turn_tokens: int, extra: dict) -> dict:
+async def agentic(url: str, model: str, count: int, turn_tokens: int, extra: dict, clients: int = 1) -> dict:
     """The first ``count`` agentic sessions, turn after turn, each turn's messages holding the
-    earlier turns and answers; reported in the shape of ``chats`` (``multi_turn_tokens.py`` reads it)."""
+    earlier turns and answers; ``clients`` sessions at once, each client its own session (the
+    agents of issue 45). Reported in the shape of ``chats`` (``multi_turn_tokens.py`` reads it),
+    with the aggregate tokens per second over the wall time (the server's usage counts)."""
     from specdecode.prompt_sets import load_agentic
 
-    results = []
+    gate = asyncio.Semaphore(clients)
     async with httpx.AsyncClient(limits=NO_KEEPALIVE) as client:
-        for session in load_agentic()[:count]:
-            started = time.perf_counter()
-            messages: list[dict] = []
-            turns = []
-            for prompt in session.turns:
-                messages.append({"role": "user", "content": prompt})
-                turn = await stream_chat(client, url, model, messages, turn_tokens, extra)
-                messages.append({"role": "assistant", "content": turn["text"]})
-                turns.append(turn)
-            results.append({"id": session.prompt_id, "turns": turns, "session_seconds": time.perf_counter() - started})
+        async def run(session) -> dict:
+            async with gate:
+                started = time.perf_counter()
+                messages: list[dict] = []
+                turns = []
+                for prompt in session.turns:
+                    messages.append({"role": "user", "content": prompt})
+                    turn = await stream_chat(client, url, model, messages, turn_tokens, extra)
+                    messages.append({"role": "assistant", "content": turn["text"]})
+                    turns.append(turn)
+                return {"id": session.prompt_id, "turns": turns, "session_seconds": time.perf_counter() - started}
+
+        wall_started = time.perf_counter()
+        results = list(await asyncio.gather(*(run(session) for session in load_agentic()[:count])))
+        wall = time.perf_counter() - wall_started
     later = [t["ttft"] for r in results for t in r["turns"][1:]]
+    tokens = [t["completion_tokens"] for r in results for t in r["turns"]]
     return {
         "chats": results,
+        "clients": clients,
         "turn1_ttft_mean": statistics.mean(r["turns"][0]["ttft"] for r in results),
         "turn2_ttft_mean": statistics.mean(later),
         "session_seconds_mean": statistics.mean(r["session_seconds"] for r in results),
+        "wall_seconds": wall,
+        "aggregate_tokens_per_second": sum(tokens) / wall if all(t is not None for t in tokens) else None,
     }
 
 
@@ -150,6 +164,8 @@ def main() -> int:
     parser.add_argument("--agentic", action="store_true",
                         help="run --chats of the agentic set's four-turn code-editing sessions instead of the two-turn chats")
     parser.add_argument("--turn-tokens", type=int, default=256, help="max tokens per turn with --agentic")
+    parser.add_argument("--clients", type=int, default=1,
+                        help="with --agentic: sessions at once, each client its own session (aggregate tokens/s)")
     parser.add_argument("--system-requests", type=int, default=0, help="also run the shared-system-prompt mode")
     parser.add_argument("--system-words", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=4)
@@ -161,7 +177,7 @@ def main() -> int:
     report: dict = {"url": args.url, "model": model, "extra": extra}
     if args.chats:
         if args.agentic:
-            report["chats"] = asyncio.run(agentic(args.url, model, args.chats, args.turn_tokens, extra))
+            report["chats"] = asyncio.run(agentic(args.url, model, args.chats, args.turn_tokens, extra, args.clients))
         else:
             report["chats"] = asyncio.run(chats(args.url, model, args.chats, args.first_tokens, args.second_tokens,
                                                 extra))
@@ -169,7 +185,10 @@ def main() -> int:
         per_chat = ", ".join(f"{r['turns'][1]['ttft']:.2f}" for r in c["chats"])
         print(f"chats: turn-1 TTFT {c['turn1_ttft_mean']:.2f} s, later turns' TTFT {c['turn2_ttft_mean']:.2f} s "
               f"(per chat: {per_chat}), "
-              f"session {c['session_seconds_mean']:.2f} s; later turns' cached tokens "
+              f"session {c['session_seconds_mean']:.2f} s; "
+              + (f"{c['clients']} clients: {c['aggregate_tokens_per_second']:.2f} tok/s aggregate over "
+                 f"{c['wall_seconds']:.1f} s; " if c.get("aggregate_tokens_per_second") else "")
+              + "later turns' cached tokens "
               f"{[[t['cached_tokens'] for t in r['turns'][1:]] for r in c['chats']]}")
     if args.system_requests:
         report["system"] = asyncio.run(shared_system(args.url, model, args.system_requests, args.concurrency,
