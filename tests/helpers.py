@@ -103,6 +103,19 @@ def assert_greedy_equal_up_to_near_tie(actual: list[int], expected: list[int], m
     return len(expected)
 
 
+def run_until_done(eng) -> tuple[dict[str, list[int]], dict[str, BaseException]]:
+    """Step a batch engine until every request has ended: each request's new tokens, and the
+    error of each request that failed alone."""
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, BaseException] = {}
+    while eng.has_unfinished:
+        for out in eng.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_tokens)
+            if out.error is not None:
+                errors[out.request_id] = out.error
+    return tokens, errors
+
+
 def small_batch_engine(dec, **kwargs):
     """A batch engine over ``dec``'s torch target and draft models, without cost timing: 4 rows,
     1,024 KV slots a model in 4-token blocks (so prompts end inside blocks), unless overridden."""

@@ -21,6 +21,7 @@ from helpers import (
     exact_sequence_distribution,
     install_wrong_residual,
     pearson,
+    run_until_done,
     small_batch_engine,
 )
 
@@ -219,13 +220,7 @@ def test_a_failing_auto_row_fails_alone(dec, monkeypatch: pytest.MonkeyPatch, wh
     eng = lookup_engine(dec, max_batch=8)
     bad = eng.add_request(bad_prompt, SamplingParams(max_new_tokens=20), "auto", 4)
     ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=n), m, k) for p, m, k, n in batch]
-    tokens: dict[str, list[int]] = {}
-    errors: dict[str, BaseException] = {}
-    while eng.has_unfinished:
-        for out in eng.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_tokens)
-            if out.error is not None:
-                errors[out.request_id] = out.error
+    tokens, errors = run_until_done(eng)
     assert set(errors) == {bad} and "injected" in str(errors[bad])
     assert [tokens[i] for i in ids] == plain(dec, batch)
     assert_pools_empty(eng)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square_in_batches, decoder, install_wrong_residual
+from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square_in_batches, decoder, install_wrong_residual, run_until_done
 
 import specdecode.engine.batch
 import specdecode.engine.batch_verify
@@ -132,13 +132,7 @@ def test_a_request_whose_sampling_raises_fails_alone(dec, monkeypatch) -> None:
         bad = eng.add_request(dec.encode(PROMPTS[2]), broken, "draft", 3) if with_broken else None
         ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=n), m, k) for p, m, k, n in cases]
         sampled = eng.add_request(dec.encode(PROMPTS[1]), seeded, "draft", 3)
-        tokens: dict[str, list[int]] = {}
-        errors: dict[str, BaseException] = {}
-        while eng.has_unfinished:
-            for out in eng.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_tokens)
-                if out.error is not None:
-                    errors[out.request_id] = out.error
+        tokens, errors = run_until_done(eng)
         assert_pools_empty(eng)
         if with_broken:
             assert set(errors) == {bad} and "injected" in str(errors[bad]) and not tokens[bad]
