@@ -25,7 +25,9 @@ class RequestPlan:
     tree: bool = False  # the drafter proposes token trees (TreeDrafter), verified with tree attention
     # Method auto: steps per source (ngram, suffix, draft, none), filled as it decodes.
     steps_by_source: Counter[str] | None = field(default=None)
-    note: str | None = None  # why the plan decodes plainly where the user asked for speculation
+    # A line for the user: why the plan decodes plainly where the user asked for speculation, and
+    # stored cost tables found wrong and re-timed (costs/store.py).
+    note: str | None = None
 
     def __post_init__(self) -> None:
         if self.drafter is None and (self.k or self.tree or self.schedule is not None):

@@ -136,7 +136,7 @@ class ServerMetrics:
                     ("suffix_cache_max_tokens", "gauge", "The suffix cache's token budget (--suffix-cache-tokens).",
                      suffix.max_tokens),
                     ("suffix_cache_responses", "gauge", "Responses kept for suffix decoding.", suffix.responses),
-                    ("suffix_cache_groups", "gauge", "Tenants (or one global group) with responses kept.", suffix.groups),
+                    ("suffix_cache_groups", "gauge", "Tenancy groups (API key and cache_salt; or one global group) with responses kept.", suffix.groups),
                     ("suffix_cache_nodes", "gauge", "Suffix-tree nodes over the kept responses.", suffix.nodes),
                 ]
             rss = resident_bytes()
