@@ -41,11 +41,12 @@ import torch
 
 from specdecode.config import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_TIMEOUT, StructuredOutput
 from specdecode.engine.grammar_check import check_grammar
-from specdecode.engine.grammar_child import GrammarRefused, build_and_compile
+from specdecode.engine.grammar_child import GrammarRefused, build_and_compile, first_line
 from specdecode.engine.grammar_process import (
     CompileBoundError,
     CompileProcess,
     compile_process,
+    not_compiled,
     refused,
     release_freed_memory,
 )
@@ -85,13 +86,7 @@ def json_schema_ebnf(schema: dict[str, Any], any_whitespace: bool = False) -> st
         return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_whitespace,
                                                 max_whitespace_cnt=MAX_WHITESPACE if any_whitespace else None))
     except Exception as err:  # noqa: BLE001 - the schema is the request's; xgrammar raises several kinds
-        raise _not_compiled("JSON schema", err) from err
-
-
-def _not_compiled(kind: str, err: Exception) -> InvalidRequestError:
-    """xgrammar's error as the request's: its first line (the rest is a C++ trace)."""
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return InvalidRequestError(f"The {kind} could not be compiled: {first_line}")
+        raise not_compiled("JSON schema", first_line(err)) from err
 
 
 class GrammarCompiler:
@@ -199,7 +194,7 @@ class GrammarCompiler:
         except GrammarRefused as err:
             raise refused(spec.kind, str(err)) from err
         except Exception as err:  # noqa: BLE001 - the spec is the request's; xgrammar raises several kinds
-            raise _not_compiled(spec.kind, err) from err
+            raise not_compiled(spec.kind, first_line(err)) from err
 
     def _remember(self, key: str, compiled: Any) -> None:
         """Keep ``compiled``, dropping the least recently used grammars past ``cache_bytes`` (a

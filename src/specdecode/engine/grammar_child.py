@@ -53,7 +53,7 @@ def _load_check() -> Callable[[str], str | None]:
     return module.check_grammar  # type: ignore[no-any-return]
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     """xgrammar's message without its C++ trace."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -85,7 +85,7 @@ def main() -> None:
         except GrammarRefused as err:
             reply = {"refused": str(err)}
         except Exception as err:  # noqa: BLE001 - every failure is the job's, told to the parent
-            reply = {"error": _first_line(err)}
+            reply = {"error": first_line(err)}
         channel.write(json.dumps(reply) + "\n")
         channel.flush()
 

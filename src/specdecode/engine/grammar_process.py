@@ -1,8 +1,9 @@
 """Grammar compiles in a child process, so that a deadline and a memory bound can stop them.
 
-xgrammar compiles in C++ and nothing interrupts it from Python: the regex
-``((a{0,99}){0,99}){0,99}`` compiled for over 180 s in a server thread, which then could not be
-stopped, and eight such requests at once slowed a plain completion 500-fold. So compiles run in
+xgrammar compiles in C++ and nothing interrupts it from Python: issue 49 timed the regex
+``((a{0,99}){0,99}){0,99}`` compiling for over 180 s in a server thread, which then could not be
+stopped (0.4 s here with xgrammar 0.2.9, but nothing bounds a compile's time or memory in
+general), and ``root ::= "a" root`` never finished compiling at all. So compiles run in
 one child process per vocabulary (``engine/grammar_child.py``, run by path: it imports xgrammar
 and nothing of ours), at the lowest CPU priority, one job at a time. The caller waits for its
 job up to its deadline, watching the child's resident memory meanwhile; past either bound the
@@ -97,7 +98,7 @@ class CompileProcess:
         finally:
             self._lock.release()
         if "error" in reply:
-            raise InvalidRequestError(f"The {what} could not be compiled: {reply['error']}")
+            raise not_compiled(what, reply["error"])
         if "refused" in reply:
             raise refused(what, reply["refused"])
         return str(reply["compiled"])
@@ -178,6 +179,12 @@ def _read_lines(child: subprocess.Popen[str], lines: queue.Queue[str | None]) ->
     except (OSError, ValueError):  # closed under us by _kill
         pass
     lines.put(None)
+
+
+def not_compiled(what: str, detail: str) -> InvalidRequestError:
+    """The error for a spec xgrammar refused: ``detail`` is its message's first line (the rest is a
+    C++ trace: ``grammar_child.first_line``), in the compile process or in the caller's thread."""
+    return InvalidRequestError(f"The {what} could not be compiled: {detail}")
 
 
 def refused(what: str, problem: str) -> InvalidRequestError:
