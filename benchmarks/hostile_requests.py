@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from specdecode.engine.grammar_process import resident_bytes
+from specdecode.backends.device import resident_bytes
 
 MODEL = "demo"
 START_TIMEOUT_SECONDS = 600
@@ -67,11 +67,11 @@ class MemoryWatch(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(SAMPLE_SECONDS):
-            server = resident_bytes(self.pid)
-            self.samples.append((time.monotonic(), server, sum(resident_bytes(c) for c in children(self.pid))))
+            server = resident_bytes(self.pid) or 0
+            self.samples.append((time.monotonic(), server, sum(resident_bytes(c) or 0 for c in children(self.pid))))
 
     def now(self) -> tuple[int, int]:
-        return (self.samples[-1][1], self.samples[-1][2]) if self.samples else (resident_bytes(self.pid), 0)
+        return (self.samples[-1][1], self.samples[-1][2]) if self.samples else (resident_bytes(self.pid) or 0, 0)
 
     def peak_since(self, since: float) -> tuple[int, int]:
         window = [s for s in self.samples if s[0] >= since] or self.samples[-1:]

@@ -22,7 +22,7 @@ from server_helpers import MODEL, PROMPT
 
 pytest.importorskip("xgrammar")
 
-from specdecode.engine.grammar_process import resident_bytes  # noqa: E402
+from specdecode.backends.device import resident_bytes  # noqa: E402
 
 MEMORY_GUARD_BYTES = 2 * 1024**3  # growth of this process past which the run stops at once
 SELF_REQUIRED = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
@@ -35,11 +35,11 @@ SLOW_SCHEMA = {"type": "object", "required": [f"q{i}" for i in range(900)],
 @pytest.fixture(autouse=True, scope="module")
 def memory_guard() -> Iterator[None]:
     """Stop the run (exit 3, with a message) if this process grows past the guard."""
-    baseline, done = resident_bytes(os.getpid()), threading.Event()
+    baseline, done = resident_bytes() or 0, threading.Event()
 
     def watch() -> None:
         while not done.wait(0.05):
-            grown = resident_bytes(os.getpid()) - baseline
+            grown = (resident_bytes() or 0) - baseline
             if grown > MEMORY_GUARD_BYTES:
                 sys.stderr.write(f"memory guard: {__name__} grew by {grown >> 20} MiB; stopping the run\n")
                 sys.stderr.flush()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from functools import cache
 
@@ -84,3 +85,13 @@ def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo: avx512f, amx_tile, ...); empty where unknown."""
     line = cpuinfo_line("flags")
     return frozenset(line.split(":", 1)[1].split()) if line else frozenset()
+
+
+def resident_bytes(pid: int | str = "self") -> int | None:
+    """A process's resident set size (Linux's /proc/PID/statm; this process by default), or None
+    where it cannot be read (another OS, a process that has ended)."""
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -25,7 +25,6 @@ import atexit
 import ctypes
 import hashlib
 import json
-import os
 import queue
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specdecode.backends.device import resident_bytes
 from specdecode.errors import InvalidRequestError
 
 CHILD_SCRIPT = Path(__file__).with_name("grammar_child.py")
@@ -113,7 +113,7 @@ class CompileProcess:
             try:
                 line = self._lines.get(timeout=min(POLL_SECONDS, left))
             except queue.Empty:
-                if resident_bytes(child.pid) > self.memory_limit_bytes:
+                if (resident_bytes(child.pid) or 0) > self.memory_limit_bytes:
                     self._kill()
                     raise CompileBoundError(
                         f"The {what} is too large to compile: its compile took more than "
@@ -216,15 +216,6 @@ def release_freed_memory() -> None:
 
 
 _MALLOC_TRIM: Any = None
-
-
-def resident_bytes(pid: int) -> int:
-    """A process's resident memory (Linux's /proc; 0 where it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 _PROCESSES: dict[str, CompileProcess] = {}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from specdecode.backends.device import resident_bytes
 from specdecode.drafters.suffix_cache import SuffixCache
 from specdecode.engine.metrics import GenerationStats
 from specdecode.serving.worker import BatchWorker
@@ -15,15 +15,6 @@ OUTCOMES = ("ok", "error", "cancelled", "rejected", "timeout", "shutdown", "over
 # Finished requests whose time in a seat (from starting to decode to the end) the Retry-After
 # estimate averages: enough to smooth one long or short request, few enough to follow the load.
 RECENT_SEATS = 32
-
-
-def resident_bytes() -> int | None:
-    """This process's resident set size (Linux: /proc/self/statm), or None where unreadable."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 @dataclass(slots=True)
