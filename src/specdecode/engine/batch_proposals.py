@@ -146,8 +146,7 @@ def propose(
             model_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator,
                                        draft_confidence))
             model_index.append(index)
-        elif request.ngram is not None:
-            request.ngram.extend(request.tokens[len(request.ngram.history):])
+        elif request.ngram is not None:  # plan_row extended it with this step's committed tokens
             match, _ = request.ngram.match(k)
             if match:
                 proposals[index] = DraftProposal(tokens=host_to_device([match], torch.long, device), probs=None)
