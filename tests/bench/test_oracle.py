@@ -1,5 +1,6 @@
-"""The oracle ceiling (bench/oracle.py): its dynamic programme finds a hand-worked optimum, and on
-tiny models no method's traced decode, priced with the same cost table, beats it. fp32 on the CPU."""
+"""The oracle ceiling (bench/oracle.py, bench/oracle_report.py): its dynamic programme finds a
+hand-worked optimum, and on tiny models no method's traced decode, priced with the same cost
+table, beats it. fp32 on the CPU."""
 
 from pathlib import Path
 
@@ -7,15 +8,8 @@ import pytest
 from helpers import PROMPTS, decoder
 
 from specdecode import SamplingParams
-from specdecode.bench.oracle import (
-    CostTable,
-    Proposals,
-    best_schedule,
-    check_oracle_config,
-    max_trace_rows,
-    price_trace,
-    turn_proposals,
-)
+from specdecode.bench.oracle import CostTable, Proposals, best_schedule, max_trace_rows, price_trace, turn_proposals
+from specdecode.bench.oracle_report import check_oracle_config
 from specdecode.drafters.suffix_cache import SuffixCache
 from specdecode.engine.trace import PassEvent, PassTrace
 from specdecode.errors import InvalidRequestError

@@ -58,8 +58,8 @@ class BenchConfig:
     kv_dtype: str = "auto"  # KV-cache storage of specdecode's methods: auto or int8
     compile: bool | str = False  # specdecode's torch passes compiled (backends/compiled.py), before the run
     bandwidth_probe_bytes: int = DEFAULT_PROBE_BYTES  # 0 skips the probe (and the ceilings)
-    # The oracle ceiling (bench/oracle.py): each method's passes traced, priced with the measured
-    # pass costs beside the hindsight-best schedule of the same drafters; greedy, with plain decoding.
+    # The oracle ceiling (bench/oracle.py, oracle_report.py): each method's passes traced, priced with the
+    # measured pass costs beside the hindsight-best schedule of the same drafters; greedy, with plain decoding.
     oracle: bool = False
     out: Path = Path("results")
     plots: bool = True
@@ -93,7 +93,7 @@ class BenchConfig:
             )
         params = self.sampling()  # validates temperature, top-k, top-p, max_new_tokens
         if self.oracle:
-            from specdecode.bench.oracle import check_oracle_config
+            from specdecode.bench.oracle_report import check_oracle_config
 
             check_oracle_config(self.methods, params.greedy, (PLAIN_METHOD, PLAIN_LLAMACPP_METHOD))
 

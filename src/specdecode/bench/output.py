@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.oracle import oracle_rows
+from specdecode.bench.oracle_report import oracle_rows
 from specdecode.bench.report import ALL
 
 GIB = 1 << 30

@@ -67,7 +67,7 @@ def resummarize(path: Path, config: BenchConfig, console: Any = None) -> dict[st
         results["bandwidth"]["copy_bytes_per_second"],
     )
     if results.get("oracle"):
-        from specdecode.bench.oracle import rescore
+        from specdecode.bench.oracle_report import rescore
 
         rescore(results["oracle"], results["records"], results["summary"])
     publish(results, config, console)

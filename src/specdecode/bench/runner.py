@@ -34,7 +34,7 @@ from specdecode.errors import InvalidRequestError
 from specdecode.prompt_sets import BenchPrompt, load_prompts, select_prompts
 
 if TYPE_CHECKING:
-    from specdecode.bench.oracle import OracleGroup
+    from specdecode.bench.oracle_report import OracleGroup
 
 # Re-exported: the bench's entry points have long been importable from here.
 __all__ = ["DEFAULT_METHODS", "Bench", "BenchConfig", "resummarize", "run_bench", "write_results"]
@@ -210,7 +210,7 @@ class Bench(BenchLineup):
         summary = summarize(records, list(self.methods), params.greedy, self.weight_bytes, bandwidth)
         oracle = None
         if oracle_groups and records:
-            from specdecode.bench.oracle import oracle_results
+            from specdecode.bench.oracle_report import oracle_results
 
             console.print("oracle: scoring the drafters at every position of the plain outputs ...")
             with progress:
@@ -252,7 +252,7 @@ class Bench(BenchLineup):
     def _oracle_groups(self) -> list[OracleGroup]:
         """The oracle's groups (``--oracle``): one per plain decoding in the run (torch, llama.cpp),
         with the traced methods its cost table prices and the decoder holding their drafters."""
-        from specdecode.bench.oracle import ORACLE_BASES, OracleGroup
+        from specdecode.bench.oracle_report import ORACLE_BASES, OracleGroup
 
         groups = []
         for plain, decoder in ((PLAIN_METHOD, self.decoder),
