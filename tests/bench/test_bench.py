@@ -350,14 +350,57 @@ def test_ctrl_c_keeps_what_was_measured(tiny_qwen2_dir: Path, tmp_path: Path) ->
     assert json.loads(written[0].read_text())["complete"] is False
 
 
+def test_bench_holds_one_decoder_config(tiny_qwen2_dir: Path) -> None:
+    """A BenchConfig's decoder settings are one DecoderConfig, given whole or field by field, and
+    every method's decoder is built from it: fields bench never names (k_max, jump_forward) reach
+    each method, and a copy with other methods keeps them."""
+    from dataclasses import replace
+
+    from specdecode.config import DecoderConfig
+
+    bench_fields = dict(methods=("none", "ngram"), max_new_tokens=4, bandwidth_probe_bytes=0, quiet=True, warmup=False)
+    flat = BenchConfig(target=str(tiny_qwen2_dir), k=3, k_max=4, jump_forward=False, dtype="fp32", device="cpu",
+                       draft_confidence=None, **bench_fields)  # None keeps the decoder's default
+    whole = BenchConfig(decoder=DecoderConfig(target=str(tiny_qwen2_dir), k=3, k_max=4, jump_forward=False,
+                                              dtype="fp32", device="cpu"), **bench_fields)
+    assert flat == whole and flat.decoder.k == 3 and flat.decoder.draft_confidence == DecoderConfig().draft_confidence
+    assert replace(flat, methods=("none",)).decoder == flat.decoder
+    bench = Bench(flat)
+    for name in ("none", "ngram"):
+        config = bench.methods[name].decoder.config  # type: ignore[attr-defined]  # a SpecDecodeMethod
+        assert (config.k_max, config.jump_forward, config.backend, config.dtype) == (4, False, "torch", "fp32")
+    assert bench.methods["ngram"].k == 3  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"draft_confidnce": 0.1}, "Unknown bench option 'draft_confidnce'. Did you mean 'draft_confidence'?"),
+        ({"draft_confidence": 2.0}, "draft_confidence must be in [0, 1)"),
+        ({"kv_dtype": "fp8"}, "kv_dtype='fp8' is not one of"),
+        ({"backend": "llama.cpp"}, "backend='llama.cpp': bench sets it for each method (a label sets it: none@llama.cpp)"),
+        ({"method": "ngram"}, "method='ngram': bench sets it for each method"),
+        ({"k": "auto"}, "bench sets a method's k policy in its label"),
+        ({"decoder": {"k": 3}}, "decoder must be a DecoderConfig, got dict"),
+    ],
+)
+def test_bad_bench_options_are_clear_errors(options: dict[str, Any], message: str) -> None:
+    import re
+
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        BenchConfig(**options)
+
+
 def test_cli_bench_runs_and_rejects_bad_input(capsys, tiny_qwen2_dir: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello there\n")
     base = ["bench", "--target", str(tiny_qwen2_dir), "--dtype", "fp32", "--device", "cpu", "--max-new-tokens", "4",
             "--bandwidth-probe-mib", "0", "--no-warmup", "--prompts", str(prompts), "--out", str(tmp_path / "o")]
-    assert cli.main(base + ["--methods", "none,hf", "--no-plots", "--quiet"]) == 0
+    assert cli.main(base + ["--methods", "none,hf", "--no-plots", "--quiet", "--k", "2", "--no-jump-forward"]) == 0
     data = json.loads((tmp_path / "o" / "results.json").read_text())
     assert data["summary"]["none"][ALL]["prompts"] == 1 and data["bandwidth"]["copy_bytes_per_second"] is None
+    # Every decoder flag reaches the run's DecoderConfig, recorded whole.
+    assert data["config"]["decoder"]["k"] == 2 and data["config"]["decoder"]["jump_forward"] is False
     assert not (tmp_path / "o" / "speedup.png").exists()
     capsys.readouterr()
     assert cli.main(base + ["--methods", "none,lora"]) == cli.EXIT_USER_ERROR
@@ -368,6 +411,8 @@ def test_cli_bench_runs_and_rejects_bad_input(capsys, tiny_qwen2_dir: Path, tmp_
     assert "does not exist" in capsys.readouterr().err
     assert cli.main(base + ["--methods", "none", "--temperature", "-1"]) == cli.EXIT_USER_ERROR
     assert "temperature" in capsys.readouterr().err
+    assert cli.main(base + ["--methods", "none", "--k", "auto"]) == cli.EXIT_USER_ERROR
+    assert "--methods ngram:auto" in capsys.readouterr().err
 
 
 def test_hf_peers_ignore_checkpoint_sampling_defaults_and_sampling_runs(tiny_qwen2_dir: Path, tmp_path: Path) -> None:

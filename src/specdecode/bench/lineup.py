@@ -35,7 +35,8 @@ def _layerskip_configured(config: BenchConfig) -> bool:
     from specdecode.drafters.layer_skip_file import builtin_choice
     from specdecode.models import demo
 
-    return bool(config.skip_layers or config.layerskip_config or builtin_choice(config.target or demo.DEFAULT_TARGET))
+    decoder = config.decoder
+    return bool(decoder.skip_layers or decoder.layerskip_config or builtin_choice(decoder.target or demo.DEFAULT_TARGET))
 
 
 class BenchLineup:
@@ -66,13 +67,9 @@ class BenchLineup:
         labels = {name: parse_method(name) for name in config.methods}
         # The torch decoder loads a draft model only for torch methods; llama.cpp's side has its own.
         needs_draft = any(uses_draft_model(m) for m in config.methods if not labels[m].on_llamacpp)
-        self.decoder = SpecDecoder.from_pretrained(
-            config.target, config.draft, method="draft" if needs_draft else "none",
-            k=config.k, draft_confidence=config.draft_confidence,
-            ngram_max=config.ngram_max, ngram_min=config.ngram_min,
-            skip_layers=config.skip_layers, layerskip_config=config.layerskip_config,
-            dtype=config.dtype, device=config.device, kv_dtype=config.kv_dtype, backend="torch",
-            show_progress=not config.quiet, compile=config.compile,
+        shared = config.decoder  # every method's settings but what its label sets
+        self.decoder = SpecDecoder.from_config(
+            replace(shared, method="draft" if needs_draft else "none", backend="torch"), show_progress=not config.quiet,
         )
         if any(label.base == "layerskip" for label in labels.values()) and not self.decoder.config.skip_layers:
             # No layers given: the target's built-in tuned choice (the demo target has one).
@@ -87,7 +84,7 @@ class BenchLineup:
             if folder is not None and any(parse_method(m).base == kind for m in config.methods)
         }
         for heads in self.heads.values():
-            self.decoder.attach_heads(heads, config.tree_size)
+            self.decoder.attach_heads(heads, shared.tree_size)
         # Quantized variants share one loaded model per (role, quantization) and get a decoder
         # per (target quant, draft quant) pair.
         loaded = {("target", "none"): self.decoder.target, ("draft", "none"): self.decoder.draft}
@@ -108,7 +105,7 @@ class BenchLineup:
                 decoder_config = self.decoder.config if with_draft else replace(self.decoder.config, method="none")
                 decoders[key] = SpecDecoder(model("target", key[0]), draft, decoder_config)
                 for heads in self.heads.values():  # trained on the unquantized target's features
-                    decoders[key].attach_heads(heads, config.tree_size)
+                    decoders[key].attach_heads(heads, shared.tree_size)
             return decoders[key]
 
         self.device = self.decoder.target.model.device
@@ -130,12 +127,12 @@ class BenchLineup:
             else:
                 label = labels[name]
                 decoder = decoder_for(label.target_quant, label.draft_quant, uses_draft_model(label.base) and self.decoder.draft is not None)
-                self.methods[name] = SpecDecodeMethod(name, decoder, config.k)
+                self.methods[name] = SpecDecodeMethod(name, decoder, shared.k)
         draft = self.decoder.draft
         # Compiled before measuring: every shape a method may run, so none compiles mid-run (a
         # decoder made for plain decoding only needs its one-row pass).
         self.compile_logs = [d.warm_up(not config.quiet, all_shapes=d.config.method != "none")
-                             for d in decoders.values()] if config.compile else []
+                             for d in decoders.values()] if shared.compile else []
         self.target_bytes = weight_bytes_per_forward(self.decoder.target.config, self.dtype)
         self.draft_bytes = weight_bytes_per_forward(draft.config, self.dtype) if draft is not None else 0
         # (target, draft) bytes per forward pass of each method, as its weights are stored.
@@ -159,16 +156,11 @@ class BenchLineup:
         if not labels:
             return None
         from specdecode.backends.llamacpp_sequence import DEFAULT_CONTEXT
-        from specdecode.models import demo
 
-        config = self.config
-        target = config.target or demo.DEFAULT_TARGET
-        draft = config.draft or (demo.DEFAULT_DRAFT if demo.is_demo_model_name(target) else None)
         return load_llamacpp_side(
-            target, draft, labels, dtype=config.dtype, show_progress=not config.quiet,
+            self.config.decoder, labels, show_progress=not self.config.quiet,
             # Our backend's context, capped at what the model was trained for.
             context=min(DEFAULT_CONTEXT, self.decoder.target.config.max_position_embeddings),
-            k=config.k, draft_confidence=config.draft_confidence, ngram_max=config.ngram_max, ngram_min=config.ngram_min,
         )
 
     def _llamacpp_method(self, name: str) -> BenchMethod:
@@ -181,9 +173,9 @@ class BenchLineup:
         if name in LLAMACPP_BIN_METHODS:
             assert config.llamacpp_bin is not None  # BenchConfig checked it
             return LlamaCppBinaryMethod(name, Path(config.llamacpp_bin), side.files.target, side.files.draft, self.tokenizer, eos,
-                                        threads=side.threads, context=side.context, exact=side.exact, k=config.k,
+                                        threads=side.threads, context=side.context, exact=side.exact, k=config.decoder.k,
                                         timeout=config.llamacpp_bin_timeout)
-        return SpecDecodeMethod(name, side.decoder, config.k)
+        return SpecDecodeMethod(name, side.decoder, config.decoder.k)
 
     def _draft_bytes(self, label: MethodLabel, draft: Any) -> int:
         """Weight bytes one draft pass of the method reads, as stored."""

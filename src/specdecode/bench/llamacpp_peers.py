@@ -20,12 +20,12 @@ counts its whole verdict, as our engine's does.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from specdecode.bench.methods import LLAMACPP_PY_METHODS, TurnResult
-from specdecode.config import SamplingParams
+from specdecode.config import DecoderConfig, SamplingParams
 from specdecode.engine.metrics import GenerationStats
 from specdecode.errors import InvalidRequestError
 
@@ -240,14 +240,11 @@ class LlamaCppSide:
 
 
 def load_llamacpp_side(
-    target: str,
-    draft: str | None,
+    decoder: DecoderConfig,  # the run's shared decoder settings (BenchConfig.decoder)
     labels: dict[str, Any],  # method name -> bench.methods.MethodLabel, the llama.cpp ones only
     *,
-    dtype: str,
     context: int,
     show_progress: bool,
-    **spec: Any,  # k, draft_confidence, ngram_max, ngram_min for our decoder
 ) -> LlamaCppSide:
     """Resolve the GGUF files and load our decoder on llama.cpp if any of our methods asks for it."""
     import torch
@@ -258,6 +255,7 @@ def load_llamacpp_side(
     from specdecode.backends.select import LLAMACPP, llamacpp_installed
     from specdecode.bench.methods import LLAMACPP_BIN_METHODS, LLAMACPP_PEERS, uses_draft_model
     from specdecode.bench.roofline import gguf_weight_bytes_per_forward
+    from specdecode.models import demo
 
     needs_binding = [name for name, label in labels.items() if label.base not in LLAMACPP_BIN_METHODS]
     if needs_binding and not llamacpp_installed():
@@ -265,19 +263,23 @@ def load_llamacpp_side(
             f"Methods {', '.join(needs_binding)} need llama-cpp-python: pip install 'specdecode[llamacpp]' "
             "(it compiles llama.cpp), or leave those methods out."
         )
+    target = decoder.target or demo.DEFAULT_TARGET
+    draft = decoder.draft or (demo.DEFAULT_DRAFT if demo.is_demo_model_name(target) else None)
     ours = {name: label for name, label in labels.items() if label.base not in LLAMACPP_PEERS}
     ours_draft = any(uses_draft_model(label.base) for label in ours.values())
     files = resolve_gguf_files(target, draft, list(labels), any(uses_draft_model(label.base) for label in labels.values()))
-    decoder = None
+    spec_decoder = None
     if ours:
-        decoder = SpecDecoder.from_pretrained(
-            str(files.target), str(files.draft) if ours_draft else None, method="draft" if ours_draft else "none",
-            dtype=dtype, device="cpu", backend=LLAMACPP, show_progress=show_progress,
-            **{key: value for key, value in spec.items() if value is not None},
+        # The shared settings on llama.cpp's CPU passes; the KV-cache storage and compilation are
+        # the torch side's (llama.cpp's cache type follows dtype).
+        config = replace(
+            decoder, target=str(files.target), draft=str(files.draft) if ours_draft else None,
+            method="draft" if ours_draft else "none", backend=LLAMACPP, device="cpu", kv_dtype="auto", compile=False,
         )
+        spec_decoder = SpecDecoder.from_config(config, show_progress)
     return LlamaCppSide(
-        files=files, decoder=decoder, context=context,
-        exact=resolve_dtype(dtype, torch.device("cpu")) == torch.float32, threads=physical_core_count(),
+        files=files, decoder=spec_decoder, context=context,
+        exact=resolve_dtype(decoder.dtype, torch.device("cpu")) == torch.float32, threads=physical_core_count(),
         target_bytes=gguf_weight_bytes_per_forward(files.target),
         draft_bytes=gguf_weight_bytes_per_forward(files.draft) if files.draft else 0,
     )

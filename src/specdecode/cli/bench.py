@@ -11,14 +11,15 @@ from specdecode.cli.train import add_bench_heads_arguments
 from specdecode.cli.train import positive_int as _positive_int
 from specdecode.errors import InvalidRequestError
 
-# Decoder options a bench run sets per method, in its labels (draft:3@int8, none@llama.cpp,
-# ngram:auto, none+nocache), or with its own flags (--medusa-heads, --eagle-heads), or that its
-# BenchConfig does not carry (its decoders read stored pass costs as any decoder does).
-BENCH_EXCLUDED = frozenset({"method", "k_policy", "k_max", "backend", "target_quant", "draft_quant", "heads",
-                            "acceptance", "suffix_cache_tokens", "prefix_cache", "retime_costs"})
+# Decoder options a bench run sets per method (bench/config.py: SET_PER_METHOD), in its labels
+# (draft:3@int8, none@llama.cpp, ngram:auto, none+nocache) or with its own flags (--medusa-heads,
+# --eagle-heads); and those bench has no flag for (a BenchConfig from Python takes them: its
+# decoder is a whole DecoderConfig). Every other decoder flag is bench's too.
+BENCH_UNFLAGGED = frozenset({"k_max", "acceptance", "suffix_cache_tokens", "retime_costs"})
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from specdecode.bench.config import SET_PER_METHOD
     from specdecode.bench.llamacpp_bin import DEFAULT_BIN_TIMEOUT_SECONDS
     from specdecode.bench.methods import DEFAULT_HF_LOOKUP_TOKENS, DEFAULT_LLAMACPP_LOOKUP_TOKENS, available_methods
     from specdecode.bench.runner import DEFAULT_METHODS
@@ -58,7 +59,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--seed", type=int, default=0, help="sampling seed (each generation restarts from it)")
     # The methods' labels set the method, k policy, backend and quantizations per method.
-    add_decoder_arguments(bench, exclude=BENCH_EXCLUDED)
+    add_decoder_arguments(bench, exclude=frozenset(SET_PER_METHOD) | BENCH_UNFLAGGED)
     add_bench_heads_arguments(bench)
     bench.add_argument("--hf-lookup-tokens", type=_positive_int, default=DEFAULT_HF_LOOKUP_TOKENS, help="prompt_lookup_num_tokens for hf-lookup")
     bench.add_argument(
@@ -100,12 +101,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specdecode.bench import BenchConfig, resummarize, run_bench
     from specdecode.config import DecoderConfig
 
-    if args.k == "auto":
-        raise InvalidRequestError("bench sets a method's k policy in its label: --methods ngram:auto,suffix:auto,auto.")
-    decoder = DecoderConfig.from_args(args)  # validates the decoder flags before anything loads
     config = BenchConfig(
-        target=decoder.target,
-        draft=decoder.draft,
+        decoder=DecoderConfig.from_args(args),  # the shared decoder flags, validated before anything loads
         methods=args.methods,
         prompts=args.prompts,
         categories=args.categories,
@@ -115,15 +112,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        k=decoder.k,
-        draft_confidence=args.draft_confidence,
-        ngram_max=args.ngram_max,
-        ngram_min=args.ngram_min,
-        skip_layers=decoder.skip_layers or None,
-        layerskip_config=decoder.layerskip_config,
         medusa_heads=args.medusa_heads,
         eagle_heads=args.eagle_heads,
-        tree_size=args.tree_size,
         hf_lookup_tokens=args.hf_lookup_tokens,
         llamacpp_lookup_tokens=args.llamacpp_lookup_tokens,
         llamacpp_bin=args.llamacpp_bin,
@@ -131,10 +121,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         warmup=not args.no_warmup,
         chat={"auto": None, "yes": True, "no": False}[args.chat],
-        dtype=decoder.dtype,
-        device=decoder.device,
-        kv_dtype=decoder.kv_dtype,
-        compile=decoder.compile,
         bandwidth_probe_bytes=max(0, args.bandwidth_probe_mib) << 20,
         oracle=args.oracle,
         out=Path(args.out),
