@@ -9,8 +9,11 @@ Tolerances (measured on the tiny 2-layer models, logits of magnitude up to ~5.5)
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,7 @@ from specdecode.backends.llamacpp import (
     LlamaCppModel,
     physical_core_count,
 )
+from specdecode.backends.llamacpp_binding import LogSink, import_llama_cpp
 from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeError, UnsupportedModelError
 
 PRECISE_ATOL = 1e-4
@@ -160,6 +164,64 @@ def test_forward_batch_equals_each_sequence_alone(ggufs: dict) -> None:
             assert got.shape == expected.shape
             assert_close(got, expected)
             assert_same_argmax_where_clear(got, expected, PRECISE_ATOL)
+
+
+@contextmanager
+def counted_micro_batches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Lines llama.cpp logs per micro-batch ("ubatch") it cuts a batch into, for contexts created
+    inside the block: ``LLAMA_BATCH_DEBUG`` is read when a context is created."""
+    llama_cpp = import_llama_cpp()
+    lines: list[str] = []
+
+    def log(level: int, text: bytes | None, user_data: int | None) -> None:
+        if text and b"added ubatch to split" in text:
+            lines.append(text.decode())
+
+    callback = llama_cpp.llama_log_callback(log)  # held until the sink is back
+    monkeypatch.setenv("LLAMA_BATCH_DEBUG", "1")
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        LogSink.install(llama_cpp)
+        monkeypatch.delenv("LLAMA_BATCH_DEBUG")
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+def test_a_ragged_batch_on_any_sequence_ids_is_one_micro_batch(ggufs: dict, monkeypatch: pytest.MonkeyPatch,
+                                                               kv_unified: bool) -> None:
+    """A batch engine's step (rows of 5, 3, 1 and 1 tokens on sequences 3, 0, 2, 1) runs as one
+    llama.cpp micro-batch, one read of the weights, by default (unified KV). With one KV stream
+    per sequence llama.cpp's split_equal cuts it into equal tokens per sequence on consecutive
+    ids in batch order ({3} x 5, {0, 1} x 1, {0} x 2, {2} x 1), each costing up to a pass on a
+    CPU (benchmarks/llamacpp_batch_passes.py). The kv_unified=False case shows the count can fail."""
+    with counted_micro_batches(monkeypatch) as lines, \
+            LlamaCppModel(ggufs["qwen2"], n_ctx=64, n_seq_max=4, kv_unified=kv_unified) as model:
+        for seq in range(4):
+            model.forward(seq, PROMPT[: 4 + seq], 0, "none")
+        lines.clear()
+        model.forward_batch([(3, PROMPT[:5], 7, "all"), (0, OTHER_TAIL[:3], 4, "all"),
+                             (2, [42], 6, "all"), (1, [7], 5, "all")])
+        assert len(lines) == (1 if kv_unified else 4)
+    assert LlamaCppModel.__init__.__kwdefaults__["kv_unified"] is True
+
+
+def test_a_copied_prefix_outlives_its_source_in_the_unified_cache(ggufs: dict) -> None:
+    """``copy_sequence`` in the unified cache shares the prefix's cells: the copy holds exactly
+    ``length`` positions, continues as the source would, and keeps them when the source is cut
+    back and rewritten, or cleared."""
+    with LlamaCppModel(ggufs["qwen2"], n_ctx=64, n_seq_max=3, **PRECISE) as model:
+        model.forward(0, PROMPT, 0, "none")
+        model.copy_sequence(0, 1, ROLLBACK_TO)
+        assert model.cached_length(1) == ROLLBACK_TO and model.cached_length(0) == len(PROMPT)
+        expected = model.forward(2, PROMPT[:ROLLBACK_TO] + OTHER_TAIL, 0, "all")[ROLLBACK_TO:]
+        model.forward(0, OTHER_TAIL[:1], 2, "none")  # the source rewrites positions the copy holds
+        assert_close(model.forward(1, OTHER_TAIL, ROLLBACK_TO, "all"), expected)
+        model.clear(0)
+        model.truncate(1, ROLLBACK_TO)
+        assert_close(model.forward(1, OTHER_TAIL, ROLLBACK_TO, "all"), expected)
+        model.copy_sequence(1, 0, 0)
+        assert model.cached_length(0) == 0
 
 
 def test_a_second_context_shares_the_loaded_weights(ggufs: dict) -> None:

@@ -114,9 +114,18 @@ class _Weights:
 class LlamaCppModel:
     """One GGUF model and one llama.cpp context on the CPU, with ``n_seq_max`` sequences.
 
-    n_ctx:       positions each sequence may hold (the context is sized n_ctx * n_seq_max and
-                 each sequence gets its own KV stream, so sequences never compete for room).
+    n_ctx:       positions each sequence may hold (the context is sized n_ctx * n_seq_max, so
+                 sequences never compete for room).
     n_batch:     tokens per llama_decode call (also the micro-batch); longer inputs are split.
+    kv_unified:  True (the default, llama-server's with automatic slots): one KV buffer whose
+                 cells any sequence may take, so a ``forward_batch`` of rows of any lengths on
+                 any sequence ids is one micro-batch (llama.cpp's ``split_simple``), one read of
+                 the weights. False: one KV stream per sequence, and llama.cpp's ``split_equal``
+                 cuts a multi-sequence batch into micro-batches of equal tokens per sequence on
+                 consecutive sequence ids: rows of 5, 3, 1, 1 tokens took 3 micro-batches and 8
+                 prompts of 41-58 tokens 8 (benchmarks/llamacpp_batch_passes.py). Unified, a
+                 row's attention masks the other sequences' cells (flash attention skips them).
+    n_ubatch:    tokens per micro-batch (default n_batch: one compute graph per llama_decode).
     n_threads:   threads for every pass; default: the physical cores this process may use.
     kv_type:     "f16" (llama.cpp's default, half the memory) or "f32".
     flash_attn:  None lets llama.cpp decide (it enables it on CPU); its CPU kernel works in f16,
@@ -134,6 +143,8 @@ class LlamaCppModel:
         n_batch: int = 512,
         kv_type: str = "f16",
         flash_attn: bool | None = None,
+        kv_unified: bool = True,
+        n_ubatch: int | None = None,
         verbose: bool = False,
         weights_of: LlamaCppModel | None = None,
     ) -> None:
@@ -154,6 +165,8 @@ class LlamaCppModel:
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
+        self.n_ubatch = n_batch if n_ubatch is None else min(n_ubatch, n_batch)
+        self.kv_unified = kv_unified
         self.n_threads = n_threads if n_threads is not None else physical_core_count()
         self.kv_type, self.flash_attn, self.verbose = kv_type, flash_attn, verbose
         # Bumped by every LlamaCppSequence that begins or times a sequence of this context: held
@@ -198,10 +211,9 @@ class LlamaCppModel:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = self.n_ctx * self.n_seq_max
         params.n_batch = self.n_batch
-        params.n_ubatch = self.n_batch  # one compute graph per llama_decode unless the input is split
+        params.n_ubatch = self.n_ubatch
         params.n_seq_max = self.n_seq_max
-        # Per-sequence KV streams: attention of one sequence never scans another's cells.
-        params.kv_unified = False
+        params.kv_unified = self.kv_unified
         params.n_outputs_max = 0  # 0: up to n_batch logit rows per pass
         params.n_outputs_max_per_seq = 0  # default 1 in 0.3.36; verification needs a row per token
         params.n_threads = self.n_threads
@@ -232,7 +244,8 @@ class LlamaCppModel:
         ``n_ctx`` positions each (a batch engine's), on this one's loaded weights: the model is
         freed when the last context on it closes."""
         return LlamaCppModel(self.path, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=self.n_threads, n_batch=self.n_batch,
-                             kv_type=self.kv_type, flash_attn=self.flash_attn, verbose=self.verbose, weights_of=self)
+                             kv_type=self.kv_type, flash_attn=self.flash_attn, kv_unified=self.kv_unified,
+                             n_ubatch=self.n_ubatch, verbose=self.verbose, weights_of=self)
 
     def describe(self) -> dict[str, Any]:
         """The model's shape and special tokens as llama.cpp read them from the GGUF metadata."""
@@ -273,14 +286,20 @@ class LlamaCppModel:
     def copy_sequence(self, source: int, dest: int, length: int) -> None:
         """Make ``dest`` hold ``source``'s first ``length`` positions (``dest``'s own are dropped).
 
-        The context keeps one KV stream per sequence (``kv_unified=False``), and llama.cpp copies
-        between streams only whole (a partial range aborts the process), at the start of the
-        next ``llama_decode``: so the whole stream is copied and ``dest`` cut back to ``length``."""
+        Unified KV: ``dest`` joins ``source`` on the cells of those positions (no data moves;
+        a cell is freed when no sequence holds it, and either sequence's later writes take new
+        cells). One stream per sequence (``kv_unified=False``): llama.cpp copies between streams
+        only whole (a partial range aborts the process), at the start of the next
+        ``llama_decode``, so the whole stream is copied and ``dest`` cut back to ``length``."""
         self._check_seq(source)
         self._check_seq(dest)
         if source == dest:
             raise InvalidRequestError("copy_sequence needs two different sequences")
         self._llama.llama_memory_seq_rm(self._memory, dest, -1, -1)
+        if self.kv_unified:
+            if length > 0:
+                self._llama.llama_memory_seq_cp(self._memory, source, dest, 0, length)
+            return
         self._llama.llama_memory_seq_cp(self._memory, source, dest, -1, -1)
         self.truncate(dest, length)
 

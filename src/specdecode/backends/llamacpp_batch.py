@@ -1,10 +1,11 @@
 """A GGUF model decoding many sequences in one ``llama_decode``: the llama.cpp ``BatchModel``.
 
-llama.cpp keeps each sequence of a context in its own KV stream of ``n_ctx`` positions
-(``LlamaCppModel`` creates contexts with ``kv_unified=False``), so there are no blocks to page:
-the pool is the context's ``n_seq_max`` sequence slots, and a sequence fits when it needs at
-most ``n_ctx`` positions. A slot is taken when the scheduler adds a sequence; rollback is
-``llama_memory_seq_rm`` (``LlamaCppModel.truncate``).
+llama.cpp sizes a context's KV cache for ``n_seq_max`` sequences of ``n_ctx`` positions and
+places each token in a cell itself, so there are no blocks to page: the pool is the context's
+``n_seq_max`` sequence slots, and a sequence fits when it needs at most ``n_ctx`` positions. A
+slot is taken when the scheduler adds a sequence; rollback is ``llama_memory_seq_rm``
+(``LlamaCppModel.truncate``). The cache is unified (``LlamaCppModel``'s ``kv_unified``), so a
+step's rows, of any lengths, run as one micro-batch.
 
 Prefix caching, as llama-server's slots do it: a sequence that leaves keeps its K/V in its slot,
 with a record of its committed tokens and cache group. A new sequence takes the free slot whose
@@ -12,10 +13,10 @@ record shares the longest prefix with its tokens in its group (cut after that pr
 token is always computed), else the slot freed longest ago. A free slot's prefix costs nothing.
 A running sequence's slot is a source too: when it holds a longer prefix in the group (at least
 ``copy_min_tokens`` more), the new sequence takes a free slot and copies the running one's K/V
-into it (``llama_memory_seq_cp``: the whole stream, then cut). So requests sharing a system
-prompt compute it once even while the first of them still decodes (the scheduler holds back a
-request whose prefix another is still prefilling: engine/scheduler.py). ``fork`` copies the same
-way for n samples of one prompt.
+into it (``LlamaCppModel.copy_sequence``: in the unified cache it shares the prefix's cells). So
+requests sharing a system prompt compute it once even while the first of them still decodes
+(the scheduler holds back a request whose prefix another is still prefilling:
+engine/scheduler.py). ``fork`` copies the same way for n samples of one prompt.
 
 Preemption (engine/scheduler.py): a preempted sequence's slot is kept for it (``free(...,
 returning=True)``); others take it only when no other slot is free, and then its K/V are first
@@ -38,9 +39,10 @@ from specdecode.engine.prefix import common_prefix_length
 from specdecode.kv.paged import OutOfBlocks, PrefixCacheStats
 
 FILLER_TOKEN = 0  # what timing passes feed: their cost does not depend on the ids
-# A copy moves a whole KV stream of n_ctx positions: measured on the demo target, 2,048
-# positions copied in 12-14 ms, where prefilling one token took 15 ms (2-core CPU). A copy is
-# taken when it saves at least n_ctx / COPY_POSITIONS_PER_TOKEN prompt tokens: an 8x margin.
+# Without a unified cache a copy moves a whole KV stream of n_ctx positions: measured on the demo
+# target, 2,048 positions copied in 12-14 ms, where prefilling one token took 15 ms (2-core CPU).
+# Such a copy is taken when it saves at least n_ctx / COPY_POSITIONS_PER_TOKEN prompt tokens: an
+# 8x margin. In a unified cache a copy moves no data (the sequences share cells): one token pays.
 COPY_POSITIONS_PER_TOKEN = 256
 
 
@@ -86,7 +88,7 @@ class SlotPool:
         # Running sequences' slots -> (their committed tokens, the engine's live list; their
         # group): a new sequence may copy the first ``lengths[slot]`` positions' K/V.
         self.running: dict[int, tuple[Sequence[int], str | None]] = {}
-        self.copy_min_tokens = max(1, model.n_ctx // COPY_POSITIONS_PER_TOKEN)
+        self.copy_min_tokens = 1 if model.kv_unified else max(1, model.n_ctx // COPY_POSITIONS_PER_TOKEN)
         self.copies = 0  # prefixes copied from running sequences' slots, since start
 
     @property
@@ -212,8 +214,8 @@ class SlotPool:
     def fork(self, source: int, dest: int, length: int | None = None) -> int:
         """A new sequence ``dest`` in a free slot, holding a copy of ``source``'s first ``length``
         positions (all of its committed ones by default, at most those); returns them. The copy
-        is the whole KV stream of a slot (``LlamaCppModel.copy_sequence``), a memory copy of the
-        slot's n_ctx positions, where recomputing the prompt would cost a pass over it."""
+        (``LlamaCppModel.copy_sequence``) shares the prefix's cells in a unified cache, or copies
+        the slot's whole KV stream otherwise, where recomputing the prompt would cost a pass."""
         if dest in self.slots:
             raise ValueError(f"sequence {dest} already has a llama.cpp slot")
         if not self._free:
