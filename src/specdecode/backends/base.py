@@ -166,6 +166,9 @@ class BatchModel(Protocol):
     # batch, llama.cpp's): then a prompt's last chunk is fed with its first verify rows, saving a
     # pass before the first token. A padded batch (torch's) would pad every row to the prompt.
     merges_prefill: bool
+    # Whether a pass can score token trees (``forward``'s ``trees``, ``keep_path``): tree
+    # attention, which our torch model over a paged pool has and llama.cpp's batch does not.
+    supports_trees: bool
 
     @property
     def device(self) -> torch.device: ...
@@ -184,10 +187,18 @@ class BatchModel(Protocol):
         """float32 logits: (B, T_max, V) for "all" (rows past T_b are padding), (B, V) of each
         row's last token for "last", None for "none" (a prefill). With "all", ``logit_rows[b]``
         (given) keeps row b's last ``logit_rows[b]`` tokens only, at ``[b, :logit_rows[b]]`` of a
-        (B, max(logit_rows), V) result: a prompt's tail fed with its first drafts."""
+        (B, max(logit_rows), V) result: a prompt's tail fed with its first drafts.
+
+        Where ``supports_trees``, a ``trees`` keyword (row b: a token tree's parents, or None)
+        makes row b's tokens a tree's nodes, root first, scored with tree attention
+        (``kv/paged.PagedKVCache.view``)."""
 
     def commit(self, seq: int, length: int) -> None:
         """Positions [0, length) of ``seq`` are valid; anything written after them is dropped."""
+
+    def keep_path(self, seq: int, root: int, path: Sequence[int]) -> None:
+        """Where ``supports_trees``: keep one root-to-node ``path`` of the tree a pass wrote from
+        position ``root`` as the sequence's positions root, root + 1, ... (before ``commit``)."""
 
     def pass_seconds(self, shapes: Sequence[tuple[int, int]], repeats: int) -> dict[tuple[int, int], float]:
         """Seconds of one pass of B sequences x T new tokens for each (B, T) (best of ``repeats``)."""

@@ -19,6 +19,7 @@ from specdecode.models.llama import Transformer
 class PagedBatchModel:
     backend = "torch"
     merges_prefill = False  # padded rows: a prompt fed with the verify rows would pad every row to it
+    supports_trees = True  # per-row tree attention masks over the paged pool (kv/paged.py)
 
     def __init__(self, model: Transformer, pool: PagedKVCache) -> None:
         self.model = model
@@ -45,11 +46,12 @@ class PagedBatchModel:
         starts: Sequence[int],
         logits: str = "all",
         logit_rows: Sequence[int] | None = None,
+        trees: Sequence[Sequence[int] | None] | None = None,
     ) -> torch.Tensor | None:
         if logit_rows is not None and logits != "all":
             raise ValueError("logit_rows goes with logits='all'")
         host_positions = [list(range(start, start + x.shape[0])) for x, start in zip(inputs, starts, strict=True)]
-        view, positions = self.pool.view(list(seqs), host_positions, self.model.config.sliding_window)
+        view, positions = self.pool.view(list(seqs), host_positions, self.model.config.sliding_window, trees)
         tokens = stack_padded(list(inputs))
         if logits == "all" and logit_rows is None:
             return self.model(tokens, positions, view, view).logits  # (B, T_max, V)
@@ -74,6 +76,9 @@ class PagedBatchModel:
 
     def commit(self, seq: int, length: int) -> None:
         self.pool.commit(seq, length)
+
+    def keep_path(self, seq: int, root: int, path: Sequence[int]) -> None:
+        self.pool.keep_path(seq, root, path)
 
     @torch.inference_mode()
     def pass_seconds(self, shapes: Sequence[tuple[int, int]], repeats: int) -> dict[tuple[int, int], float]:

@@ -37,10 +37,18 @@ class DraftProposal:
     # The grammar's forced tokens (engine/grammar.py), drafted in place of the drafter's: the
     # drafter and the acceptance statistics that steer it hear nothing of this step.
     forced: bool = False
+    # A batch row's token tree (engine/batch.py): ``tokens`` are then its nodes after the root
+    # (tree.tokens[1:], so the row's input is built as a chain's is) and ``probs`` is None.
+    tree: TokenTree | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def depth(self) -> int:
+        """The most drafts the row could accept: a chain's length, a tree's depth."""
+        return self.tree.max_depth if self.tree is not None else self.num_tokens
 
 
 class Drafter(Protocol):

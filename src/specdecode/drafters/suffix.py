@@ -285,7 +285,8 @@ class SuffixDrafter:
 
 
 class SuffixTreeDrafter:
-    """Suffix decoding's token trees behind the ``TreeDrafter`` interface (torch backend)."""
+    """Suffix decoding's token trees behind the ``TreeDrafter`` interface (torch backend), and a
+    batch row's tree drafter (the batch engine's host-drafter calls ``extend``/``history``)."""
 
     last_forward_passes = 0  # no model pass
 
@@ -293,7 +294,14 @@ class SuffixTreeDrafter:
         self.proposer = proposer
         self.max_tree_nodes = proposer.tree_size + 1
 
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel, shared_prefix: int = 0) -> None:
+    @property
+    def history(self) -> list[int]:
+        return self.proposer.history
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.proposer.extend(tokens)
+
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
         self.proposer.start(prompt_len)
 
     def on_committed(self, tokens: list[int]) -> None:

@@ -20,9 +20,11 @@ distribution the target's; ``sync`` only emits less per step.
 
 Invariant per sequence between steps (as in ``engine/single.py``): L committed tokens, target KV
 valid for positions [0, L - 1); the next verify pass feeds the last committed token with the
-drafts. Methods: ``none``, ``ngram``, ``draft``, ``suffix`` (its best chain) and ``auto`` batch
-(``engine/batch_rows.py``: what each method's row drafts with); the tree methods and ``layerskip``
-keep their single-sequence engine. An ``auto`` row picks its source (prompt lookup, the suffix
+drafts. Methods: ``none``, ``ngram``, ``draft``, ``suffix`` and ``auto`` batch
+(``engine/batch_rows.py``: what each method's row drafts with); medusa, eagle and ``layerskip``
+keep their single-sequence engine. A suffix row drafts a token tree where the target scores
+trees (torch: each tree row's nodes ride in the same padded pass with their own attention mask,
+``kv/paged.py``, and the accepted path's K/V are kept by index copy), its best chain elsewhere. An ``auto`` row picks its source (prompt lookup, the suffix
 chain, the draft model where it can pay, or none) and its draft length every step, priced as
 the batch pass it rides in (``drafters/auto_row.py``, ``costs/batch_k.py``).
 """
@@ -44,9 +46,10 @@ from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import BatchDraftModel
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
+from specdecode.engine.batch_pass import verify_pass
+from specdecode.engine.batch_prefill import prefill
 from specdecode.engine.batch_proposals import (
     choose_sources,
-    constrain_proposals,
     drafts_with_model,
     forced_drafts,
     plan_rows,
@@ -55,15 +58,12 @@ from specdecode.engine.batch_proposals import (
 )
 from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
 from specdecode.engine.batch_rows import BATCH_METHODS, row_drafters, uses_draft
-from specdecode.engine.batch_verify import logprob_rows, penalise_rows, verify_rows
-from specdecode.engine.grammar import CompiledGrammar, apply_row_masks
-from specdecode.engine.logprobs import unpack
+from specdecode.engine.grammar import CompiledGrammar
 from specdecode.engine.metrics import GenerationStats, Stopwatch
 from specdecode.engine.penalties import TokenPenalties, wants_penalties
 from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.scheduler import ScheduledSequence, Scheduler
 from specdecode.engine.stopping import cut_at_stop
-from specdecode.engine.verify import PAD_TOKEN
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
 from specdecode.models.llama import Transformer
@@ -129,6 +129,9 @@ class BatchEngine:
         self.ngram_sizes = (ngram_max, ngram_min)
         self.draft_confidence = draft_confidence  # the draft model's per-row cut-off (batch_draft.DraftRow)
         self.sync_timing = sync_timing
+        # Whether the target scores token trees (torch): suffix rows then draft trees. A backend
+        # class that predates the attribute (llama.cpp's batch) scores chains only.
+        self.trees: bool = getattr(self.target, "supports_trees", False)
         self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()  # earlier responses, by group
         self._ids = itertools.count()
         # Acceptance pooled over every request of a method: a new request starts from it (the
@@ -191,13 +194,13 @@ class BatchEngine:
                      if wants_penalties(params) else None)
         processor = LogitsProcessor.from_params(params, state, penalties)
         drafters = row_drafters(method, k, self.k_max, suffix_group, self.suffix_cache, self.ngram_sizes,
-                                self.model_can_pay)
+                                self.model_can_pay, self.trees)
         request = BatchRequest(
             request_id=request_id, params=params, method=method, k=k, processor=processor,
             generator=None if processor.greedy else make_generator(params.seed, self.device),
             tokens=list(prompt_ids), committed=committed,
             stats=stats or GenerationStats(), started=time.perf_counter() if arrived is None else arrived,
-            ngram=drafters.host, sources=drafters.sources,
+            ngram=drafters.host, sources=drafters.sources, tree_nodes=drafters.tree_nodes,
             grammar=state,
         )
         request.stats.method, request.stats.prompt_tokens = method, prompt_len
@@ -307,7 +310,10 @@ class BatchEngine:
             request: BatchRequest = seq.state
             if seq.seq_id not in wanted:  # still prefilling: room for its whole prompt's coming chunks
                 return len(request.tokens), 0
-            return len(request.tokens) + wanted[seq.seq_id], len(request.tokens) + wanted[seq.seq_id] - 1
+            drafts = wanted[seq.seq_id]
+            if drafts and request.tree_nodes and seq.seq_id not in forced:
+                drafts = max(drafts, request.tree_nodes)  # a tree's nodes lie past its root, however deep
+            return len(request.tokens) + drafts, len(request.tokens) + drafts - 1
 
         for seq in self.scheduler.reserve(needs):
             if self.drafter is not None:
@@ -321,7 +327,7 @@ class BatchEngine:
             with draft_watch:
                 proposals, draft_passes, draft_rows = self._draft(running, wanted, forced)
             with verify_watch:
-                emitted, proposals = self._verify(running, proposals)
+                emitted, proposals, paths = self._verify(running, proposals)
         except Exception as err:  # noqa: BLE001 - raised again below unless one request is to blame
             failed += self._isolate_failures(running, wanted, forced, generators, err)
             running = list(self.scheduler.running)
@@ -331,7 +337,7 @@ class BatchEngine:
             with draft_watch:
                 proposals, draft_passes, draft_rows = self._draft(running, wanted, forced)
             with verify_watch:
-                emitted, proposals = self._verify(running, proposals)
+                emitted, proposals, paths = self._verify(running, proposals)
         # A pass that also fed a prompt's tail (``_prefill``) is no verify pass to learn from.
         merged = any(seq.prefilling for seq in running)
         self.chooser.observe(
@@ -341,7 +347,8 @@ class BatchEngine:
             draft_passes=0 if read_ahead else draft_passes, draft_seconds=draft_watch.elapsed,
         )
         self.scheduler.record_step(running)
-        return failed + self._commit(running, proposals, emitted, draft_watch.elapsed, verify_watch.elapsed, draft_passes)
+        return failed + self._commit(running, proposals, emitted, paths, draft_watch.elapsed, verify_watch.elapsed,
+                                     draft_passes)
 
     def _decoding(self) -> list[ScheduledSequence]:
         """The running sequences that decode this step: those whose prompt is prefilled."""
@@ -380,12 +387,12 @@ class BatchEngine:
         """Prefill (a chunk of) admitted sequences together; if that fails, one at a time, failing
         those that fail alone (a prefill writes only its own sequences' caches, by position)."""
         try:
-            self._prefill(seqs)
+            prefill(self.target, self.drafter, seqs, self.scheduling.prefill_chunk, self._prefilling)
         except Exception:  # noqa: BLE001 - retried one sequence at a time to find the one to blame
             failed = []
             for seq in list(seqs):
                 try:
-                    self._prefill([seq])
+                    prefill(self.target, self.drafter, [seq], self.scheduling.prefill_chunk, self._prefilling)
                 except Exception as err:  # noqa: BLE001
                     failed.append(self._fail(seq, err))
             return failed
@@ -396,59 +403,6 @@ class BatchEngine:
         request.stats.stop_reason = "error"
         self._finish(seq)
         return RequestOutput(request.request_id, [], True, request.stats, error=error)
-
-    def _prefill(self, seqs: list[ScheduledSequence]) -> None:
-        """Fill admitted (or readmitted) sequences' target caches with their committed tokens but
-        the last, which the first verify pass feeds, from where their cached prefix (or their last
-        chunk) ends: one padded pass for all of them, of at most ``prefill_chunk`` tokens in all,
-        shortest remaining first, so a long prompt is prefilled over several steps while the
-        batch keeps decoding. A sequence whose prefill ends here decodes in this step; the draft
-        model reads it the first time it drafts (``BatchDraftModel.add``).
-
-        On a flat batch (``merges_prefill``, llama.cpp) a prompt's last chunk is not fed here but
-        in this step's verify pass, before the last token and the drafts (``_verify``): its first
-        token then costs one pass, as llama-server's does, not a prefill and a pass."""
-        started = time.perf_counter()
-        budget = self.scheduling.prefill_chunk or None
-        chunks: list[tuple[ScheduledSequence, int, int]] = []  # (sequence, first position, end)
-        for seq in sorted(seqs, key=lambda seq: len(seq.state.tokens) - seq.prefilled):
-            end = len(seq.state.tokens) - 1
-            if budget is not None:
-                end = min(end, seq.prefilled + budget)
-                budget -= end - seq.prefilled
-            chunks.append((seq, seq.prefilled, end))
-        merge = self.target.merges_prefill
-        fed = {seq.seq_id for seq, start, end in chunks
-               if end > start and not (merge and end == len(seq.state.tokens) - 1)}
-        rows = [(seq, start, end) for seq, start, end in chunks if seq.seq_id in fed]
-        if rows:
-            self.target.forward([seq.seq_id for seq, _, _ in rows],
-                                [seq.state.committed[start:end] for seq, start, end in rows],
-                                [start for _, start, _ in rows], logits="none")
-        elapsed = time.perf_counter() - started
-        for seq, start, end in chunks:
-            request: BatchRequest = seq.state
-            if seq.seq_id in fed:
-                seq.prefilled = end
-                request.stats.target_forward_passes += 1
-                request.stats.prefill_seconds += elapsed
-            self.target.commit(seq.seq_id, seq.prefilled)
-            # What it has computed is findable by requests admitted later, while it still runs
-            # (chunk by chunk: a request waiting for this prefix is admitted once it is done).
-            self.target_cache.register(seq.seq_id, request.tokens, seq.cache_group)
-            if end < len(request.tokens) - 1:  # chunks to come
-                # A paged pool's commit frees the blocks past ``end``: take back those of the
-                # prompt's coming chunks now (nothing was admitted in between, so they are free);
-                # a step with no decoding row never reaches the step's own reserve.
-                self.target_cache.reserve(seq.seq_id, len(request.tokens))
-                continue
-            if seq in self._prefilling:
-                self._prefilling.remove(seq)
-            if request.stats.new_tokens == 0:  # a readmission after preemption is not the prompt's hit
-                request.stats.cached_tokens = seq.cached_target
-            if seq.uses_draft:
-                assert self.drafter is not None
-                self.drafter.add(seq.seq_id, cached=seq.cached_draft)  # reads the rest when it first drafts
 
     def _draft(self, running: list[ScheduledSequence], wanted: dict[int, int],
                forced: dict[int, list[int]]) -> tuple[list[DraftProposal], int, int]:
@@ -463,55 +417,12 @@ class BatchEngine:
             for processor in processors:
                 processor.end_draft()
 
-    def _verify(self, running: list[ScheduledSequence],
-                proposals: list[DraftProposal]) -> tuple[list[list[int]], list[DraftProposal]]:
-        """One target pass over every row; each row's emitted tokens (accepted drafts + one), and
-        the proposals as verified (a structured row's deterministic drafts cut at the first token
-        its grammar forbids: engine/grammar.py).
-
-        Greedy rows are verified in one call, sampling rows in another (each with its own
-        processor's probabilities and its own generator); one host read brings all rows back."""
-        requests: list[BatchRequest] = [seq.state for seq in running]
-        proposals, masks = constrain_proposals([r.grammar for r in requests], [r.processor.greedy for r in requests],
-                                               proposals)
-        inputs, starts = [], []
-        for seq, proposal in zip(running, proposals, strict=True):
-            request: BatchRequest = seq.state
-            length = len(request.tokens)
-            # From the last committed token, or where a merged prompt's last chunk starts.
-            start = seq.prefilled
-            assert start <= length - 1, (start, length)
-            inputs.append(torch.cat([request.committed[start:length], proposal.tokens[0]]))
-            starts.append(start)
-        # Logits for each row's last token and drafts only, not for a merged prompt's tail.
-        logit_rows = [p.num_tokens + 1 for p in proposals] if any(seq.prefilling for seq in running) else None
-        raw = logits = self.target.forward([seq.seq_id for seq in running], inputs, starts,
-                                           logit_rows=logit_rows)  # (B, T, V)
-        assert logits is not None
-        if masks:
-            logits = apply_row_masks(logits, masks)
-        logits = penalise_rows(logits, proposals, [r.processor.penalties for r in requests])
-        emitted = verify_rows(logits, proposals, [r.processor for r in requests], [r.generator for r in requests])
-        packed = logprob_rows(raw, logits, emitted, proposals, [r.processor for r in requests])
-        if not packed:
-            rows = emitted.tolist()  # the one host read of the step (and the drafts of structured rows)
-        else:  # the logprobs travel in the same read
-            width = emitted.shape[1]
-            host = torch.cat([emitted.float().flatten(), *(p.flatten() for p in packed.values())]).tolist()
-            rows = [[int(t) for t in host[b * width : (b + 1) * width]] for b in range(len(requests))]
-            offset = len(requests) * width
-            for b, part in packed.items():
-                columns = part.shape[1]
-                flat = host[offset : offset + part.numel()]
-                offset += part.numel()
-                requests[b].step_logprobs = unpack([flat[i * columns : (i + 1) * columns] for i in range(width)], width)
-        return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in rows], proposals
-
     def _commit(
         self,
         running: list[ScheduledSequence],
         proposals: list[DraftProposal],
         emitted: list[list[int]],
+        paths: dict[int, list[int]],
         draft_seconds: float,
         verify_seconds: float,
         draft_passes: int,
@@ -524,47 +435,26 @@ class BatchEngine:
                 accepted = [min(a, slowest) for a in accepted]
                 emitted = [row[: a + 1] for row, a in zip(emitted, accepted, strict=True)]
         outputs = []
-        for seq, proposal, row, accepted_len in zip(running, proposals, emitted, accepted, strict=True):
+        for index, (seq, proposal, row, accepted_len) in enumerate(zip(running, proposals, emitted, accepted, strict=True)):
             request: BatchRequest = seq.state
             stats = request.stats
-            stats.draft_seconds += draft_seconds
-            if seq.prefilling:  # this step fed its prompt's last chunk: mostly prefill time
-                stats.prefill_seconds += verify_seconds
-            else:
-                stats.verify_seconds += verify_seconds
             with_model = drafts_with_model(seq)
-            if with_model:
-                stats.draft_forward_passes += draft_passes
-            if proposal.forced:
-                stats.record_forced_step(proposal.num_tokens, accepted_len)
-            else:
-                stats.record_step(proposal.num_tokens, accepted_len)
-                if request.sources is not None:
-                    request.sources.observe(proposal.num_tokens)
+            request.record_step(proposal, accepted_len, draft_seconds, verify_seconds, draft_passes if with_model else 0,
+                                prefilling=seq.prefilling)
             # A row's acceptance is its drafter's; a row that picks its source keeps its lookups'
             # scores apart (drafters/auto_row.py), so only its draft model's count here.
             if proposal.num_tokens > 0 and not proposal.forced and (request.sources is None or with_model):
-                request.acceptance.observe(proposal.num_tokens, accepted_len)
-                self._pooled_acceptance[request.method].observe(proposal.num_tokens, accepted_len)
+                request.acceptance.observe(proposal.depth, accepted_len)
+                self._pooled_acceptance[request.method].observe(proposal.depth, accepted_len)
             new_tokens, stop_reason = cut_at_stop(row, request.remaining, self.eos_token_ids, request.params.ignore_eos)
             count = len(new_tokens)
             length = len(request.tokens)
-            request.committed[length : length + count] = host_to_device(new_tokens, torch.long, self.device)
-            request.tokens.extend(new_tokens)
-            if request.step_logprobs is not None and stats.token_logprobs is not None:
-                stats.token_logprobs.extend(request.step_logprobs[:count])
-                request.step_logprobs = None
-            if request.processor.penalties is not None:
-                request.processor.penalties.advance(request.committed[length : length + count])
-            if request.grammar is not None:
-                request.grammar.advance(new_tokens)
-                stats.mask_seconds = request.grammar.mask_seconds
-                if request.grammar.terminated and not stop_reason:  # the grammar ended (ignore_eos)
-                    stop_reason = "stop"
-            if request.ngram is not None:  # as tokens commit, so other requests draft from them too
-                request.ngram.extend(request.tokens[len(request.ngram.history):])
+            if request.append(new_tokens) and not stop_reason:  # the grammar ended (ignore_eos)
+                stop_reason = "stop"
             seq.num_tokens = len(request.tokens)
             seq.prefilled = length + min(accepted_len, count - 1)
+            if index in paths:  # the accepted path's K/V down to the positions after the root
+                self.target.keep_path(seq.seq_id, length - 1, paths[index])
             self.target.commit(seq.seq_id, seq.prefilled)
             if with_model and proposal.num_tokens > 0 and not proposal.forced:
                 assert self.drafter is not None
@@ -577,6 +467,12 @@ class BatchEngine:
                 self._finish(seq)
             outputs.append(RequestOutput(request.request_id, new_tokens, bool(stop_reason), stats))
         return outputs
+
+    def _verify(self, running: list[ScheduledSequence],
+                proposals: list[DraftProposal]) -> tuple[list[list[int]], list[DraftProposal], dict[int, list[int]]]:
+        """The step's verify pass (``engine/batch_pass.py``): each row's emitted tokens, the
+        proposals as verified, each tree row's accepted path."""
+        return verify_pass(self.target, running, proposals)
 
     # -- convenience -------------------------------------------------------------------------
     def run(self) -> dict[str, list[int]]:

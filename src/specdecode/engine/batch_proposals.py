@@ -141,11 +141,16 @@ def propose(
         k = wanted[seq.seq_id]
         if k == 0:
             continue
+        length = len(request.tokens)
         if drafts_with_model(seq):
-            length = len(request.tokens)
             model_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator,
                                        draft_confidence))
             model_index.append(index)
+        elif request.tree_nodes:  # a token tree at most k deep (its root: the last committed token)
+            tree = request.ngram.propose_tree(request.committed[None, :length], k, request.processor,  # type: ignore[union-attr]
+                                              request.generator)
+            if tree.size > 1:
+                proposals[index] = DraftProposal(tokens=tree.tokens[None, 1:], probs=None, tree=tree)
         elif request.ngram is not None:  # plan_row extended it with this step's committed tokens
             match, _ = request.ngram.match(k)
             if match:
@@ -166,10 +171,14 @@ def constrain_proposals(
 ) -> tuple[list[DraftProposal], dict[int, torch.Tensor]]:
     """A batch's proposals as its structured rows verify them, and each such row's masks
     (row b: (k_b + 1, V) bool, host). As in the single path, a deterministic draft (or any draft
-    under greedy) is cut at its first forbidden token."""
+    under greedy) is cut at its first forbidden token; a tree's node i is masked by the state
+    after the path to it (a forbidden node is then never accepted)."""
     out, masks = list(proposals), {}
     for b, (state, proposal) in enumerate(zip(grammars, proposals, strict=True)):
         if state is None:
+            continue
+        if proposal.tree is not None:
+            masks[b] = state.masks(proposal.tree.parents, proposal.tree.tokens.tolist())
             continue
         drafts = proposal.tokens[0].tolist()
         allowed = state.chain_masks(drafts)

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.backends.device import host_to_device
 from specdecode.config import SamplingParams
 from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.auto_row import AutoRow
+from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.drafters.suffix import SuffixDrafter, SuffixTreeDrafter
 from specdecode.engine.grammar import GrammarState
 from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
@@ -47,7 +49,8 @@ class BatchRequest:
     # The acceptance of its drafter's drafts (a row that picks its source: the draft model's;
     # its lookups keep their own scores, drafters/auto_row.py).
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    ngram: NgramDrafter | SuffixDrafter | AutoRow | None = None  # a host-side drafter: lookups (engine/batch_rows.py)
+    ngram: NgramDrafter | SuffixDrafter | SuffixTreeDrafter | AutoRow | None = None  # a host-side drafter (engine/batch_rows.py)
+    tree_nodes: int = 0  # the most nodes the host drafter's token trees hold (0: it drafts chains)
     sources: AutoRow | None = None  # the same object as ``ngram`` where the row picks its source every step
     grammar: GrammarState | None = None  # structured output: the matcher over committed tokens
     # The last verify pass's logprobs of this row's emitted tokens (SamplingParams.logprobs),
@@ -57,6 +60,46 @@ class BatchRequest:
     @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - self.stats.new_tokens
+
+    def record_step(self, proposal: DraftProposal, accepted_len: int, draft_seconds: float, verify_seconds: float,
+                    draft_passes: int, prefilling: bool) -> None:
+        """Count one step in the request's stats (``draft_passes``: the draft model's, where it
+        drafted for this row)."""
+        stats = self.stats
+        stats.draft_seconds += draft_seconds
+        if prefilling:  # this step fed its prompt's last chunk: mostly prefill time
+            stats.prefill_seconds += verify_seconds
+        else:
+            stats.verify_seconds += verify_seconds
+        stats.draft_forward_passes += draft_passes
+        if proposal.forced:
+            stats.record_forced_step(proposal.num_tokens, accepted_len)
+            return
+        stats.record_step(proposal.depth, accepted_len)  # a tree: its depth, the most it could accept
+        if proposal.tree is not None:
+            stats.tree_nodes_proposed += proposal.num_tokens
+        if self.sources is not None:
+            self.sources.observe(proposal.num_tokens)
+
+    def append(self, new_tokens: list[int]) -> bool:
+        """Commit ``new_tokens`` to the request's state: its tokens (host and device), logprobs,
+        penalty counts, grammar and lookups. True where the grammar has ended."""
+        count, length = len(new_tokens), len(self.tokens)
+        self.committed[length : length + count] = host_to_device(new_tokens, torch.long, self.committed.device)
+        self.tokens.extend(new_tokens)
+        stats = self.stats
+        if self.step_logprobs is not None and stats.token_logprobs is not None:
+            stats.token_logprobs.extend(self.step_logprobs[:count])
+            self.step_logprobs = None
+        if self.processor.penalties is not None:
+            self.processor.penalties.advance(self.committed[length : length + count])
+        if self.ngram is not None:  # as tokens commit, so other requests draft from them too
+            self.ngram.extend(self.tokens[len(self.ngram.history):])
+        if self.grammar is None:
+            return False
+        self.grammar.advance(new_tokens)
+        stats.mask_seconds = self.grammar.mask_seconds
+        return self.grammar.terminated
 
 
 def generator_states(running: list[ScheduledSequence]) -> list[tuple[torch.Generator, torch.Tensor]]:

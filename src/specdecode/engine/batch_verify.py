@@ -1,6 +1,8 @@
 """Verification of a whole batch's rows, each with its own draft count, sampling parameters
-and generator: the greedy rows in one ``greedy_verify`` call, the sampling rows in one
-``rejection_verify`` call (pure: tensors in, tensors out, no host read)."""
+and generator: the greedy chain rows in one ``greedy_verify`` call, the sampling chain rows in
+one ``rejection_verify`` call (pure: tensors in, tensors out, no host read); token-tree rows one
+by one (``verify_trees``: a greedy tree's pick stays on the device for the step's one host read,
+a sampled tree reads the host as it walks down, as on the single path)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,17 @@ import torch
 
 from specdecode.backends.device import host_to_device
 from specdecode.drafters.base import DraftProposal
-from specdecode.engine.logprobs import pack
+from specdecode.engine.logprobs import TokenLogprob, pack, unpack
 from specdecode.engine.penalties import TokenPenalties
 from specdecode.engine.sampling import LogitsProcessor
-from specdecode.engine.verify import PAD_TOKEN, greedy_verify, rejection_verify
+from specdecode.engine.verify import (
+    PAD_TOKEN,
+    TreeVerifyResult,
+    greedy_tree_pick,
+    greedy_verify,
+    rejection_tree_verify,
+    rejection_verify,
+)
 from specdecode.kv.paged import stack_padded
 
 
@@ -23,10 +32,13 @@ def verify_rows(
     processors: Sequence[LogitsProcessor],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """(B, k_max + 1) long: row b's accepted drafts, then its recovered or bonus token, then PAD."""
-    greedy = [b for b, processor in enumerate(processors) if processor.greedy]
-    sampled = [b for b, processor in enumerate(processors) if not processor.greedy]
-    results: dict[int, torch.Tensor] = {}
+    """(B, k_max + 1) long: row b's accepted drafts, then its recovered or bonus token, then PAD
+    (a tree row: PAD only; ``verify_trees`` verifies it)."""
+    chains = [b for b, proposal in enumerate(proposals) if proposal.tree is None]
+    greedy = [b for b in chains if processors[b].greedy]
+    sampled = [b for b in chains if not processors[b].greedy]
+    empty = torch.empty(0, dtype=torch.long, device=logits.device)
+    results: dict[int, torch.Tensor] = {b: empty for b, proposal in enumerate(proposals) if proposal.tree is not None}
     for group in (greedy, sampled):
         if not group:
             continue
@@ -50,6 +62,46 @@ def verify_rows(
     return stack_padded([results[b] for b in range(len(proposals))], PAD_TOKEN)
 
 
+def verify_trees(
+    logits: torch.Tensor,  # (B, T, V) float: a tree row's first N rows are its nodes'
+    proposals: Sequence[DraftProposal],
+    processors: Sequence[LogitsProcessor],
+    generators: Sequence[torch.Generator | None],
+) -> tuple[dict[int, torch.Tensor], dict[int, TreeVerifyResult]]:
+    """The token-tree rows: each greedy row's ``greedy_tree_pick`` (device, (N + 2,) long, to be
+    read with the step's other values and ``greedy_tree_read``), each sampling row's result
+    (``rejection_tree_verify``, lossless: it reads the host node by node)."""
+    picks, results = {}, {}
+    for b, proposal in enumerate(proposals):
+        tree = proposal.tree
+        if tree is None:
+            continue
+        rows = logits[b, : tree.size]  # (N, V)
+        if processors[b].greedy:
+            picks[b] = greedy_tree_pick(tree, rows)
+        else:
+            results[b] = rejection_tree_verify(tree, processors[b].probs(rows[None])[0], generators[b])
+    return picks, results
+
+
+def tree_logprobs(
+    raw: torch.Tensor,  # (N, V): a tree row's model logits
+    processed: torch.Tensor,  # (N, V): after grammar masks, bias and penalties
+    result: TreeVerifyResult,
+    processor: LogitsProcessor,
+) -> list[TokenLogprob]:
+    """The logprobs of a tree row's emitted tokens (emitted token j follows path node j): a
+    second host read, once the path is known, as on the single path."""
+    assert processor.logprobs is not None
+    path = host_to_device(result.path, torch.long, raw.device)
+    probs = None
+    if not processor.greedy and processor.logprobs_mode != "raw":
+        probs = processor.probs(processed[path])
+    rows = processor.logprob_rows(raw[path], processed[path], probs)
+    tokens = host_to_device(result.tokens, torch.long, raw.device)
+    return unpack(pack(rows, tokens, processor.logprobs).tolist(), len(result.tokens))
+
+
 def penalise_rows(
     logits: torch.Tensor,  # (B, T, V) float
     proposals: Sequence[DraftProposal],
@@ -59,7 +111,9 @@ def penalise_rows(
         return logits
     out = logits.float().clone()  # the backend's buffer stays as it was
     for b, (proposal, state) in enumerate(zip(proposals, penalties, strict=True)):
-        if state is not None:
+        if state is not None and proposal.tree is not None:  # node i penalised with the path to it
+            out[b, : proposal.tree.size] = state.tree_rows(logits[b, : proposal.tree.size], proposal.tree)
+        elif state is not None:
             n = proposal.num_tokens
             out[b, : n + 1] = state.chain_rows(logits[b, : n + 1], proposal.tokens[0, :n])
     return out
@@ -72,12 +126,13 @@ def logprob_rows(
     proposals: Sequence[DraftProposal],
     processors: Sequence[LogitsProcessor],
 ) -> dict[int, torch.Tensor]:  # b -> (k_max + 1, 2 + 2 n) float32 (engine/logprobs.py's pack)
-    """The packed logprobs of each row that asked for them; rows past a row's drafts + 1 are
-    padding (never unpacked: its emitted count bounds them)."""
+    """The packed logprobs of each chain row that asked for them (a tree row's come once its path
+    is read: ``tree_logprobs``); rows past a row's drafts + 1 are padding (never unpacked: its
+    emitted count bounds them)."""
     out = {}
     width = emitted.shape[1]
     for b, processor in enumerate(processors):
-        if processor.logprobs is None:
+        if processor.logprobs is None or proposals[b].tree is not None:
             continue
         n = proposals[b].num_tokens + 1
         probs = None

@@ -15,6 +15,7 @@ import torch
 
 from specdecode.backends.device import host_to_device
 from specdecode.kv.static import KVView
+from specdecode.kv.tree_mask import ancestor_rows, tree_depths
 
 ROOT = 0
 NO_PARENT = -1
@@ -80,10 +81,7 @@ class TokenTree:
 
     @property
     def depths(self) -> list[int]:
-        depths = [0] * self.size
-        for node in range(1, self.size):
-            depths[node] = depths[self.parents[node]] + 1
-        return depths
+        return tree_depths(self.parents)
 
     @property
     def max_depth(self) -> int:
@@ -109,11 +107,7 @@ class TokenTree:
 
     def ancestor_mask(self, device: torch.device | str) -> torch.Tensor:
         """(N, N) bool: [i, j] True when j == i or j is an ancestor of i."""
-        rows = [[False] * self.size for _ in range(self.size)]
-        for node in range(self.size):
-            for ancestor in self.path_to(node):
-                rows[node][ancestor] = True
-        return host_to_device(rows, torch.bool, device)
+        return host_to_device(ancestor_rows(self.parents), torch.bool, device)
 
 
 def tree_view(tree: TokenTree, start: int, device: torch.device | str, sliding_window: int | None = None) -> KVView:

@@ -208,11 +208,23 @@ def greedy_tree_verify(
     path matches throughout, the deepest wins (ties: the lowest index), and the target's
     argmax at that node follows it. One device-to-host transfer in all.
     """
+    return greedy_tree_read(tree, greedy_tree_pick(tree, target_logits).tolist())
+
+
+def greedy_tree_pick(
+    tree: TokenTree,
+    target_logits: torch.Tensor,  # (N, V)
+) -> torch.Tensor:  # (N + 2,) long, on the device: the deepest matching node, the target's token after it, the node tokens
+    """``greedy_tree_verify``'s device half: a batch reads many trees' picks in one transfer."""
     target_argmax = argmax_last(target_logits)  # (N,)
     matches = tree.tokens == target_argmax[_parent_rows(tree, target_logits.device)]
     best = _deepest_accepted(tree, matches).view(1)  # (1,): a 0-dim index would sync via .item()
-    host = torch.cat([best, target_argmax[best], tree.tokens]).tolist()
-    return _tree_result(tree, host[0], host[2:], host[1])
+    return torch.cat([best, target_argmax[best], tree.tokens])
+
+
+def greedy_tree_read(tree: TokenTree, picked: list[int]) -> TreeVerifyResult:
+    """``greedy_tree_verify``'s host half: ``greedy_tree_pick``'s values, read."""
+    return _tree_result(tree, picked[0], picked[2:], picked[1])
 
 
 def _normalised(

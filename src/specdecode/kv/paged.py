@@ -42,6 +42,7 @@ import torch
 from specdecode.backends.device import host_to_device
 from specdecode.config import ModelConfig
 from specdecode.kv.static import KVView
+from specdecode.kv.tree_mask import ancestor_rows, tree_depths
 
 NULL_BLOCK = 0  # never allocated: the write target and read source of padding
 DEFAULT_BLOCK_SIZE = 16
@@ -316,13 +317,20 @@ class PagedKVCache:
         seqs: Sequence[int],
         host_positions: Sequence[Sequence[int]],
         sliding_window: int | None = None,
+        trees: Sequence[Sequence[int] | None] | None = None,
     ) -> tuple[PagedView, torch.Tensor]:
-        """The cache view and the (B, T_max) position tensor for one forward pass.
+        """The cache view and the (B, T_max) rotary-position tensor for one forward pass.
 
         Row b feeds tokens at ``host_positions[b]`` (consecutive, its slots reserved) for
         sequence ``seqs[b]``; shorter rows are padded to the longest: a padding token repeats
         the row's last position, writes into the null block and its output is to be ignored.
         Row b sees its own slots up to each query's position (and the sliding window).
+
+        ``trees[b]`` (a token tree's parents, ``engine/tree.py``; None: a plain row) makes row b
+        a tree whose root is its first token: node i is written at ``host_positions[b][i]`` as
+        usual (the nodes of one pass lie contiguously after the committed ones) but rotated as
+        position root + depth(i), and it sees the slots before the root and, among the tree's,
+        its own ancestors only (``kv/tree_mask.py``). ``keep_path`` then keeps one path.
         """
         width = max(len(row) for row in host_positions)
         kv_len = max(row[-1] for row in host_positions) + 1
@@ -339,12 +347,25 @@ class PagedKVCache:
             visible = row[-1] + 1
             read_slots.append([self._slot(table, p) for p in range(visible)] + [null_slot] * (kv_len - visible))
         device = self.device
-        position_tensor = host_to_device(positions, torch.long, device)
+        slot_positions = host_to_device(positions, torch.long, device)  # (B, T): where each token is stored
         key_pos = torch.arange(kv_len, device=device)
-        query_pos = position_tensor[:, :, None]  # (B, T, 1)
-        mask = key_pos[None, None, :] <= query_pos
+        mask = key_pos[None, None, :] <= slot_positions[:, :, None]  # (B, T, kv_len)
+        rotary, key_rotary = slot_positions, key_pos[None, :]  # a plain row is rotated where it is stored
+        tree_rows = [(b, parents) for b, parents in enumerate(trees or ()) if parents is not None]
+        if tree_rows:
+            rotary_host, key_rotary = [list(row) for row in positions], key_pos[None, :].repeat(len(seqs), 1)
+            for b, parents in tree_rows:
+                root, size = host_positions[b][0], len(parents)
+                if len(host_positions[b]) != size:
+                    raise ValueError(f"row {b} feeds {len(host_positions[b])} tokens for a tree of {size} nodes")
+                depths = [root + depth for depth in tree_depths(parents)]
+                rotary_host[b][:size] = depths
+                rotary_host[b][size:] = [depths[-1]] * (width - size)
+                key_rotary[b, root : root + size] = host_to_device(depths, torch.long, device)
+                mask[b, :size, root : root + size] = host_to_device(ancestor_rows(parents), torch.bool, device)
+            rotary = host_to_device(rotary_host, torch.long, device)
         if sliding_window is not None:
-            mask &= key_pos[None, None, :] > query_pos - sliding_window
+            mask &= key_rotary[:, None, :] > rotary[:, :, None] - sliding_window
         view = PagedView(
             cache=self,
             write_slots=host_to_device(write_slots, torch.long, device),
@@ -352,7 +373,22 @@ class PagedKVCache:
             kv_len=kv_len,
             mask=mask[:, None],
         )
-        return view, position_tensor
+        return view, rotary
+
+    def keep_path(self, seq: int, root: int, path: Sequence[int]) -> None:
+        """Keep one root-to-node path of a tree written at positions [root, root + N) (``view``'s
+        ``trees``): node ``path[j]``'s K/V move to position root + j (the caller then commits).
+        Nodes come after their parents, so ``path[j] >= j``: all are read before any is written."""
+        moves = [(root + node, root + j) for j, node in enumerate(path) if node != j]
+        if not moves:
+            return
+        table = self.tables[seq]
+        device = self.device
+        sources = host_to_device([self._slot(table, p) for p, _ in moves], torch.long, device)
+        dests = host_to_device([self._slot(table, p) for _, p in moves], torch.long, device)
+        for tensors in (self.keys, self.values):
+            for storage in tensors:
+                storage.index_copy_(0, dests, storage.index_select(0, sources))
 
 
 @dataclass(slots=True)
