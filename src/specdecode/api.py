@@ -35,6 +35,7 @@ from specdecode.config import (
 )
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
 from specdecode.costs.store import CostStore, cost_store_for
+from specdecode.drafters import registry
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.from_heads import tree_drafter
@@ -42,7 +43,7 @@ from specdecode.drafters.layer_skip import LayerSkipDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.planner import DecoderResources, PlanRequest, plan_request
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
-from specdecode.engine.batch import BATCH_METHODS, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
+from specdecode.engine.batch import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
 from specdecode.engine.grammar import GrammarCompiler
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.plan import RequestPlan
@@ -71,8 +72,8 @@ class SpecDecoder:
     ) -> None:
         """A decoder over loaded models; ``config`` is read for how they speculate (its method,
         k, policies, drafters' settings, KV dtype, compile), not for what to load."""
-        if config.method == "draft" and draft is None:
-            raise InvalidRequestError('method="draft" needs a draft model (draft=).')
+        if config.method == registry.DRAFT.name and draft is None:
+            raise InvalidRequestError(f'method="{config.method}" needs a draft model (draft=).')
         if config.method in TREE_METHODS and (heads is None or heads.config.kind != config.method):
             raise InvalidRequestError(f'method="{config.method}" needs {config.method} heads (heads=FOLDER).')
         if draft is not None:
@@ -100,15 +101,16 @@ class SpecDecoder:
             raise InvalidRequestError('Layer skip and the int8 KV cache need the torch backend (backend="torch").')
         # The stateless drafters by method, shared by every request; suffix decoding and auto
         # are built per request over the shared parts below (drafters/planner.py).
-        self.drafters: dict[str, Drafter | TreeDrafter] = {"ngram": NgramDrafter(config.ngram_max, config.ngram_min)}
+        self.drafters: dict[str, Drafter | TreeDrafter] = {
+            registry.NGRAM.name: NgramDrafter(config.ngram_max, config.ngram_min)}
         if draft is not None:
-            self.drafters["draft"] = DraftModelDrafter(self._sequence(draft, "draft"), target.config.vocab_size,
+            self.drafters[registry.DRAFT.name] = DraftModelDrafter(self._sequence(draft, "draft"), target.config.vocab_size,
                                                        config.draft_confidence)
         if config.skip_layers:  # shares the target's weights and KV cache: costs no memory
-            self.drafters["layerskip"] = LayerSkipDrafter(target.model, config.skip_layers, config.draft_confidence)
+            self.drafters[registry.LAYERSKIP.name] = LayerSkipDrafter(target.model, config.skip_layers, config.draft_confidence)
         self.engine = SpecEngine(self._sequence(target, "target"), self.eos_token_ids, compile_log=self.compile_log,
                                  prefix_cache=config.prefix_cache, cost_store=self._cost_store(target, "target"))
-        draft_drafter = self.drafters.get("draft")
+        draft_drafter = self.drafters.get(registry.DRAFT.name)
         assert draft_drafter is None or isinstance(draft_drafter, DraftModelDrafter)
         self.resources = DecoderResources(
             config=config, backend=self.backend, drafters=self.drafters,
@@ -348,11 +350,11 @@ class SpecDecoder:
         method = method or self.config.method
         if method not in METHODS:
             raise InvalidRequestError(f"Unknown method {method!r}; choose one of: {', '.join(METHODS)}.")
-        if method == "draft" and self.draft is None:
-            raise InvalidRequestError('This decoder was loaded without a draft model; use method="none".')
+        if method == registry.DRAFT.name and self.draft is None:
+            raise InvalidRequestError(f'This decoder was loaded without a draft model; use method="{registry.NONE.name}".')
         if method in TREE_METHODS and method not in self.drafters:
             raise InvalidRequestError(f"This decoder was loaded without {method} heads; load it with heads=FOLDER.")
-        if method == "layerskip" and "layerskip" not in self.drafters:
+        if method == registry.LAYERSKIP.name and method not in self.drafters:
             raise InvalidRequestError(
                 "This decoder has no layers to skip: load it with skip_layers= or layerskip_config= "
                 "(`specdecode tune-layerskip` makes the file)."
@@ -474,8 +476,9 @@ class SpecDecoder:
             raise InvalidRequestError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts.")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
             raise InvalidRequestError(f"n (samples per prompt) must be in 1..{MAX_CHOICES}, got {n!r}.")
-        method = method or (self.config.method if self.config.method in BATCH_METHODS else "draft" if self.draft else "none")
-        k = k if k is not None or method == "none" else self.config.draft_k
+        method = method or (self.config.method if self.config.method in registry.BATCH_METHODS
+                            else registry.DRAFT.name if self.draft else registry.NONE.name)
+        k = k if k is not None or method == registry.NONE.name else self.config.draft_k
         # Offline, first-token latency does not matter: the engine built for the call keeps each
         # seat until its request ends (no time slices), which is the cheapest order.
         engine = engine or self.batch_engine(max_batch=max(1, min(len(prompts) * n, DEFAULT_MAX_BATCH)),

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from specdecode.drafters import registry
 from specdecode.errors import InvalidRequestError, UnsupportedModelError
 
 # model_type values whose HF checkpoints map onto our one Llama-family transformer.
@@ -317,19 +318,14 @@ class SamplingParams:
         return replace(self, seed=(self.seed + index) % SEED_MODULUS)
 
 
-# none: plain decoding; draft: a draft model proposes; ngram: prompt lookup proposes; auto:
-# per step, lookup, draft model or plain decoding, whichever pays best (drafters/auto.py);
-# layerskip: the target drafts with some of its layers skipped (drafters/layer_skip.py);
-# medusa, eagle: trained heads on the target's features draft token trees (drafters/medusa.py,
-# drafters/eagle.py; `specdecode train`); suffix: token trees from the request's text and earlier
-# responses, ranked by frequency (drafters/suffix.py).
-METHODS: tuple[str, ...] = ("draft", "none", "ngram", "auto", "layerskip", "medusa", "eagle", "suffix")
-TREE_METHODS: tuple[str, ...] = ("medusa", "eagle")
+# The methods are drafters/registry.py's entries; these are its views, by the names code imports.
+METHODS: tuple[str, ...] = registry.METHODS
+TREE_METHODS: tuple[str, ...] = registry.HEAD_METHODS  # trained heads draft token trees
 # lossless: greedy equality / rejection sampling; typical: Medusa's lossy typical acceptance,
 # tree methods only, opt-in.
 ACCEPTANCE_RULES: tuple[str, ...] = ("lossless", "typical")
 # Methods that use a draft model (auto runs without one too: lookup and plain decoding only).
-DRAFT_MODEL_METHODS: tuple[str, ...] = ("draft", "auto")
+DRAFT_MODEL_METHODS: tuple[str, ...] = registry.DRAFT_MODEL_METHODS
 # Measured on the demo pair (benchmarks/bench_forward.py, a HumanEval run and a 5-prompt sweep):
 # the target's bf16 forward over 6 tokens costs 1.5x one token and over 9 tokens 1.8x; k from
 # 3 to 6 performed within noise on code prompts. The confidence cut-off of 0.3 stops drafting
@@ -386,7 +382,7 @@ class DecoderConfig:
 
     target: str | None = None  # a demo name, a .gguf file, an HF folder or hub id (None: the demo target)
     draft: str | None = None  # the draft model (None: the demo draft with a demo target, else none)
-    method: str = "draft"
+    method: str = registry.DRAFT.name
     k: int | str | None = None
     k_policy: str | None = None
     k_max: int = DEFAULT_K_MAX

@@ -17,7 +17,8 @@ import torch
 from specdecode.backends.device import resolve_device, resolve_dtype
 from specdecode.backends.llamacpp_sequence import load_llamacpp_model
 from specdecode.backends.select import LLAMACPP, choose_backend
-from specdecode.config import DRAFT_MODEL_METHODS, TREE_METHODS, DecoderConfig
+from specdecode.config import DecoderConfig
+from specdecode.drafters import registry
 from specdecode.drafters.layer_skip_file import resolve_skip_layers
 from specdecode.errors import InvalidRequestError
 from specdecode.models.heads import DraftHeads, load_heads
@@ -41,7 +42,8 @@ def load_models(config: DecoderConfig, show_progress: bool = True) -> LoadedMode
     from specdecode.models import demo
 
     method = config.method
-    if method in TREE_METHODS and config.heads is None:
+    spec = registry.BY_NAME[method]  # DecoderConfig checked the name
+    if spec.needs_heads and config.heads is None:
         raise InvalidRequestError(
             f'method="{method}" needs trained heads for the target: run `specdecode train {method} '
             f"--target TARGET --data stdlib --out HEADS` and pass heads=HEADS."
@@ -50,15 +52,15 @@ def load_models(config: DecoderConfig, show_progress: bool = True) -> LoadedMode
     torch_dtype = resolve_dtype(config.dtype, torch_device)
     target = config.target or demo.DEFAULT_TARGET
     draft = config.draft
-    if draft is None and method in DRAFT_MODEL_METHODS:
+    if draft is None and spec.uses_draft_model:
         if demo.is_demo_model_name(target):
             draft = demo.DEFAULT_DRAFT
-        elif method == "draft":
+        elif spec.needs == registry.NEEDS_DRAFT_MODEL:
             raise InvalidRequestError(
-                'method="draft" needs a draft model: pass draft= (a smaller model with the same '
-                'tokenizer), or method="none" for plain decoding.'
+                f'method="{method}" needs a draft model: pass draft= (a smaller model with the same '
+                f'tokenizer), or method="{registry.NONE.name}" for plain decoding.'
             )
-    uses_draft = method in DRAFT_MODEL_METHODS and draft is not None
+    uses_draft = spec.uses_draft_model and draft is not None
     choice = choose_backend(
         config.backend, target_is_gguf=gguf_source(target, show_progress) is not None,
         draft_is_gguf=(gguf_source(draft, show_progress) is not None) if uses_draft else None,
@@ -79,7 +81,7 @@ def load_models(config: DecoderConfig, show_progress: bool = True) -> LoadedMode
         return LoadedModels(target_model, draft_model, resolved)
     resolved = replace(resolved, k_policy=resolved.k_policy or "fixed")
     target_model = load_model(target, torch_dtype, torch_device, show_progress=show_progress, quant=config.target_quant)
-    if config.skip_layers or config.layerskip_config or method == "layerskip":
+    if config.skip_layers or config.layerskip_config or spec.needs == registry.NEEDS_SKIP_LAYERS:
         chosen = resolve_skip_layers(target, target_model.config.num_layers, config.skip_layers or None,
                                      config.layerskip_config)
         resolved = replace(resolved, skip_layers=chosen)

@@ -32,7 +32,8 @@ import torch
 from specdecode.audit.config import DEFAULT_ALPHA, DEFAULT_DRAWS, DEFAULT_SAMPLED_TOKENS, DEFAULT_TOP_K, AuditConfig
 from specdecode.audit.distribution import GOOD_POWER, DistributionResult, distribution_check
 from specdecode.audit.near_tie import near_tie_rule, near_tie_threshold, verify_shapes
-from specdecode.config import TREE_METHODS, SamplingParams
+from specdecode.config import SamplingParams
+from specdecode.drafters import registry
 from specdecode.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -98,12 +99,13 @@ class AuditReport:
 def check_methods(decoder: SpecDecoder, methods: Iterable[str]) -> None:
     """Refuse, before any work, a method this decoder was not loaded for."""
     for method in methods:
-        if method == "draft" and decoder.draft is None:
-            raise InvalidRequestError('method="draft" needs a draft model: pass draft= (same tokenizer as the target).')
-        if method in TREE_METHODS and method not in decoder.drafters:
+        needs = registry.BY_NAME[method].needs if method in registry.BY_NAME else registry.NEEDS_NOTHING
+        if needs == registry.NEEDS_DRAFT_MODEL and decoder.draft is None:
+            raise InvalidRequestError(f'method="{method}" needs a draft model: pass draft= (same tokenizer as the target).')
+        if needs == registry.NEEDS_HEADS and method not in decoder.drafters:
             raise InvalidRequestError(f'method="{method}" needs its heads: pass heads=FOLDER from `specdecode train {method}`.')
-        if method == "layerskip" and method not in decoder.drafters:
-            raise InvalidRequestError('method="layerskip" needs the layers to skip: pass skip_layers= or layerskip_config=.')
+        if needs == registry.NEEDS_SKIP_LAYERS and method not in decoder.drafters:
+            raise InvalidRequestError(f'method="{method}" needs the layers to skip: pass skip_layers= or layerskip_config=.')
 
 
 @torch.inference_mode()

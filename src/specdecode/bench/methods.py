@@ -1,7 +1,7 @@
 """The methods a benchmark compares, behind one interface: run one turn, return its figures.
 
-specdecode's own methods are every name in ``config.METHODS`` (a new drafter that registers
-its method name there is benchmarked without changes here). The peers are Hugging Face
+specdecode's own methods are every entry of the method registry (``drafters/registry.py``: a
+new method registered there is benchmarked without changes here). The peers are Hugging Face
 transformers' ``generate`` on the same weights, dtype and device:
 
 - ``hf``: plain ``generate``;
@@ -41,12 +41,13 @@ from typing import Any, Protocol
 import torch
 
 from specdecode.config import DRAFT_MODEL_METHODS, METHODS, SamplingParams
+from specdecode.drafters import registry
 from specdecode.engine.trace import PassTrace
 from specdecode.errors import InvalidRequestError
 from specdecode.quant.apply import QUANT_CHOICES
 
 HF_METHODS = ("hf", "hf-assisted", "hf-lookup")
-PLAIN_METHOD = "none"  # specdecode's plain decoding: the baseline of its own methods
+PLAIN_METHOD = registry.NONE.name  # specdecode's plain decoding: the baseline of its own methods
 HF_PLAIN_METHOD = "hf"
 DEFAULT_HF_LOOKUP_TOKENS = 10  # transformers' documented example value
 # llama.cpp's peers on the same GGUF files: llama-cpp-python's high-level Llama, then
@@ -161,17 +162,15 @@ def parse_method(label: str) -> MethodLabel:
 
 def _llamacpp_label(label: str, base: str, k: int | None, k_policy: str | None, slot: str) -> MethodLabel:
     """``METHOD[:K]@llama.cpp``: specdecode's method on the llama.cpp backend."""
-    from specdecode.backends.select import TORCH_ONLY_METHODS
-
     if slot != LLAMACPP:
         raise InvalidRequestError(
             f"{label}: quantization and llama.cpp cannot be combined (a GGUF file carries its own "
             f"quantization; pick a quantized GGUF instead): write {base}{QUANT_MARK}{LLAMACPP}."
         )
-    if base in TORCH_ONLY_METHODS:
+    if base in registry.TORCH_ONLY_METHODS:
         raise InvalidRequestError(
             f"{label}: method {base} needs the torch model (tree attention, hidden states or skipped layers); "
-            f"on llama.cpp choose from: {', '.join(m for m in default_methods() if m not in TORCH_ONLY_METHODS + PEERS)}."
+            f"on llama.cpp choose from: {', '.join(m for m in default_methods() if m not in registry.TORCH_ONLY_METHODS + PEERS)}."
         )
     return MethodLabel(base, k=k, k_policy=k_policy, backend=LLAMACPP)
 
@@ -259,7 +258,7 @@ class SpecDecodeMethod:
             result = self.decoder.generate(prompt_ids, params, method=self.base, k=self.k, k_policy=self.k_policy)
         self.last_trace = trace
         stats = result.stats
-        suffix = self.decoder.suffix_cache.stats(measure_bytes=True) if self.base in ("suffix", "auto") else None
+        suffix = self.decoder.suffix_cache.stats(measure_bytes=True) if registry.BY_NAME[self.base].uses_suffix_cache else None
         return TurnResult(
             tokens=result.token_ids,
             text=result.text,

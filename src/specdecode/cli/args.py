@@ -21,6 +21,7 @@ from specdecode.config import (
     QUANTS,
     DecoderConfig,
 )
+from specdecode.drafters.registry import methods_help
 from specdecode.errors import InvalidRequestError, reword_params
 
 EXIT_USER_ERROR = 2  # bad input: one line on stderr
@@ -108,12 +109,7 @@ def add_decoder_arguments(parser: argparse.ArgumentParser, *, exclude: frozenset
     add("target", help="the model whose output is reproduced: a demo name, .gguf file, HF folder or hub id "
         "(default: demo 1.5B)")
     add("draft", help="the small draft model, same tokenizer (default: demo 0.5B with the demo target)")
-    add("method", choices=METHODS, help=method_help or (
-        f"default {d.method}. draft: a draft model proposes; ngram: prompt lookup proposes (no draft model); auto: "
-        "each step, lookup, suffix trees, draft model or plain decoding, whichever pays by measured cost and "
-        "acceptance; layerskip: the target drafts with layers skipped; medusa, eagle: trained heads (--heads) draft "
-        "a token tree; suffix: token trees from the text so far and earlier responses (no model); none: plain decoding"
-    ))
+    add("method", choices=METHODS, help=method_help or f"default {d.method}. {methods_help()}")
     add("k", type=k_value, help=f"tokens drafted per step, or 'auto': chosen each step from live acceptance and "
         f"measured costs (default {DEFAULT_K}; auto on the llama.cpp backend)")
     add("k_policy", choices=("cost", "threshold"), help="how k is chosen per step: cost (maximise expected tokens per "

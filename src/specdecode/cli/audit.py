@@ -92,7 +92,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from specdecode import DecoderConfig, SpecDecoder
     from specdecode import audit as a
     from specdecode.backends.device import dtype_name, resolve_device, resolve_dtype
-    from specdecode.config import DEFAULT_K, TREE_METHODS
+    from specdecode.config import DEFAULT_K
+    from specdecode.drafters import registry
     from specdecode.drafters.layer_skip_file import builtin_choice
     from specdecode.errors import InvalidRequestError
     from specdecode.models import demo
@@ -101,7 +102,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         raise InvalidRequestError("The audit checks a fixed draft length: pass --k N (default 5), not --k auto.")
     target = args.target or demo.DEFAULT_TARGET
     has_draft = args.draft is not None or demo.is_demo_model_name(target)
-    methods = _methods(args.method) or (("draft", "ngram") if has_draft else ("ngram",))
+    lookup = registry.NGRAM.name
+    methods = _methods(args.method) or ((registry.DRAFT.name, lookup) if has_draft else (lookup,))
     # Validate everything before loading: a typo should cost a second, not a model load.
     config = a.AuditConfig(methods=methods, max_new_tokens=args.max_new_tokens, draws=args.draws,
                            sampled_tokens=args.sampled_tokens, top_k=args.top_k, k=args.k or DEFAULT_K, seed=args.seed,
@@ -109,7 +111,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
                            precision=dtype_name(resolve_dtype(args.dtype or "auto", resolve_device(args.device or "auto"))))
     prompts = _prompt_texts(args.prompts, args.num_prompts)
     skip_layers = args.skip_layers
-    if "layerskip" in methods and not (skip_layers or args.layerskip_config):
+    needs = {registry.BY_NAME[m].needs for m in methods}  # AuditConfig checked the names
+    if registry.NEEDS_SKIP_LAYERS in needs and not (skip_layers or args.layerskip_config):
         builtin = builtin_choice(target)
         if builtin is None:
             raise InvalidRequestError(
@@ -117,17 +120,17 @@ def cmd_audit(args: argparse.Namespace) -> int:
                 f"--layerskip-config from `specdecode tune-layerskip --target {target}`."
             )
         skip_layers = builtin.skip_layers
-    if "draft" in methods and not has_draft:
+    if registry.NEEDS_DRAFT_MODEL in needs and not has_draft:
         raise InvalidRequestError("--method draft needs a draft model: pass --draft (same tokenizer as --target).")
-    if any(m in TREE_METHODS for m in methods) and not args.heads:
+    if registry.NEEDS_HEADS in needs and not args.heads:
         raise InvalidRequestError("--method medusa/eagle needs --heads FOLDER (from `specdecode train`).")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise InvalidRequestError(f"--out {args.out}: its folder does not exist; create it first.")
 
     # One decoder serves every method: "draft" loads the draft model, "none" loads the target only.
-    uses_draft = any(m in ("draft", "auto") for m in methods) and has_draft
+    uses_draft = any(registry.BY_NAME[m].uses_draft_model for m in methods) and has_draft
     decoder_config = DecoderConfig.from_args(
-        args, method="draft" if uses_draft else "none", skip_layers=skip_layers or (),
+        args, method=registry.DRAFT.name if uses_draft else registry.NONE.name, skip_layers=skip_layers or (),
         draft_confidence=AUDIT_DRAFT_CONFIDENCE if args.draft_confidence is None else args.draft_confidence,
     )
     decoder = SpecDecoder.from_config(decoder_config, show_progress=not args.quiet)

@@ -1,6 +1,7 @@
 """The per-request planner: which drafter a request decodes with, and its draft length.
 
-``PLANNERS`` maps each method to the function that plans it, over ``DecoderResources``: the
+``PLANNERS`` maps each method to the function that plans it (by its registry entry's planner
+kind, ``drafters/registry.py``), over ``DecoderResources``: the
 decoder's config, its stateless drafters (prompt lookup, the draft model, layer skip,
 Medusa/EAGLE heads; shared by every request as they are), and the shared parts that per-request
 drafters are built over (suffix decoding's cache of earlier responses, auto's lookup memory,
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from specdecode.backends.select import TORCH
 from specdecode.config import DecoderConfig
 from specdecode.costs.decoder_costs import DecoderCosts
+from specdecode.drafters import registry
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -37,7 +39,7 @@ class DecoderResources:
 
     @property
     def draft_model(self) -> DraftModelDrafter | None:
-        drafter = self.drafters.get("draft")
+        drafter = self.drafters.get(registry.DRAFT.name)
         assert drafter is None or isinstance(drafter, DraftModelDrafter)
         return drafter
 
@@ -67,9 +69,10 @@ def plan_chain(resources: DecoderResources, request: PlanRequest) -> RequestPlan
     """A stateless chain drafter (the draft model, prompt lookup, layer skip) under the request's policy."""
     drafter = resources.drafters[request.method]
     k_max = resources.config.k_max
-    with_draft_model = request.method == "draft"
+    method = registry.BY_NAME[request.method]
+    with_draft_model = method.uses_draft_model
     schedule = resources.costs.schedule(request.policy, request.k, k_max, with_draft_model=with_draft_model,
-                                        model_free=request.method == "ngram")
+                                        model_free=method.model_free)
     note = resources.costs.draft_model_note(k_max) if with_draft_model and request.policy == "cost" else None
     return RequestPlan(request.method, drafter, k_max if schedule is not None else request.k, schedule, note=note)
 
@@ -86,7 +89,7 @@ def plan_suffix(resources: DecoderResources, request: PlanRequest) -> RequestPla
     verify_seconds = resources.costs.verify(depth + 1) if request.policy == "cost" else None
     drafter = suffix_drafter(resources.suffix_cache, request.suffix_group, tree=tree, depth=depth,
                              tree_size=resources.config.tree_size, verify_seconds=verify_seconds)
-    return RequestPlan("suffix", drafter, 0 if tree else depth, tree=tree)
+    return RequestPlan(request.method, drafter, 0 if tree else depth, tree=tree)
 
 
 def plan_auto(resources: DecoderResources, request: PlanRequest) -> RequestPlan:
@@ -98,7 +101,7 @@ def plan_auto(resources: DecoderResources, request: PlanRequest) -> RequestPlan:
     pass_seconds, token_seconds = costs.draft_model() if draft is not None else (0.0, 0.0)
     verify_seconds = costs.verify(depth + 1)
     auto = AutoDrafter(
-        resources.drafters["ngram"],
+        resources.drafters[registry.NGRAM.name],
         draft,
         verify_seconds,
         config.k_max,
@@ -110,19 +113,18 @@ def plan_auto(resources: DecoderResources, request: PlanRequest) -> RequestPlan:
                                             verify_seconds=verify_seconds)),
         suffix_depth=depth,
     )
-    return RequestPlan("auto", auto, auto.k, auto, steps_by_source=auto.steps_by_source)
+    return RequestPlan(request.method, auto, auto.k, auto, steps_by_source=auto.steps_by_source)
 
 
-PLANNERS: dict[str, Callable[[DecoderResources, PlanRequest], RequestPlan]] = {
-    "none": plan_plain,
-    "draft": plan_chain,
-    "ngram": plan_chain,
-    "layerskip": plan_chain,
-    "medusa": plan_tree,
-    "eagle": plan_tree,
-    "suffix": plan_suffix,
-    "auto": plan_auto,
+PlanFunction = Callable[[DecoderResources, PlanRequest], RequestPlan]
+PLAN_FUNCTIONS: dict[str, PlanFunction] = {
+    registry.PLAN_PLAIN: plan_plain,
+    registry.PLAN_CHAIN: plan_chain,
+    registry.PLAN_TREE: plan_tree,
+    registry.PLAN_SUFFIX: plan_suffix,
+    registry.PLAN_SOURCES: plan_auto,
 }
+PLANNERS: dict[str, PlanFunction] = {method.name: PLAN_FUNCTIONS[method.planner] for method in registry.REGISTRY}
 
 
 def plan_request(resources: DecoderResources, request: PlanRequest) -> RequestPlan:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdecode.drafters import registry
 from specdecode.drafters.auto_row import AutoRow
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer, SuffixTreeDrafter
 from specdecode.drafters.suffix_cache import SuffixCache
 
-BATCH_METHODS = ("none", "ngram", "draft", "suffix", "auto")
+BATCH_METHODS = registry.BATCH_METHODS  # the registry entries whose rows the batch engine takes
 
 
 @dataclass(slots=True, frozen=True)

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdecode.api import SpecDecoder
-from specdecode.config import METHODS
-from specdecode.engine.batch import BATCH_METHODS
+from specdecode.drafters import registry
 from specdecode.errors import SpecDecodeError
 from specdecode.serving.guard import GuardOptions, RetryLater
 from specdecode.serving.metrics import ServerMetrics
@@ -127,10 +126,10 @@ class ServerState:
 
     def batched(self, request: ParsedRequest) -> bool:
         """Whether the batch engine decodes this request (else the single-sequence engine)."""
-        return self.worker is not None and self.method_of(request) in BATCH_METHODS
+        return self.worker is not None and self.method_of(request) in registry.BATCH_METHODS
 
     def k_of(self, request: ParsedRequest) -> int | None:
-        if self.method_of(request) == "none":
+        if self.method_of(request) == registry.NONE.name:
             return None
         return request.k if request.k is not None else self.decoder.config.draft_k
 
@@ -140,7 +139,10 @@ class ServerState:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return tuple(m for m in METHODS if m in ("none", "auto", "suffix") or m in self.decoder.drafters)
+        """The methods this decoder serves: those that need nothing loaded or a draft model only
+        where one is loaded (auto), and those whose drafter it loaded."""
+        return tuple(m.name for m in registry.REGISTRY
+                     if m.needs in (registry.NEEDS_NOTHING, registry.USES_DRAFT_MODEL) or m.name in self.decoder.drafters)
 
     @property
     def context_length(self) -> int:
