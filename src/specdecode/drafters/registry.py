@@ -13,7 +13,9 @@ method name written anywhere else.
 Where it lives, and why it is plain data: ``config.py`` validates ``DecoderConfig.method``
 against the registry, and the drafters import ``config``. So this module imports nothing from
 specdecode (not the drafters, not the backends, whose ``base`` imports config): config imports
-it without a cycle, at module and at package level. The plan functions themselves, which build
+it without a module cycle. At package level config -> drafters -> config remains; with nothing
+imported here, the module can move as is to the bottom package of issue 45 item 4 once that
+exists. The plan functions themselves, which build
 drafters, stay in ``drafters/planner.py``, keyed by an entry's ``planner`` kind; the backend
 names are ``backends/base.py``'s, written out here (the registry test checks they agree).
 
