@@ -51,3 +51,23 @@ def test_the_draft_model_can_pay_only_where_one_row_at_full_acceptance_beats_pla
     dear_draft, cheap_draft = PassCosts({1: 1.0, 16: 16.0}), PassCosts({1: 0.01, 16: 0.16})
     assert not model_can_pay(steep(), dear_draft, 8) and model_can_pay(flat(), cheap_draft, 8)
     assert model_can_pay(None, None, 8)  # untimed: nothing says it cannot
+
+
+def test_a_flat_batch_prices_a_row_by_its_own_drafts() -> None:
+    """Four rows, one with a sure lookup. Padded (torch), its 4 drafts widen every row to 5
+    tokens (20 computed) and plain decoding wins; flat (llama.cpp's one micro-batch), they add
+    4 tokens to the other rows' 4 (8 in all) and pay."""
+    table = {1: 1.0, 4: 1.1, 8: 1.5, 16: 3.0, 32: 6.0}
+    padded, flat = PassCosts(table), PassCosts(table, flat=True)
+    assert padded.pass_seconds([5, 1, 1, 1]) == padded.seconds(4, 5) == padded.prior(20)
+    assert flat.pass_seconds([5, 1, 1, 1]) == flat.prior(8) == 1.5
+    row = RowChoices((BatchRow(0.9, 6, uses_draft_model=False),))
+    assert BatchK(8, padded).choose([row], 4) == 0
+    chooser = BatchK(8, flat)
+    k = chooser.choose([row], 4)
+    assert k > 0 and chooser.pick(row, k, 4).k == k
+    # A ragged flat pass teaches the scale only; rows of one width keep their shape's timing.
+    flat.observe_pass([5, 1, 1, 1], 3.0)
+    assert flat.scale > 1.0 and (4, 5) not in flat.shapes
+    flat.observe_pass([2, 2], 0.5)
+    assert flat.shapes[(2, 2)] == 0.5 and flat.pass_seconds([2, 2]) == 0.5

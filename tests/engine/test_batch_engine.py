@@ -278,7 +278,7 @@ def test_batch_k_falls_back_to_plain_as_the_batch_grows() -> None:
     assert BatchK(k_max=5).choose([BatchRow(0.1, 5, True)], 1) == 5  # no costs: a fixed k
     assert chooser.choose([], batch_size=4) == 0  # nothing speculative
     for _ in range(12):
-        chooser.observe(batch=16, width=1, drafted=0, verify_seconds=0.7, draft_rows=0, draft_passes=0, draft_seconds=0.0)
+        chooser.observe(widths=[1] * 16, drafted=0, verify_seconds=0.7, draft_rows=0, draft_passes=0, draft_seconds=0.0)
     # No probe: even drafts accepted 90% of the time would not pay for 16 rows here.
     assert chooser.choose([row] * 16, batch_size=16) == 0 and chooser.plain_streak == 0
 
@@ -316,7 +316,7 @@ def test_batch_k_prices_the_draft_backlog_and_backs_off_its_probes() -> None:
 
     def plain_steps(n: int) -> None:
         for _ in range(n):
-            chooser.observe(batch=2, width=1, drafted=0, verify_seconds=0.2, draft_rows=0, draft_passes=0, draft_seconds=0.0)
+            chooser.observe(widths=[1, 1], drafted=0, verify_seconds=0.2, draft_rows=0, draft_passes=0, draft_seconds=0.0)
 
     poor = [BatchRow(0.3, 8, True)] * 2
     assert chooser.choose(poor, 2) == 0
@@ -326,7 +326,7 @@ def test_batch_k_prices_the_draft_backlog_and_backs_off_its_probes() -> None:
     assert chooser.choose(poor, 2) == 0  # ... restarts the count: no probe yet
     plain_steps(11)
     assert chooser.choose(poor, 2) == 2  # the probe after 12 plain steps
-    chooser.observe(batch=2, width=3, drafted=4, verify_seconds=0.25, draft_rows=2, draft_passes=2, draft_seconds=0.1)
+    chooser.observe(widths=[3, 3], drafted=4, verify_seconds=0.25, draft_rows=2, draft_passes=2, draft_seconds=0.1)
     assert chooser.choose(poor, 2) == 0 and chooser.probe_after == 24  # it did not pay: wait twice as long
     plain_steps(12)
     assert chooser.choose(poor, 2) == 0

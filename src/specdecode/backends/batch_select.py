@@ -16,8 +16,8 @@ def batch_model(loaded: LoadedModel, max_batch: int, kv_cache_tokens: int, block
                 spare_slots: int = 0) -> BatchModel:
     """torch: the model over a paged pool of ``kv_cache_tokens`` slots. llama.cpp: a new context on
     the same file with ``max_batch`` sequences, each of ``kv_cache_tokens // max_batch`` positions
-    (at most the model's context): llama.cpp gives every sequence its own KV stream, allocated up
-    front, so the same total memory is split evenly instead of paged. ``spare_slots`` more
+    (at most the model's context): llama.cpp allocates its (unified) KV cache up front, so the
+    same total memory is split evenly instead of paged. ``spare_slots`` more
     sequences of that size hold the K/V of requests preempted for fairness (and of finished ones,
     for the prefix cache): ``SchedulerConfig.spare_slots``, KV memory ``spare_slots / max_batch``
     above ``kv_cache_tokens``."""

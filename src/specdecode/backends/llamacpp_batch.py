@@ -282,6 +282,7 @@ class SlotPool:
 class LlamaCppBatchModel:
     backend = "llama.cpp"
     merges_prefill = True  # one flat llama_batch: a long row costs its own tokens only
+    supports_trees = False  # no per-row tree attention mask in a llama_batch: suffix rows draft chains
 
     def __init__(self, model: LlamaCppModel) -> None:
         self.model = model

@@ -4,7 +4,8 @@ The batch engine drafts one k for every speculating row (each row capped by its 
 k and remaining tokens). The choice maximises the batch's expected tokens per second:
 
     sum_b E(a_b, k_b) / (k draft passes over the draft-model rows + one verify pass of
-                         B rows x (max k_b + 1) tokens, the batch padded to its longest row)
+                         B rows x (max k_b + 1) tokens, the batch padded to its longest row;
+                         on a flat batch, llama.cpp's, of sum_b (k_b + 1) tokens)
 
 with E(a, k) = (1 - a^(k+1)) / (1 - a) (``k_policy.expected_tokens``). k = 0 decodes the whole
 batch plainly, and is kept unless some k is predicted to beat it by ``SPECULATION_MARGIN``. On a bandwidth-bound device a plain pass over B rows costs little more than one
@@ -15,8 +16,8 @@ A row that picks its source every step (method auto: ``RowChoices``) offers seve
 ``BatchRow``s, its lookups (prompt lookup, the suffix chain: each as long as its match, at the
 rate its offers agreed with the emitted tokens) and, where it holds draft KV, the draft model.
 For each k it takes the option that emits most within that k (a padded batch verifies its rows
-at the width of the longest, so a row's tokens up to it cost nothing more), or none: plain
-decoding. The draft model joins as an option only where that pays for the batch (each k is
+at the width of the longest, so a row's tokens up to it cost nothing more; a flat batch prices
+the k as a whole), or none: plain decoding. The draft model joins as an option only where that pays for the batch (each k is
 priced with and without it: its passes and read-ahead are the batch's too), so each such row
 chooses its source and draft length priced as the batch pass it rides in.
 
@@ -55,17 +56,25 @@ class PassCosts:
     linearly (and extrapolated with the last slope); a batched pass of the same token count
     costs more (every row reads its own KV), which ``scale``, the running ratio of live passes
     to the prior, accounts for. A shape that has run is priced by its own live timings.
+
+    Rows of different widths (``pass_seconds``) cost what their batch computes: a padded batch
+    (torch) B x the longest row's tokens; a ``flat`` one (llama.cpp's ``llama_batch``, one
+    micro-batch with a unified KV cache) the rows' own tokens in all, so a row that drafts
+    more costs its own drafts only.
     """
 
     def __init__(
-        self, measured: dict[int, float], live: bool = True, shapes: dict[tuple[int, int], float] | None = None
+        self, measured: dict[int, float], live: bool = True, shapes: dict[tuple[int, int], float] | None = None,
+        flat: bool = False,
     ) -> None:
         """``measured``: single-sequence passes by token count; ``shapes``: batched passes timed
-        by (rows, tokens per row), which also set the starting scale."""
+        by (rows, tokens per row), which also set the starting scale; ``flat``: how rows of
+        different widths are priced (the class docstring)."""
         if not measured or any(rows < 1 or seconds <= 0 for rows, seconds in measured.items()):
             raise ValueError(f"PassCosts needs positive timings for token counts >= 1, got {measured}")
         self.points = dict(measured)
         self.live = live
+        self.flat = flat
         self.shapes: dict[tuple[int, int], float] = dict(shapes or {})
         ratios = [seconds / self.prior(b * t) for (b, t), seconds in self.shapes.items()]
         self.scale = sum(ratios) / len(ratios) if ratios else 1.0
@@ -75,12 +84,28 @@ class PassCosts:
         return interpolate(self.points, rows)
 
     def seconds(self, batch: int, width: int) -> float:
+        """A pass of ``batch`` rows of ``width`` tokens each."""
         measured = self.shapes.get((batch, width))
         return measured if measured is not None else self.prior(batch * width) * self.scale
 
+    def pass_seconds(self, widths: Sequence[int]) -> float:
+        """A pass whose row b feeds ``widths[b]`` tokens: padded to the longest, or flat."""
+        if not self.flat or min(widths) == max(widths):
+            return self.seconds(len(widths), max(widths))
+        return self.prior(sum(widths)) * self.scale
+
     def observe(self, batch: int, width: int, seconds: float) -> None:
-        if not self.live or batch < 1 or width < 1 or seconds <= 0:
+        self.observe_pass([width] * batch, seconds)
+
+    def observe_pass(self, widths: Sequence[int], seconds: float) -> None:
+        """A live pass (rows as in ``pass_seconds``): its shape's timing, where its rows are of
+        one width or padded to one, and the scale."""
+        if not self.live or not widths or min(widths) < 1 or seconds <= 0:
             return
+        if self.flat and min(widths) != max(widths):  # a ragged flat pass: only its tokens in all say anything
+            self.scale = blend(self.scale, seconds / self.prior(sum(widths)))
+            return
+        batch, width = len(widths), max(widths)
         self.shapes[(batch, width)] = blend(self.shapes.get((batch, width)), seconds)
         self.scale = blend(self.scale, seconds / self.prior(batch * width))
 
@@ -243,7 +268,7 @@ class BatchK:
             for model_allowed in ways:
                 picks = [self._pick(row, k, batch_size, model_allowed, acceptance) for row in speculative]
                 tokens = plain_rows + sum(expected_tokens(p.acceptance, p.k) for p in picks)
-                seconds = self.verify.seconds(batch_size, 1 + max(p.k for p in picks))
+                seconds = self.verify.pass_seconds([1] * plain_rows + [1 + p.k for p in picks])
                 model_rows = [p.option for p in picks if p.option is not None and p.option.uses_draft_model]
                 if model_rows:
                     assert self.draft is not None
@@ -253,15 +278,15 @@ class BatchK:
         return best, best_model
 
     def observe(
-        self, batch: int, width: int, drafted: int, verify_seconds: float | None,
+        self, widths: Sequence[int], drafted: int, verify_seconds: float | None,
         draft_rows: int, draft_passes: int, draft_seconds: float,
     ) -> None:
-        """A step's verify pass (``batch`` rows x ``width`` tokens, ``drafted`` of them drafts;
-        its time None where a row also fed a prompt's tail: not to be learnt from) and its draft
-        passes over ``draft_rows`` rows (0 passes: not to be learnt from)."""
+        """A step's verify pass (row b fed ``widths[b]`` tokens, ``drafted`` of them drafts in
+        all; its time None where a row also fed a prompt's tail: not to be learnt from) and its
+        draft passes over ``draft_rows`` rows (0 passes: not to be learnt from)."""
         self.plain_streak = 0 if drafted else self.plain_streak + 1
         if self.verify is not None and verify_seconds is not None:
-            self.verify.observe(batch, width, verify_seconds)
+            self.verify.observe_pass(widths, verify_seconds)
         if self.draft is not None and draft_passes > 0:
             self.draft.observe(draft_rows, 1, draft_seconds / draft_passes)
 
@@ -272,8 +297,9 @@ def time_batch_costs(
     """A ``PassCosts`` for ``model`` from its own passes: one sequence over each of ``row_counts``
     tokens (the prior) and the batched ``shapes``, timed on scratch sequences of its pool's kind."""
     timed = model.pass_seconds([(1, rows) for rows in row_counts] + list(shapes), repeats)
+    # A backend that merges a prompt into the verify rows runs flat batches (backends/base.py).
     return PassCosts({rows: timed[(1, rows)] for rows in row_counts}, live=live,
-                     shapes={shape: timed[shape] for shape in shapes} or None)
+                     shapes={shape: timed[shape] for shape in shapes} or None, flat=model.merges_prefill)
 
 
 def model_can_pay(verify: PassCosts | None, draft: PassCosts | None, k_max: int) -> bool:

@@ -171,6 +171,14 @@ class AcceptanceEstimate:
         self.trials = self.trials * self.decay + accepted + (1 if accepted < proposed else 0)
         self.accepted = self.accepted * self.decay + accepted
 
+    def prior(self, most_trials: float) -> AcceptanceEstimate:
+        """A fresh estimate that starts from this one's rate, weighing at most ``most_trials``
+        of its trials (a new request inherits a pooled estimate without being bound by it)."""
+        if self.trials <= 0:
+            return AcceptanceEstimate()
+        weight = min(1.0, most_trials / self.trials)
+        return AcceptanceEstimate(trials=self.trials * weight, accepted=self.accepted * weight)
+
 
 @dataclass(slots=True)
 class GoodputEstimate:

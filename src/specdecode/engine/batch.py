@@ -38,7 +38,6 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.backends.base import BatchModel, SequencePool
-from specdecode.backends.device import host_to_device
 from specdecode.backends.torch_batch import PagedBatchModel
 from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SamplingParams, SchedulerConfig
 from specdecode.costs.batch_k import BatchK, PassCosts, model_can_pay
@@ -47,7 +46,7 @@ from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import BatchDraftModel
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch_pass import verify_pass
-from specdecode.engine.batch_prefill import prefill
+from specdecode.engine.batch_prefill import prefill_isolated
 from specdecode.engine.batch_proposals import (
     choose_sources,
     drafts_with_model,
@@ -60,8 +59,6 @@ from specdecode.engine.batch_request import BatchRequest, RequestOutput, generat
 from specdecode.engine.batch_rows import BATCH_METHODS, row_drafters, uses_draft
 from specdecode.engine.grammar import CompiledGrammar
 from specdecode.engine.metrics import GenerationStats, Stopwatch
-from specdecode.engine.penalties import TokenPenalties, wants_penalties
-from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.scheduler import ScheduledSequence, Scheduler
 from specdecode.engine.stopping import cut_at_stop
 from specdecode.errors import InvalidRequestError
@@ -129,9 +126,7 @@ class BatchEngine:
         self.ngram_sizes = (ngram_max, ngram_min)
         self.draft_confidence = draft_confidence  # the draft model's per-row cut-off (batch_draft.DraftRow)
         self.sync_timing = sync_timing
-        # Whether the target scores token trees (torch): suffix rows then draft trees. A backend
-        # class that predates the attribute (llama.cpp's batch) scores chains only.
-        self.trees: bool = getattr(self.target, "supports_trees", False)
+        self.trees = self.target.supports_trees  # torch: suffix rows draft token trees
         self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()  # earlier responses, by group
         self._ids = itertools.count()
         # Acceptance pooled over every request of a method: a new request starts from it (the
@@ -185,36 +180,15 @@ class BatchEngine:
                                    or source.cache_group != cache_salt):
             raise InvalidRequestError(f"Request {request_id!r} can fork only a request with its prompt and cache_salt; "
                                       f"{fork_of!r} has another.")
-        prompt_len = len(prompt_ids)
-        capacity = prompt_len + params.max_new_tokens
-        committed = torch.zeros(capacity + 1, dtype=torch.long, device=self.device)
-        committed[:prompt_len] = host_to_device(list(prompt_ids), torch.long, self.device)
-        state = grammar.state() if grammar is not None else None
-        penalties = (TokenPenalties(params, prompt_ids, self.target.vocab_size, self.device)
-                     if wants_penalties(params) else None)
-        processor = LogitsProcessor.from_params(params, state, penalties)
         drafters = row_drafters(method, k, self.k_max, suffix_group, self.suffix_cache, self.ngram_sizes,
                                 self.model_can_pay, self.trees)
-        request = BatchRequest(
-            request_id=request_id, params=params, method=method, k=k, processor=processor,
-            generator=None if processor.greedy else make_generator(params.seed, self.device),
-            tokens=list(prompt_ids), committed=committed,
-            stats=stats or GenerationStats(), started=time.perf_counter() if arrived is None else arrived,
-            ngram=drafters.host, sources=drafters.sources, tree_nodes=drafters.tree_nodes,
-            grammar=state,
-        )
-        request.stats.method, request.stats.prompt_tokens = method, prompt_len
-        if drafters.sources is not None:
-            request.stats.steps_by_source = drafters.sources.steps_by_source  # filled as it decodes
-        if params.logprobs is not None:
-            request.stats.token_logprobs = []
-        pooled = self._pooled_acceptance[method]
-        if pooled.trials > 0:
-            weight = min(1.0, POOLED_PRIOR_TRIALS / pooled.trials)
-            request.acceptance = AcceptanceEstimate(trials=pooled.trials * weight, accepted=pooled.accepted * weight)
-        if request.ngram is not None:
-            request.ngram.start(prompt_len, capacity)
-        seq = ScheduledSequence(next(self._ids), prompt_len, capacity, uses_draft=drafters.uses_draft, state=request,
+        request = BatchRequest.start(request_id, prompt_ids, params, method, k, drafters, grammar,
+                                     self.target.vocab_size, self.device, stats or GenerationStats(),
+                                     time.perf_counter() if arrived is None else arrived)
+        request.acceptance = self._pooled_acceptance[method].prior(POOLED_PRIOR_TRIALS)
+        prompt_len = len(prompt_ids)
+        seq = ScheduledSequence(next(self._ids), prompt_len, prompt_len + params.max_new_tokens,
+                                uses_draft=drafters.uses_draft, state=request,
                                 tokens=request.tokens, cache_group=cache_salt, fork_of=source)
         self.scheduler.add(seq)
         self._requests[request_id] = seq
@@ -293,7 +267,9 @@ class BatchEngine:
                 self.drafter.forget(seq.seq_id)
         self._prefilling = [seq for seq in self._prefilling if seq in self.scheduler.running]  # not preempted, not ended
         if self._prefilling:
-            failed += self._prefill_isolated(self._prefilling)
+            broken = prefill_isolated(self.target, self.drafter, self._prefilling, self.scheduling.prefill_chunk,
+                                      self._prefilling)
+            failed += [self._fail(seq, err) for seq, err in broken]
         drafting, plans, broken = plan_rows(self._decoding(), self.drafter, self.draft_confidence)
         failed += [self._fail(seq, err) for seq, err in broken]
         running = self._decoding()
@@ -341,7 +317,7 @@ class BatchEngine:
         # A pass that also fed a prompt's tail (``_prefill``) is no verify pass to learn from.
         merged = any(seq.prefilling for seq in running)
         self.chooser.observe(
-            batch=len(proposals), width=1 + max(p.num_tokens for p in proposals), drafted=sum(p.num_tokens for p in proposals),
+            widths=[1 + p.num_tokens for p in proposals], drafted=sum(p.num_tokens for p in proposals),
             verify_seconds=None if merged else verify_watch.elapsed, draft_rows=draft_rows,
             # A step that read a backlog first says little about one draft pass: not learnt from.
             draft_passes=0 if read_ahead else draft_passes, draft_seconds=draft_watch.elapsed,
@@ -382,21 +358,6 @@ class BatchEngine:
         if not blamed or len(blamed) == len(running):
             raise error
         return [self._fail(seq, err) for seq, err in blamed]
-
-    def _prefill_isolated(self, seqs: list[ScheduledSequence]) -> list[RequestOutput]:
-        """Prefill (a chunk of) admitted sequences together; if that fails, one at a time, failing
-        those that fail alone (a prefill writes only its own sequences' caches, by position)."""
-        try:
-            prefill(self.target, self.drafter, seqs, self.scheduling.prefill_chunk, self._prefilling)
-        except Exception:  # noqa: BLE001 - retried one sequence at a time to find the one to blame
-            failed = []
-            for seq in list(seqs):
-                try:
-                    prefill(self.target, self.drafter, [seq], self.scheduling.prefill_chunk, self._prefilling)
-                except Exception as err:  # noqa: BLE001
-                    failed.append(self._fail(seq, err))
-            return failed
-        return []
 
     def _fail(self, seq: ScheduledSequence, error: BaseException) -> RequestOutput:
         request: BatchRequest = seq.state
@@ -470,8 +431,7 @@ class BatchEngine:
 
     def _verify(self, running: list[ScheduledSequence],
                 proposals: list[DraftProposal]) -> tuple[list[list[int]], list[DraftProposal], dict[int, list[int]]]:
-        """The step's verify pass (``engine/batch_pass.py``): each row's emitted tokens, the
-        proposals as verified, each tree row's accepted path."""
+        """The step's verify pass (``engine/batch_pass.py``); tests wrap it to slow or break a step."""
         return verify_pass(self.target, running, proposals)
 
     # -- convenience -------------------------------------------------------------------------

@@ -69,3 +69,26 @@ def prefill(
         if seq.uses_draft:
             assert drafter is not None
             drafter.add(seq.seq_id, cached=seq.cached_draft)  # reads the rest when it first drafts
+
+
+def prefill_isolated(
+    target: BatchModel,
+    drafter: BatchDraftModel | None,
+    seqs: list[ScheduledSequence],
+    prefill_chunk: int,
+    prefilling: list[ScheduledSequence],
+) -> list[tuple[ScheduledSequence, Exception]]:
+    """``prefill`` of admitted sequences together; if that fails, one at a time: those that fail
+    alone, with their errors, for the engine to fail (a prefill writes only its own sequences'
+    caches, by position, so a retry repeats nothing another sequence depends on)."""
+    try:
+        prefill(target, drafter, seqs, prefill_chunk, prefilling)
+    except Exception:  # noqa: BLE001 - retried one sequence at a time to find the one to blame
+        broken = []
+        for seq in list(seqs):
+            try:
+                prefill(target, drafter, [seq], prefill_chunk, prefilling)
+            except Exception as err:  # noqa: BLE001 - any error of a request's own prompt is that request's
+                broken.append((seq, err))
+        return broken
+    return []

@@ -3,6 +3,7 @@ generator snapshots a failed step is rerun from."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -14,10 +15,12 @@ from specdecode.drafters.auto_row import AutoRow
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter, SuffixTreeDrafter
-from specdecode.engine.grammar import GrammarState
+from specdecode.engine.batch_rows import RowDrafters
+from specdecode.engine.grammar import CompiledGrammar, GrammarState
 from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
-from specdecode.engine.sampling import LogitsProcessor
+from specdecode.engine.penalties import TokenPenalties, wants_penalties
+from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.scheduler import ScheduledSequence
 
 
@@ -56,6 +59,45 @@ class BatchRequest:
     # The last verify pass's logprobs of this row's emitted tokens (SamplingParams.logprobs),
     # kept by the commit that follows it.
     step_logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def start(
+        cls,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        method: str,
+        k: int,
+        drafters: RowDrafters,
+        grammar: CompiledGrammar | None,
+        vocab_size: int,
+        device: torch.device,
+        stats: GenerationStats,
+        started: float,
+    ) -> BatchRequest:
+        """A new request's state: its committed tokens (room for all it may generate), its logits
+        processor (grammar, penalties), generator and drafters, its stats begun."""
+        prompt_len = len(prompt_ids)
+        capacity = prompt_len + params.max_new_tokens
+        committed = torch.zeros(capacity + 1, dtype=torch.long, device=device)
+        committed[:prompt_len] = host_to_device(list(prompt_ids), torch.long, device)
+        state = grammar.state() if grammar is not None else None
+        penalties = TokenPenalties(params, prompt_ids, vocab_size, device) if wants_penalties(params) else None
+        processor = LogitsProcessor.from_params(params, state, penalties)
+        request = cls(
+            request_id=request_id, params=params, method=method, k=k, processor=processor,
+            generator=None if processor.greedy else make_generator(params.seed, device),
+            tokens=list(prompt_ids), committed=committed, stats=stats, started=started,
+            ngram=drafters.host, sources=drafters.sources, tree_nodes=drafters.tree_nodes, grammar=state,
+        )
+        stats.method, stats.prompt_tokens = method, prompt_len
+        if drafters.sources is not None:
+            stats.steps_by_source = drafters.sources.steps_by_source  # filled as it decodes
+        if params.logprobs is not None:
+            stats.token_logprobs = []
+        if request.ngram is not None:
+            request.ngram.start(prompt_len, capacity)
+        return request
 
     @property
     def remaining(self) -> int:
