@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from specdecode import SamplingParams, SpecDecoder
+from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.sampling import LogitsProcessor
 from specdecode.engine.tree import TokenTree
 from specdecode.engine.verify import TreeVerifyResult
@@ -211,17 +212,29 @@ def chi_square_in_batches(dec, eng) -> tuple[float, int]:
     """``chi_square`` with the draws made inside a batch engine ``eng`` over ``dec``'s models:
     draft-model requests (k = 2) sharing batches with lookup and plain requests of other
     prompts and sampling settings (one in ten); same statistic and cells."""
-    prompt_ids = dec.encode("def quicksort(arr):")
+    stat, df, _ = chi_square_in_mixed_batches(dec, eng, dec.encode("def quicksort(arr):"), "draft",
+                                              ("draft", "ngram", "none"))
+    return stat, df
+
+
+def chi_square_in_mixed_batches(dec, eng, prompt_ids: list[int], method: str,
+                                others: tuple[str, ...]) -> tuple[float, int, list[GenerationStats]]:
+    """``DRAWS`` seeded requests of ``method`` (k = 2, ``NEW_TOKENS`` tokens, top-k ``TOP_K``) of
+    ``prompt_ids`` in batch engine ``eng``, sharing its batches with sampled requests of other
+    prompts whose methods cycle through ``others`` (one in ten, k = 3): Pearson's statistic
+    against the exact distribution (``pearson``), and the drawn requests' stats."""
     exact = exact_sequence_distribution(dec, prompt_ids)
-    ids = []
+    ids, stats = [], []
     for seed in range(DRAWS):
         params = SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=NEW_TOKENS, seed=seed, ignore_eos=True)
-        ids.append(eng.add_request(prompt_ids, params, "draft", 2))
+        stats.append(GenerationStats())
+        ids.append(eng.add_request(prompt_ids, params, method, 2, stats=stats[-1]))
         if seed % 10 == 0:
             other = SamplingParams(temperature=0.7, max_new_tokens=5, seed=seed)
-            eng.add_request(dec.encode(PROMPTS[seed % len(PROMPTS)]), other, ("draft", "ngram", "none")[seed % 3], 3)
+            eng.add_request(dec.encode(PROMPTS[seed % len(PROMPTS)]), other, others[seed % len(others)], 3)
     outputs = eng.run()
-    return pearson(exact, Counter(tuple(outputs[i]) for i in ids))
+    stat, df = pearson(exact, Counter(tuple(outputs[i]) for i in ids))
+    return stat, df, stats
 
 
 def install_wrong_residual(monkeypatch, module=None) -> None:

@@ -6,21 +6,17 @@ aborts and failures stay with their row, and no draft KV is held where the draft
 pay. The pricing itself, on hand-made costs: tests/costs/test_batch_auto_pricing.py."""
 
 import itertools
-from collections import Counter
 from pathlib import Path
 
 import pytest
 from helpers import (
     CHI2_CRITICAL_P001,
     DRAWS,
-    NEW_TOKENS,
     PROMPTS,
-    TOP_K,
+    chi_square_in_mixed_batches,
     copyable_prompt,
     decoder,
-    exact_sequence_distribution,
     install_wrong_residual,
-    pearson,
     run_until_done,
     small_batch_engine,
 )
@@ -142,22 +138,12 @@ def test_auto_rows_on_llamacpp_equal_plain_decoding_up_to_a_near_tie(tiny_ggufs:
 
 # -- sampling: the target's distribution ------------------------------------------------------------
 def auto_chi_square(dec, eng: BatchEngine) -> tuple[float, int, int]:
-    """``helpers.chi_square_in_batches`` for auto rows: 1,500 seeded auto requests (k = 2) of a
-    prompt that copies itself (so lookups offer tokens the target takes 20-80% of the time),
-    sharing batches with sampled requests of other prompts and methods (one in ten); the same
-    statistic, cells and threshold. Also returns the tokens the auto rows drafted."""
-    prompt_ids = copyable_prompt(dec)
-    exact = exact_sequence_distribution(dec, prompt_ids)
-    ids, stats = [], []
-    for seed in range(DRAWS):
-        params = SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=NEW_TOKENS, seed=seed, ignore_eos=True)
-        stats.append(GenerationStats())
-        ids.append(eng.add_request(prompt_ids, params, "auto", 2, stats=stats[-1]))
-        if seed % 10 == 0:
-            other = SamplingParams(temperature=0.7, max_new_tokens=5, seed=seed)
-            eng.add_request(dec.encode(PROMPTS[seed % len(PROMPTS)]), other, ("draft", "ngram", "suffix", "none")[seed % 4], 3)
-    outputs = eng.run()
-    stat, df = pearson(exact, Counter(tuple(outputs[i]) for i in ids))
+    """``helpers.chi_square_in_mixed_batches`` for auto rows: 1,500 seeded auto requests (k = 2)
+    of a prompt that copies itself (so lookups offer tokens the target takes 20-80% of the
+    time), sharing batches with sampled requests of other prompts and methods (one in ten); the
+    same statistic, cells and threshold. Also returns the tokens the auto rows drafted."""
+    stat, df, stats = chi_square_in_mixed_batches(dec, eng, copyable_prompt(dec), "auto",
+                                                  ("draft", "ngram", "suffix", "none"))
     return stat, df, sum(s.draft_tokens_proposed for s in stats)
 
 

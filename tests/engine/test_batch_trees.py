@@ -16,7 +16,6 @@ test_penalties.py and test_logprobs.py, whose batched suffix rows draft trees he
 
 import functools
 import itertools
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,11 @@ import torch
 from helpers import (
     CHI2_CRITICAL_P001,
     DRAWS,
-    NEW_TOKENS,
     PROMPTS,
-    TOP_K,
     broken_rejection_tree_verify,
+    chi_square_in_mixed_batches,
     decoder,
-    exact_sequence_distribution,
     last_logits,
-    pearson,
 )
 
 import specdecode.engine.batch_verify
@@ -154,25 +150,15 @@ def test_suffix_tree_rows_survive_preemption_and_aborts(dec) -> None:
 
 # -- sampling: the target's distribution --------------------------------------------------------------
 def tree_chi_square(dec, eng: BatchEngine) -> tuple[float, int, list[GenerationStats]]:
-    """1,500 seeded suffix requests (k = 2, 3 tokens, top-k 3) of one prompt beside sampled rows
-    of other prompts and methods (one in ten). A request's first token comes from a plain step;
-    its second is drafted from the shared tree of earlier samples: a tree one deep whose root
-    branches over the continuations seen after its first token (its children cover most of p,
-    so a verifier that mishandles a rejected child shows). Pearson's statistic against the
-    exact distribution, and the suffix rows' stats."""
-    prompt_ids = dec.encode("def quicksort(arr):")
-    exact = exact_sequence_distribution(dec, prompt_ids)
-    ids, stats = [], []
-    for seed in range(DRAWS):
-        params = SamplingParams(temperature=1.0, top_k=TOP_K, max_new_tokens=NEW_TOKENS, seed=seed, ignore_eos=True)
-        stats.append(GenerationStats())
-        ids.append(eng.add_request(prompt_ids, params, "suffix", 2, stats=stats[-1]))
-        if seed % 10 == 0:
-            other = SamplingParams(temperature=0.7, max_new_tokens=5, seed=seed)
-            eng.add_request(dec.encode(PROMPTS[seed % len(PROMPTS)]), other, ("ngram", "none", "suffix")[seed % 3], 3)
-    outputs = eng.run()
-    stat, df = pearson(exact, Counter(tuple(outputs[i]) for i in ids))
-    return stat, df, stats
+    """``helpers.chi_square_in_mixed_batches`` for suffix rows: 1,500 seeded suffix requests
+    (k = 2, 3 tokens, top-k 3) of one prompt beside sampled rows of other prompts and methods
+    (one in ten). A request's first token comes from a plain step; its second is drafted from
+    the shared tree of earlier samples: a tree one deep whose root branches over the
+    continuations seen after its first token (its children cover most of p, so a verifier that
+    mishandles a rejected child shows). Pearson's statistic against the exact distribution, and
+    the suffix rows' stats."""
+    return chi_square_in_mixed_batches(dec, eng, dec.encode("def quicksort(arr):"), "suffix",
+                                       ("ngram", "none", "suffix"))
 
 
 def test_sampled_suffix_tree_rows_match_the_target_distribution(tiny_qwen2_dir: Path) -> None:
