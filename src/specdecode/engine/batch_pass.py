@@ -79,6 +79,5 @@ def verify_pass(
     for b, result in tree_results.items():
         rows[b], paths[b] = list(result.tokens), result.path
         if requests[b].processor.logprobs is not None:
-            requests[b].step_logprobs = tree_logprobs(raw[b, : len(trees[b] or ())], logits[b, : len(trees[b] or ())],
-                                                      result, requests[b].processor)
+            requests[b].step_logprobs = tree_logprobs(raw[b], logits[b], result, requests[b].processor)
     return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in rows], proposals, paths

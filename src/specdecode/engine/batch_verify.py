@@ -85,13 +85,13 @@ def verify_trees(
 
 
 def tree_logprobs(
-    raw: torch.Tensor,  # (N, V): a tree row's model logits
-    processed: torch.Tensor,  # (N, V): after grammar masks, bias and penalties
+    raw: torch.Tensor,  # (>= N, V): a tree's model logits, node i's at row i
+    processed: torch.Tensor,  # (>= N, V): after grammar masks, bias and penalties
     result: TreeVerifyResult,
     processor: LogitsProcessor,
 ) -> list[TokenLogprob]:
-    """The logprobs of a tree row's emitted tokens (emitted token j follows path node j): a
-    second host read, once the path is known, as on the single path."""
+    """The logprobs of a tree's emitted tokens (emitted token j follows path node j): a second
+    host read, once the path is known (both engines)."""
     assert processor.logprobs is not None
     path = host_to_device(result.path, torch.long, raw.device)
     probs = None

@@ -29,6 +29,7 @@ from specdecode.costs.k_policy import interpolate
 from specdecode.costs.store import VERIFY_TABLE, CostStore
 from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 from specdecode.drafters.base import Drafter, TreeDrafter
+from specdecode.engine.batch_verify import tree_logprobs
 from specdecode.engine.grammar import CompiledGrammar, GrammarState, apply_masks, first_forbidden
 from specdecode.engine.logprobs import TokenLogprob, pack, unpack
 from specdecode.engine.metrics import GenerationStats, Stopwatch
@@ -437,14 +438,8 @@ class SpecEngine:
                 result = typical_tree_verify(tree, probs, generator)
             else:
                 result = rejection_tree_verify(tree, probs, generator)
-            logprobs = None
-            if processor.logprobs is not None:
-                # The path's rows: emitted token j follows path node j. A second host read (tree
-                # verification reads the path first).
-                path = host_to_device(result.path, torch.long, device)
-                rows = processor.logprob_rows(raw[path], logits[path], None if probs is None else probs[path])
-                logprobs = unpack(pack(rows, host_to_device(result.tokens, torch.long, device),
-                                       processor.logprobs).tolist(), len(result.tokens))
+            # The path's rows (a second host read: tree verification reads the path first).
+            logprobs = tree_logprobs(raw, logits, result, processor) if processor.logprobs is not None else None
             target.keep_path(start, result.path)
             # Index with a device tensor: a Python list index is copied from pageable memory (a sync).
             drafter.observe(out.hidden[:, host_to_device(result.path, torch.long, device)], start)
