@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import decoder
 
+from specdecode.engine.tree import TokenTree, tree_view
 from specdecode.kv.paged import NULL_BLOCK, OutOfBlocks, PagedKVCache
 from specdecode.kv.static import KVCache
 
@@ -140,3 +141,20 @@ def test_fork_of_a_prefix_shares_its_blocks_and_copies_a_registered_one_before_w
     pool.free(1)
     pool.free(3)
     assert pool.free_blocks == pool.usable_blocks
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_tree_row_sees_what_the_single_sequence_tree_view_sees(window: int | None) -> None:
+    """A tree row of a paged pass (root at position 3, beside a plain row) gets the mask and
+    rotary positions of ``engine/tree.tree_view`` for the same tree, sliding window included."""
+    parents = [-1, 0, 0, 1, 1, 2, 3]  # depths 0, 1, 1, 2, 2, 2, 3
+    tree = TokenTree(parents, torch.zeros(len(parents), dtype=torch.long), [False] * len(parents))
+    pool = small_pool()
+    for seq in (0, 1):
+        pool.add(seq)
+        pool.reserve(seq, 3 + len(parents))
+    view, rotary = pool.view([0, 1], [list(range(3, 10)), [3, 4]], sliding_window=window, trees=[parents, None])
+    want = tree_view(tree, 3, "cpu", window)
+    assert torch.equal(view.mask[0, 0, :, : want.kv_len], want.mask[0, 0])
+    assert rotary[0].tolist() == tree.positions(3, "cpu")[0].tolist()
+    assert rotary[1, :2].tolist() == [3, 4]  # the plain row: stored where it is rotated

@@ -23,10 +23,10 @@ valid for positions [0, L - 1); the next verify pass feeds the last committed to
 drafts. Methods: ``none``, ``ngram``, ``draft``, ``suffix`` and ``auto`` batch
 (``engine/batch_rows.py``: what each method's row drafts with); medusa, eagle and ``layerskip``
 keep their single-sequence engine. A suffix row drafts a token tree where the target scores
-trees (torch: each tree row's nodes ride in the same padded pass with their own attention mask,
-``kv/paged.py``, and the accepted path's K/V are kept by index copy), its best chain elsewhere. An ``auto`` row picks its source (prompt lookup, the suffix
-chain, the draft model where it can pay, or none) and its draft length every step, priced as
-the batch pass it rides in (``drafters/auto_row.py``, ``costs/batch_k.py``).
+trees (torch: in the same padded pass, with its own attention mask, ``kv/paged.py``), its best
+chain elsewhere. An ``auto`` row picks its source (prompt lookup, the suffix chain, the draft
+model where it can pay, or none) and its draft length every step, priced as the batch pass it
+rides in (``drafters/auto_row.py``, ``costs/batch_k.py``).
 """
 
 from __future__ import annotations

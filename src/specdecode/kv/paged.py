@@ -353,17 +353,20 @@ class PagedKVCache:
         rotary, key_rotary = slot_positions, key_pos[None, :]  # a plain row is rotated where it is stored
         tree_rows = [(b, parents) for b, parents in enumerate(trees or ()) if parents is not None]
         if tree_rows:
-            rotary_host, key_rotary = [list(row) for row in positions], key_pos[None, :].repeat(len(seqs), 1)
+            rotary_host = [list(row) for row in positions]
             for b, parents in tree_rows:
                 root, size = host_positions[b][0], len(parents)
                 if len(host_positions[b]) != size:
                     raise ValueError(f"row {b} feeds {len(host_positions[b])} tokens for a tree of {size} nodes")
                 depths = [root + depth for depth in tree_depths(parents)]
-                rotary_host[b][:size] = depths
-                rotary_host[b][size:] = [depths[-1]] * (width - size)
-                key_rotary[b, root : root + size] = host_to_device(depths, torch.long, device)
+                rotary_host[b] = depths + [depths[-1]] * (width - size)
                 mask[b, :size, root : root + size] = host_to_device(ancestor_rows(parents), torch.bool, device)
             rotary = host_to_device(rotary_host, torch.long, device)
+            if sliding_window is not None:  # a tree's keys sit at its nodes' rotary positions too
+                key_rotary = key_pos[None, :].repeat(len(seqs), 1)
+                for b, parents in tree_rows:
+                    root = host_positions[b][0]
+                    key_rotary[b, root : root + len(parents)] = rotary[b, : len(parents)]
         if sliding_window is not None:
             mask &= key_rotary[:, None, :] > rotary[:, :, None] - sliding_window
         view = PagedView(
