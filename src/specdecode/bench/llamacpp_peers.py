@@ -243,10 +243,14 @@ def load_llamacpp_side(
     decoder: DecoderConfig,  # the run's shared decoder settings (BenchConfig.decoder)
     labels: dict[str, Any],  # method name -> bench.methods.MethodLabel, the llama.cpp ones only
     *,
-    context: int,
+    context: int | None,
     show_progress: bool,
 ) -> LlamaCppSide:
-    """Resolve the GGUF files and load our decoder on llama.cpp if any of our methods asks for it."""
+    """Resolve the GGUF files and load our decoder on llama.cpp if any of our methods asks for it.
+
+    ``context`` None (no torch model in the run): our decoder loads whatever the methods are (its
+    tokenizer encodes every method's prompts) and the context is its target's, which is our
+    backend's default capped at what the GGUF file was trained for."""
     import torch
 
     from specdecode.api import SpecDecoder
@@ -269,7 +273,7 @@ def load_llamacpp_side(
     ours_draft = any(uses_draft_model(label.base) for label in ours.values())
     files = resolve_gguf_files(target, draft, list(labels), any(uses_draft_model(label.base) for label in labels.values()))
     spec_decoder = None
-    if ours:
+    if ours or context is None:
         # The shared settings on llama.cpp's CPU passes; the KV-cache storage and compilation are
         # the torch side's (llama.cpp's cache type follows dtype).
         config = replace(
@@ -277,6 +281,9 @@ def load_llamacpp_side(
             method="draft" if ours_draft else "none", backend=LLAMACPP, device="cpu", kv_dtype="auto", compile=False,
         )
         spec_decoder = SpecDecoder.from_config(config, show_progress)
+        if context is None:
+            context = spec_decoder.target.config.max_position_embeddings
+    assert context is not None
     return LlamaCppSide(
         files=files, decoder=spec_decoder, context=context,
         exact=resolve_dtype(decoder.dtype, torch.device("cpu")) == torch.float32, threads=physical_core_count(),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from specdecode.config import ModelConfig, RopeScaling
 from specdecode.engine.trace import BEGIN, COMMIT, EXTEND, KEEP, TARGET, TREE, PassEvent, PassTrace
 from specdecode.engine.tree import TokenTree
 from specdecode.models.llama import Transformer, rope_inverse_frequencies
+
+if TYPE_CHECKING:
+    from specdecode.models.loader import LoadedModel
 
 INIT_STD = 0.02  # random weights at the usual init scale: finite activations, no subnormals
 RANDOM_BLOCK_ROWS = 4096
@@ -50,6 +53,20 @@ def model_config_dict(config: ModelConfig) -> dict[str, Any]:
         data["rope_scaling"] = {f.name: getattr(config.rope_scaling, f.name) for f in fields(config.rope_scaling)}
     data["eos_token_ids"] = list(config.eos_token_ids)
     return data
+
+
+def full_model_config(loaded: LoadedModel) -> ModelConfig:
+    """A loaded model's every shape: on llama.cpp its config holds what llama.cpp reports (no
+    MLP width or RoPE base), so the GGUF file's metadata is read for the rest."""
+    if loaded.backend == "torch":
+        return loaded.config
+    from specdecode.models.gguf_metadata import architecture, hf_config, open_gguf
+
+    path = loaded.model.path  # backends.llamacpp.LlamaCppModel
+    reader = open_gguf(path)
+    metadata = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    return ModelConfig.from_hf_dict(hf_config(metadata, architecture(metadata, path), tensors, torch.float32, path))
 
 
 def model_config_from_dict(data: Mapping[str, Any]) -> ModelConfig:

@@ -266,11 +266,11 @@ class Bench(BenchLineup):
 
     def trace_header(self) -> dict[str, Any]:
         """What a replay of this run's traces needs (bench/replay.py): the models' shapes."""
-        from specdecode.bench.replay import model_config_dict
+        from specdecode.bench.replay import full_model_config, model_config_dict
 
         draft = self.decoder.draft or (self.llamacpp.decoder.draft if self.llamacpp else None)
-        return {"target": model_config_dict(self.decoder.target.config),
-                "draft": model_config_dict(draft.config) if draft is not None else None,
+        return {"target": model_config_dict(full_model_config(self.decoder.target)),
+                "draft": model_config_dict(full_model_config(draft)) if draft is not None else None,
                 "dtype": dtype_name(self.dtype), "cpu": cpu_model()}
 
 
