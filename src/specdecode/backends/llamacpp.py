@@ -31,7 +31,6 @@ from typing import Any, Self
 import numpy as np
 import torch
 
-from specdecode.backends.device import cpu_flags
 from specdecode.backends.llamacpp_binding import (
     DECODE_OK,
     BackendUnavailableError,
@@ -43,12 +42,22 @@ from specdecode.backends.llamacpp_binding import (
     physical_core_count,
 )
 from specdecode.backends.llamacpp_decode import TokenBatch, copy_logits
+from specdecode.backends.llamacpp_repack import (
+    EXTRA_BUFTS_ENV,
+    RepackChoice,
+    extra_buffers_without,
+    llama_cpp_version,
+    repack_choice,
+    use_extra_buffer_types,
+)
 from specdecode.backends.llamacpp_threads import attach_shared_threadpool
 from specdecode.backends.openmp import forget_loaded_libraries
 from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeError
 
-# Re-exported: the binding's errors and the default thread count are part of this module's API.
-__all__ = ["BackendUnavailableError", "ContextOverflowError", "LlamaCppDecodeError", "LlamaCppModel", "physical_core_count"]
+# Re-exported: the binding's errors, the default thread count and the repack choice
+# (llamacpp_repack.py) are part of this module's API.
+__all__ = ["EXTRA_BUFTS_ENV", "BackendUnavailableError", "ContextOverflowError", "LlamaCppDecodeError", "LlamaCppModel",
+           "RepackChoice", "llama_cpp_version", "physical_core_count", "use_extra_buffer_types"]
 
 LOGITS_MODES = ("all", "last", "none")  # or an int n >= 1: the last n tokens' rows
 KV_TYPES = ("f16", "f32")  # llama.cpp's default is f16; f32 makes logits match fp32 torch closely
@@ -59,33 +68,6 @@ def output_rows(mode: str | int, count: int) -> int:
     if isinstance(mode, int):
         return min(mode, count)
     return {"all": count, "last": 1, "none": 0}[mode]
-
-
-# The environment variable that forces llama.cpp's extra (repacked) weight buffers on (1) or off (0).
-EXTRA_BUFTS_ENV = "SPECDECODE_LLAMACPP_REPACK"
-
-
-def llama_cpp_version() -> str:
-    """The installed llama-cpp-python's version (its ggml's speed is part of a timing's identity)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("llama-cpp-python")
-    except metadata.PackageNotFoundError:
-        return "none"
-
-
-def use_extra_buffer_types() -> bool:
-    """Whether llama.cpp may repack weights into its extra CPU buffer types (AMX tiles, AVX
-    repacks). Off on CPUs with AMX: with llama-cpp-python 0.3.36's ggml, a 2-core Xeon with
-    AMX (Sapphire Rapids class, in a VM) died with SIGILL on ``tilezero`` in a worker thread
-    during the first multi-row pass of the demo target's Q4_K_M weights; without repacking the
-    same pass runs (measured 2026-12-01: the demo target at 10.0 tok/s plain). Set
-    ``SPECDECODE_LLAMACPP_REPACK=1`` to turn them on anyway, ``0`` to turn them off everywhere."""
-    forced = os.environ.get(EXTRA_BUFTS_ENV)
-    if forced in ("0", "1"):
-        return forced == "1"
-    return "amx_tile" not in cpu_flags()
 
 
 class _Weights:
@@ -177,6 +159,7 @@ class LlamaCppModel:
         # file again and repack its weights again (597 MiB of the demo target on an AVX2 CPU).
         if weights_of is not None and weights_of._weights is not None:
             self._weights = weights_of._weights.share()
+            self.repack: RepackChoice = weights_of.repack
         else:
             self._weights = _Weights(self._load_model(llama_cpp))
         self._model = self._weights.model
@@ -196,9 +179,12 @@ class LlamaCppModel:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0  # this backend runs on the CPU; the torch backend owns GPUs
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP  # 0.3.36's spelling of use_mmap=True
-        params.use_extra_bufts = use_extra_buffer_types()
+        # Repacked weights, with or without AMX, or none: the machine's choice (llamacpp_repack.py).
+        self.repack = repack_choice(self.path)
+        params.use_extra_bufts = self.repack.extra_buffers
         LogSink.take_recent()
-        model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
+        with extra_buffers_without(llama_cpp, self.repack.left_out):
+            model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
         if not model:
             detail = LogSink.take_recent() or "no detail from llama.cpp"
             raise ModelLoadError(

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from specdecode.backends.llamacpp import LlamaCppModel
+from specdecode.backends.llamacpp_repack import repack_choice
 from specdecode.config import ModelConfig
 from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
 from specdecode.errors import InvalidRequestError
@@ -138,7 +139,8 @@ def load_llamacpp_model(
     folder = cached_tokenizer_folder(path, show_progress=show_progress)
     tokenizer = load_tokenizer(folder)
     if show_progress:
-        print(f"specdecode: loading {name} on llama.cpp ({path.name})", file=sys.stderr, flush=True)
+        repack = repack_choice(path, show_progress=True)  # probes AMX here if it is the machine's first load
+        print(f"specdecode: loading {name} on llama.cpp ({path.name}; {repack.describe()})", file=sys.stderr, flush=True)
     model = LlamaCppModel(path, n_ctx=context, kv_type="f32" if exact else "f16", flash_attn=False if exact else None)
     info = model.describe()
     context = min(context, info["n_ctx_train"]) if info["n_ctx_train"] > 0 else context

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from specdecode.cli.args import EXIT_INTERRUPTED, EXIT_USER_ERROR, cli_message
 from specdecode.cli.audit import add_audit_parser, cmd_audit
 from specdecode.cli.bench import add_bench_parser, add_quality_parser, cmd_bench, cmd_quality
+from specdecode.cli.env import add_env_parser, cmd_env
 from specdecode.cli.generate import add_generate_parser, cmd_generate
 from specdecode.cli.serve import add_serve_parser, cmd_serve
 from specdecode.cli.train import add_train_parser, cmd_train
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_serve_parser(sub)
     add_audit_parser(sub)
+    add_env_parser(sub)
     return parser
 
 
@@ -52,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "audit":
             return cmd_audit(args)
+        if args.command == "env":
+            return cmd_env(args)
     except SpecDecodeError as err:
         print(f"specdecode: error: {cli_message(err)}", file=sys.stderr)
         return EXIT_USER_ERROR
