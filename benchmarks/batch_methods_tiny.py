@@ -6,8 +6,10 @@ Eight prompts (the words below, some repeating themselves, so lookups and suffix
 matches), greedy, ``--tokens`` each: one at a time through ``SpecDecoder.generate`` (the
 single-request engine), then all at once through ``generate_batch`` (the batch engine, suffix
 rows drafting token trees on torch). Medians over ``--repeats``; outputs are checked equal.
+For medusa and eagle it trains the suite's heads on its repeating text first (as the tests'
+fixtures do, about a minute each); layerskip skips the tiny model's second layer.
 
-    python benchmarks/batch_methods_tiny.py --methods none,ngram,suffix,auto --tokens 64 --repeats 3
+    python benchmarks/batch_methods_tiny.py --methods none,ngram,suffix,auto,medusa,eagle,layerskip --tokens 64 --repeats 3
 """
 
 from __future__ import annotations
@@ -35,12 +37,27 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    folder = tiny_models.make_tiny_hf_model(Path(tempfile.mkdtemp()) / "tiny", arch="qwen2", seed=0)
-    dec = SpecDecoder.from_pretrained(str(folder), method="none", dtype="fp32", device="cpu", show_progress=False)
+    work = Path(tempfile.mkdtemp())
+    folder = tiny_models.make_tiny_hf_model(work / "tiny", arch="qwen2", seed=0)
+    methods = args.methods.split(",")
+    dec = SpecDecoder.from_pretrained(str(folder), method="none", dtype="fp32", device="cpu", show_progress=False,
+                                      skip_layers=(1,) if "layerskip" in methods else (), draft_confidence=0.0)
+    kinds = [kind for kind in ("medusa", "eagle") if kind in methods]
+    if kinds:
+        import torch
+        from helpers import pattern_features, train_pattern_heads
+
+        from specdecode.models.heads import load_heads
+
+        (work / "pattern").mkdir()
+        features = pattern_features(folder, work / "pattern")
+        for kind in kinds:
+            train_pattern_heads(kind, features, work / kind, epochs=12)
+            dec.attach_heads(load_heads(work / kind, torch.float32, torch.device("cpu")))
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
     print(f"# tiny qwen2 (fp32, CPU), {len(PROMPTS)} prompts x {args.tokens} tokens, greedy, median of {args.repeats}")
     print(f"{'method':8} {'alone tok/s':>12} {'batched tok/s':>14} {'ratio':>6} {'tau alone':>10} {'tau batched':>12}")
-    for method in args.methods.split(","):
+    for method in methods:
         alone_rates, batch_rates = [], []
         for _ in range(args.repeats):
             dec.forget_prefix()

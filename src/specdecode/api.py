@@ -36,10 +36,12 @@ from specdecode.config import (
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
 from specdecode.costs.store import CostStore, cost_store_for
 from specdecode.drafters import registry
-from specdecode.drafters.base import Drafter, TreeDrafter
+from specdecode.drafters.base import Drafter, HeadsDrafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.from_heads import tree_drafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter
+from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.planner import DecoderResources, PlanRequest, plan_request
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
@@ -386,8 +388,8 @@ class SpecDecoder:
         cost_aware: bool = True,
         scheduling: SchedulerConfig | None = None,
     ) -> BatchEngine:
-        """A continuous-batching engine over this decoder's models (methods none, ngram, draft, suffix,
-        auto: ``engine/batch_rows.py``), with KV pools of ``kv_cache_tokens`` slots per model: paged on torch; on llama.cpp a context
+        """A continuous-batching engine over this decoder's models (every method: ``engine/batch_rows.py``;
+        layerskip, medusa and eagle where this decoder has their layers or heads), with KV pools of ``kv_cache_tokens`` slots per model: paged on torch; on llama.cpp a context
         per model with ``max_batch`` sequences of ``kv_cache_tokens // max_batch`` positions each
         (and ``scheduling.spare_slots`` more).
 
@@ -415,8 +417,17 @@ class SpecDecoder:
             k_max=self.config.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
             ngram_max=self.config.ngram_max, ngram_min=self.config.ngram_min, draft_confidence=self.config.draft_confidence,
             sync_timing=self.engine.sync_timing, suffix_cache=self.suffix_cache, prefix_cache=self.config.prefix_cache,
-            scheduling=scheduling,
+            scheduling=scheduling, heads=self._head_drafters(), skip_layers=self.config.skip_layers,
         )
+
+    def _head_drafters(self) -> dict[str, HeadsDrafter]:
+        """The Medusa and EAGLE drafters by method, of which the batch engine gives each row a fresh one."""
+        heads: dict[str, HeadsDrafter] = {}
+        for kind in self.heads:
+            drafter = self.drafters[kind]
+            assert isinstance(drafter, MedusaDrafter | EagleDrafter)
+            heads[kind] = drafter
+        return heads
 
     def token_stream(self, chunks: Iterator[list[int]], stats: GenerationStats, params: SamplingParams) -> GenerationStream:
         """Text deltas (stop strings applied) over token chunks from any engine, e.g. ``BatchWorker.submit``."""

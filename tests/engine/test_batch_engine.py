@@ -76,7 +76,7 @@ def test_a_request_that_can_never_fit_is_refused_up_front(dec) -> None:
     eng = engine(dec, kv_cache_tokens=64)
     with pytest.raises(InvalidRequestError, match="kv_cache_tokens="):
         eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=100), "draft", 4)
-    with pytest.raises(InvalidRequestError, match="methods"):
+    with pytest.raises(InvalidRequestError, match="eagle heads"):
         eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=4), "eagle", 4)
     with pytest.raises(InvalidRequestError, match="k must be"):
         eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=4), "draft", 99)

@@ -13,7 +13,7 @@ import torch
 from specdecode.backends.device import host_to_device
 from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVCache, stack_padded
-from specdecode.models.llama import Transformer
+from specdecode.models.llama import ModelOutput, Transformer
 
 
 class PagedBatchModel:
@@ -47,32 +47,69 @@ class PagedBatchModel:
         logits: str = "all",
         logit_rows: Sequence[int] | None = None,
         trees: Sequence[Sequence[int] | None] | None = None,
+        layers: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
+        """``BatchModel.forward``; ``layers``: the layers to run, in order (None: all), for
+        self-speculation (``drafters/batch_layer_skip.py``): a skipped layer neither reads nor
+        writes the pool."""
         if logit_rows is not None and logits != "all":
             raise ValueError("logit_rows goes with logits='all'")
-        host_positions = [list(range(start, start + x.shape[0])) for x, start in zip(inputs, starts, strict=True)]
-        view, positions = self.pool.view(list(seqs), host_positions, self.model.config.sliding_window, trees)
-        tokens = stack_padded(list(inputs))
         if logits == "all" and logit_rows is None:
-            return self.model(tokens, positions, view, view).logits  # (B, T_max, V)
-        out = self.model(tokens, positions, view, view, compute_logits=False)
+            return self._run(seqs, inputs, starts, trees, layers, compute_logits=True).logits  # (B, T_max, V)
+        hidden = self._run(seqs, inputs, starts, trees, layers, compute_logits=False).hidden  # (B, T_max, C)
         if logits == "none":
             return None
         if logit_rows is not None:
-            # Row b's last r_b tokens first, then (padding) its last token again, zeroed below.
-            counts = [min(rows, x.shape[0]) for rows, x in zip(logit_rows, inputs, strict=True)]
-            width = max(counts)
-            index = [[x.shape[0] - count + min(j, count - 1) for j in range(width)]
-                     for x, count in zip(inputs, counts, strict=True)]
-            picked = torch.gather(out.hidden, 1, host_to_device(index, torch.long, tokens.device)[..., None]
-                                  .expand(-1, -1, out.hidden.shape[-1]))  # (B, width, C)
-            kept = self.model.lm_head(picked).float()  # (B, width, V)
-            pad = host_to_device([[j >= count for j in range(width)] for count in counts], torch.bool, tokens.device)
-            return kept.masked_fill(pad[..., None], 0.0)
+            return self._row_logits(hidden, inputs, logit_rows)
         # Only each row's last token goes through the head: a draft step's logits, not T_max rows.
-        last = host_to_device([x.shape[0] - 1 for x in inputs], torch.long, tokens.device)
-        hidden = out.hidden[torch.arange(len(inputs), device=tokens.device), last]  # (B, C)
-        return self.model.lm_head(hidden).float()
+        last = host_to_device([x.shape[0] - 1 for x in inputs], torch.long, hidden.device)
+        return self.model.lm_head(hidden[torch.arange(len(inputs), device=hidden.device), last]).float()  # (B, V)
+
+    def forward_features(
+        self,
+        seqs: Sequence[int],
+        inputs: Sequence[torch.Tensor],  # B tensors, (T_b,) long each
+        starts: Sequence[int],
+        logits: bool = True,
+        trees: Sequence[Sequence[int] | None] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``forward`` with every row's logits (or none), and the final hidden states too:
+        (B, T_max, V) float or None, and (B, T_max, C), row b's token j at [b, j]. Medusa and
+        EAGLE heads draft from them (``drafters/base.py: TreeDrafter.observe``)."""
+        out = self._run(seqs, inputs, starts, trees, None, compute_logits=logits)
+        return out.logits, out.hidden
+
+    def _run(
+        self,
+        seqs: Sequence[int],
+        inputs: Sequence[torch.Tensor],  # B tensors, (T_b,) long each
+        starts: Sequence[int],
+        trees: Sequence[Sequence[int] | None] | None,
+        layers: Sequence[int] | None,
+        compute_logits: bool,
+    ) -> ModelOutput:
+        host_positions = [list(range(start, start + x.shape[0])) for x, start in zip(inputs, starts, strict=True)]
+        view, positions = self.pool.view(list(seqs), host_positions, self.model.config.sliding_window, trees)
+        return self.model(stack_padded(list(inputs)), positions, view, view, layers=layers,
+                          compute_logits=compute_logits)
+
+    def _row_logits(
+        self,
+        hidden: torch.Tensor,  # (B, T_max, C)
+        inputs: Sequence[torch.Tensor],  # B tensors, (T_b,) long each
+        logit_rows: Sequence[int],
+    ) -> torch.Tensor:  # (B, max r_b, V)
+        """Logits of row b's last ``logit_rows[b]`` tokens."""
+        # Row b's last r_b tokens first, then (padding) its last token again, zeroed below.
+        counts = [min(rows, x.shape[0]) for rows, x in zip(logit_rows, inputs, strict=True)]
+        width = max(counts)
+        index = [[x.shape[0] - count + min(j, count - 1) for j in range(width)]
+                 for x, count in zip(inputs, counts, strict=True)]
+        picked = torch.gather(hidden, 1, host_to_device(index, torch.long, hidden.device)[..., None]
+                              .expand(-1, -1, hidden.shape[-1]))  # (B, width, C)
+        kept = self.model.lm_head(picked).float()  # (B, width, V)
+        pad = host_to_device([[j >= count for j in range(width)] for count in counts], torch.bool, hidden.device)
+        return kept.masked_fill(pad[..., None], 0.0)
 
     def commit(self, seq: int, length: int) -> None:
         self.pool.commit(seq, length)

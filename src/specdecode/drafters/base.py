@@ -89,7 +89,7 @@ class TreeDrafter(Protocol):
     max_tree_nodes: int  # the most nodes (root included) a proposed tree can have
     last_forward_passes: int  # forward passes of draft heads the last proposal took
 
-    def start(self, prompt_len: int, capacity: int, target: SequenceModel, shared_prefix: int = 0) -> None:
+    def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
         """A new request begins (as ``Drafter.start``)."""
 
     def observe(self, features: torch.Tensor, start: int) -> None:  # features: (1, T, C)
@@ -104,3 +104,11 @@ class TreeDrafter(Protocol):
     ) -> TokenTree:
         """A tree rooted at the last committed token (node 0), at most ``max_depth`` deep; a
         root-only tree decodes plainly."""
+
+
+class HeadsDrafter(TreeDrafter, Protocol):
+    """A tree drafter over trained heads (Medusa, EAGLE) that the batch engine gives each row
+    a copy of: the heads are shared, what it keeps of a sequence (features, its own cache) is not."""
+
+    def fresh(self) -> HeadsDrafter:
+        """Another drafter over the same heads, for another sequence."""

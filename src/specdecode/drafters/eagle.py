@@ -66,8 +66,14 @@ class EagleDrafter:
         self.last_forward_passes = 0
         self.cache: KVCache | None = None
         self.features: torch.Tensor | None = None  # (capacity, C) the target's features by position
-        self.known = 0  # features known for positions [0, known)
-        self.cached = 0  # pairs read into the head's cache: [0, cached)
+        self.known = 0  # features known for positions [floor, known)
+        self.cached = 0  # pairs read into the head's cache: [floor, cached)
+        # The first position whose feature was observed: 0, unless the sequence's first positions
+        # came from a prefix cache or another sample's prompt (the batch engine), whose features
+        # the target never computed for it. The head then attends to the pairs from here on only:
+        # drafts read less context; verification, and so the output, is unchanged.
+        self.floor = 0
+        self._predicted: torch.Tensor | None = None  # (1, C) the last catch-up's predicted f_{cached}
 
     def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
         cfg = self.head.config
@@ -78,10 +84,19 @@ class EagleDrafter:
         self.cache.reset()
         if self.features is None or self.features.shape[0] < capacity:
             self.features = torch.empty((capacity, cfg.hidden_size), dtype=dtype, device=device)
-        self.known = self.cached = 0
+        self.known = self.cached = self.floor = 0
+        self._predicted = None
+
+    def fresh(self) -> EagleDrafter:
+        """A drafter of its own for another sequence (the batch engine's rows), sharing the head
+        and the embedding; its cache and features are its own."""
+        return EagleDrafter(self.head, self.embed_tokens, self.tree_size, self.depth, self.top_k)
 
     def observe(self, features: torch.Tensor, start: int) -> None:  # features: (1, T, C)
         assert self.features is not None, "start() comes first"
+        if start > self.known:  # positions [known, start) were never computed for this sequence
+            self.floor = self.cached = start
+            self._predicted = None
         self.features[start : start + features.shape[1]] = features[0]
         self.known = start + features.shape[1]
 
@@ -99,17 +114,22 @@ class EagleDrafter:
     def _catch_up(self, committed: torch.Tensor) -> torch.Tensor:  # committed (1, L) -> (1, C) predicted f_{L-1}
         assert self.cache is not None and self.features is not None
         length = committed.shape[1]
-        first = self.cached
+        first, floor = self.cached, self.floor
+        rows = length - 1 - first
+        if rows == 0:  # read already: the same step drafted again (the batch engine reruns a failed step)
+            assert self._predicted is not None
+            return self._predicted
         device = committed.device
         positions = torch.arange(first + 1, length, device=device)[None]  # pair p sits at position p + 1
-        rows = length - 1 - first
         key_slots = torch.arange(length - 1, device=device)
-        mask = key_slots[None, :] <= torch.arange(first, length - 1, device=device)[:, None]  # (R, kv_len)
-        view = KVView(kv_len=length - 1, mask=None if rows == 1 else mask[None, None])
+        # Pair p sees pairs floor .. p.
+        mask = (key_slots[None, :] <= torch.arange(first, length - 1, device=device)[:, None]) & (key_slots >= floor)
+        view = KVView(kv_len=length - 1, mask=None if rows == 1 and floor == 0 else mask[None, None])
         out = self._run(self.features[first : length - 1][None], committed[:, first + 1 : length], positions, first, view)
         self.cache.commit(0, length - 1)
         self.cached = length - 1
-        return out[:, -1]
+        self._predicted = out[:, -1]
+        return self._predicted
 
     def propose_tree(
         self,
@@ -124,7 +144,7 @@ class EagleDrafter:
         # A tree of n nodes is at most n deep: deeper expansions could never be kept.
         depth_limit = min(self.depth, max_depth, self.tree_size)
         # No feature yet (a one-token prompt) or no room left: decode plainly.
-        if length < 2 or self.known < length - 1 or depth_limit < 1:
+        if length < 2 or self.known < length - 1 or depth_limit < 1 or (self.cached >= length - 1 and self._predicted is None):
             return TokenTree([NO_PARENT], root, [False])
         device = committed.device
         head, top_k = self.head, self.top_k
@@ -139,7 +159,7 @@ class EagleDrafter:
         frontier_features = predicted.expand(top_k, -1)  # (R, C): each node's input feature
         ancestors = torch.empty((top_k, 0), dtype=torch.long, device=device)  # cache slots of ancestors
         next_id, slot = top_k, length - 1
-        base_mask = torch.ones((1, length - 1), dtype=torch.bool, device=device)
+        base_mask = torch.arange(length - 1, device=device)[None] >= self.floor  # (1, L - 1): the committed pairs read
         for depth in range(1, depth_limit):
             count = frontier.shape[0]
             node_tokens = head.to_target_vocab(torch.cat(all_rows)[frontier])

@@ -95,6 +95,7 @@ class MedusaDrafter:
                 raise InvalidRequestError(f"Tree path {path} has no parent path {path[:-1]} in the tree.")
             parents.append(parent)
         self.heads = heads
+        self.paths = paths
         self.parents = parents
         self.max_tree_nodes = len(parents)
         self.max_rank = max(path[-1] for path in paths) + 1
@@ -108,6 +109,10 @@ class MedusaDrafter:
         self._size_by_depth = [1 + sum(1 for x in depths if x <= d) for d in range(max(depths) + 1)]
         self.last_forward_passes = 0
         self._feature: torch.Tensor | None = None  # (1, C) the last committed position's feature
+
+    def fresh(self) -> MedusaDrafter:
+        """A drafter of its own for another sequence (the batch engine's rows), sharing the heads."""
+        return MedusaDrafter(self.heads, self.paths)
 
     def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
         self._feature = None  # the prefill's features arrive through observe() next

@@ -98,11 +98,11 @@ NGRAM = Method("ngram", NEEDS_NOTHING, ANY_BACKEND, CHAINS, True, PLAN_CHAIN,
                "prompt lookup proposes (no draft model)")
 AUTO = Method("auto", USES_DRAFT_MODEL, ANY_BACKEND, CHAINS, True, PLAN_SOURCES,
               "each step, lookup, suffix trees, draft model or plain decoding, whichever pays by measured cost and acceptance")
-LAYERSKIP = Method("layerskip", NEEDS_SKIP_LAYERS, TORCH_ONLY, CHAINS, False, PLAN_CHAIN,
+LAYERSKIP = Method("layerskip", NEEDS_SKIP_LAYERS, TORCH_ONLY, CHAINS, True, PLAN_CHAIN,
                    "the target drafts with layers skipped")
-MEDUSA = Method("medusa", NEEDS_HEADS, TORCH_ONLY, TREES, False, PLAN_TREE,
+MEDUSA = Method("medusa", NEEDS_HEADS, TORCH_ONLY, TREES, True, PLAN_TREE,
                 "trained Medusa heads (--heads) draft a token tree")
-EAGLE = Method("eagle", NEEDS_HEADS, TORCH_ONLY, TREES, False, PLAN_TREE,
+EAGLE = Method("eagle", NEEDS_HEADS, TORCH_ONLY, TREES, True, PLAN_TREE,
                "a trained EAGLE head (--heads) drafts a token tree")
 SUFFIX = Method("suffix", NEEDS_NOTHING, ANY_BACKEND, TREES_WHERE_SCORED, True, PLAN_SUFFIX,
                 "token trees from the text so far and earlier responses (no model)")

@@ -20,20 +20,19 @@ distribution the target's; ``sync`` only emits less per step.
 
 Invariant per sequence between steps (as in ``engine/single.py``): L committed tokens, target KV
 valid for positions [0, L - 1); the next verify pass feeds the last committed token with the
-drafts. Methods: ``none``, ``ngram``, ``draft``, ``suffix`` and ``auto`` batch
-(``engine/batch_rows.py``: what each method's row drafts with); medusa, eagle and ``layerskip``
-keep their single-sequence engine. A suffix row drafts a token tree where the target scores
-trees (torch: in the same padded pass, with its own attention mask, ``kv/paged.py``), its best
-chain elsewhere. An ``auto`` row picks its source (prompt lookup, the suffix chain, the draft
-model where it can pay, or none) and its draft length every step, priced as the batch pass it
-rides in (``drafters/auto_row.py``, ``costs/batch_k.py``).
+drafts. Every method batches (``engine/batch_rows.py``: what each row drafts with). Suffix,
+medusa and eagle rows draft token trees where the target scores trees (torch: in the same padded
+pass, with their own attention masks, ``kv/paged.py``; heads read the target's features, which
+the prefill and verify passes hand them); layerskip rows draft with the target's own layers in
+its pool; an ``auto`` row picks its source and draft length every step, priced as the batch
+pass it rides in (``drafters/auto_row.py``, ``costs/batch_k.py``).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -42,10 +41,11 @@ from specdecode.backends.torch_batch import PagedBatchModel
 from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SamplingParams, SchedulerConfig
 from specdecode.costs.batch_k import BatchK, PassCosts, model_can_pay
 from specdecode.costs.k_policy import AcceptanceEstimate
-from specdecode.drafters.base import DraftProposal
+from specdecode.drafters.base import DraftProposal, HeadsDrafter
 from specdecode.drafters.batch_draft import BatchDraftModel
+from specdecode.drafters.batch_layer_skip import BatchLayerSkip
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
-from specdecode.engine.batch_pass import verify_pass
+from specdecode.engine.batch_pass import VerifiedStep, verify_pass
 from specdecode.engine.batch_prefill import prefill_isolated
 from specdecode.engine.batch_proposals import (
     choose_sources,
@@ -54,9 +54,10 @@ from specdecode.engine.batch_proposals import (
     plan_rows,
     propose,
     reads_backlog,
+    slots_needed,
 )
 from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
-from specdecode.engine.batch_rows import BATCH_METHODS, row_drafters, uses_draft
+from specdecode.engine.batch_rows import BATCH_METHODS, check_method, row_drafters, uses_draft
 from specdecode.engine.grammar import CompiledGrammar
 from specdecode.engine.metrics import GenerationStats, Stopwatch
 from specdecode.engine.scheduler import ScheduledSequence, Scheduler
@@ -97,7 +98,11 @@ class BatchEngine:
         suffix_cache: SuffixCache | None = None,
         prefix_cache: bool = True,
         scheduling: SchedulerConfig | None = None,
+        heads: Mapping[str, HeadsDrafter] | None = None,
+        skip_layers: Sequence[int] | None = None,
     ) -> None:
+        """``heads``: Medusa and EAGLE drafters by method (each row gets a ``fresh`` one);
+        ``skip_layers``: the layers layerskip rows' drafts skip. Both need a torch target."""
         if policy not in BATCH_POLICIES:
             raise InvalidRequestError(f"policy must be one of {', '.join(BATCH_POLICIES)}, got {policy!r}.")
         if kv_cache_tokens < block_size:
@@ -127,6 +132,11 @@ class BatchEngine:
         self.draft_confidence = draft_confidence  # the draft model's per-row cut-off (batch_draft.DraftRow)
         self.sync_timing = sync_timing
         self.trees = self.target.supports_trees  # torch: suffix rows draft token trees
+        if (heads or skip_layers) and not isinstance(self.target, PagedBatchModel):
+            raise InvalidRequestError("Medusa and EAGLE heads and layer skip need the torch backend (backend=\"torch\").")
+        self.heads: dict[str, HeadsDrafter] = dict(heads or {})
+        self.skipper = (BatchLayerSkip(self.target, skip_layers)
+                        if skip_layers and isinstance(self.target, PagedBatchModel) else None)
         self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()  # earlier responses, by group
         self._ids = itertools.count()
         # Acceptance pooled over every request of a method: a new request starts from it (the
@@ -181,7 +191,7 @@ class BatchEngine:
             raise InvalidRequestError(f"Request {request_id!r} can fork only a request with its prompt and cache_salt; "
                                       f"{fork_of!r} has another.")
         drafters = row_drafters(method, k, self.k_max, suffix_group, self.suffix_cache, self.ngram_sizes,
-                                self.model_can_pay, self.trees)
+                                self.model_can_pay, self.trees, self.heads)
         request = BatchRequest.start(request_id, prompt_ids, params, method, k, drafters, grammar,
                                      self.target.vocab_size, self.device, stats or GenerationStats(),
                                      time.perf_counter() if arrived is None else arrived)
@@ -197,10 +207,7 @@ class BatchEngine:
     def check_request(self, prompt_len: int, params: SamplingParams, method: str, k: int | None) -> int:
         """Raise InvalidRequestError for a request this engine cannot take; the k cap it would use.
         Reads only fixed configuration, so any thread may call it before submitting."""
-        if method not in BATCH_METHODS:
-            raise InvalidRequestError(f"The batch engine decodes methods {', '.join(BATCH_METHODS)}; got {method!r}.")
-        if method == "draft" and self.drafter is None:
-            raise InvalidRequestError("This engine was built without a draft model; use method 'none' or 'ngram'.")
+        check_method(method, self.drafter is not None, self.skipper is not None, self.heads)
         if prompt_len < 1:
             raise InvalidRequestError("The prompt is empty.")
         k = self.k_max if k is None else k
@@ -282,16 +289,7 @@ class BatchEngine:
         forced = forced_drafts(running)
         wanted.update({seq_id: len(tokens) for seq_id, tokens in forced.items()})
 
-        def needs(seq: ScheduledSequence) -> tuple[int, int]:
-            request: BatchRequest = seq.state
-            if seq.seq_id not in wanted:  # still prefilling: room for its whole prompt's coming chunks
-                return len(request.tokens), 0
-            drafts = wanted[seq.seq_id]
-            if drafts and request.tree_nodes and seq.seq_id not in forced:
-                drafts = max(drafts, request.tree_nodes)  # a tree's nodes lie past its root, however deep
-            return len(request.tokens) + drafts, len(request.tokens) + drafts - 1
-
-        for seq in self.scheduler.reserve(needs):
+        for seq in self.scheduler.reserve(lambda seq: slots_needed(seq, wanted, forced)):
             if self.drafter is not None:
                 self.drafter.forget(seq.seq_id)
         running = self._decoding()
@@ -303,7 +301,7 @@ class BatchEngine:
             with draft_watch:
                 proposals, draft_passes, draft_rows = self._draft(running, wanted, forced)
             with verify_watch:
-                emitted, proposals, paths = self._verify(running, proposals)
+                emitted, proposals, paths, hidden = self._verify(running, proposals)
         except Exception as err:  # noqa: BLE001 - raised again below unless one request is to blame
             failed += self._isolate_failures(running, wanted, forced, generators, err)
             running = list(self.scheduler.running)
@@ -313,7 +311,7 @@ class BatchEngine:
             with draft_watch:
                 proposals, draft_passes, draft_rows = self._draft(running, wanted, forced)
             with verify_watch:
-                emitted, proposals, paths = self._verify(running, proposals)
+                emitted, proposals, paths, hidden = self._verify(running, proposals)
         # A pass that also fed a prompt's tail (``_prefill``) is no verify pass to learn from.
         merged = any(seq.prefilling for seq in running)
         self.chooser.observe(
@@ -323,8 +321,8 @@ class BatchEngine:
             draft_passes=0 if read_ahead else draft_passes, draft_seconds=draft_watch.elapsed,
         )
         self.scheduler.record_step(running)
-        return failed + self._commit(running, proposals, emitted, paths, draft_watch.elapsed, verify_watch.elapsed,
-                                     draft_passes)
+        return failed + self._commit(running, proposals, emitted, paths, hidden, draft_watch.elapsed,
+                                     verify_watch.elapsed, draft_passes)
 
     def _decoding(self) -> list[ScheduledSequence]:
         """The running sequences that decode this step: those whose prompt is prefilled."""
@@ -373,7 +371,7 @@ class BatchEngine:
         for processor in processors:
             processor.begin_draft()
         try:
-            return propose(running, wanted, self.drafter, self.draft_confidence, self.device, forced)
+            return propose(running, wanted, self.drafter, self.draft_confidence, self.device, forced, self.skipper)
         finally:
             for processor in processors:
                 processor.end_draft()
@@ -384,6 +382,7 @@ class BatchEngine:
         proposals: list[DraftProposal],
         emitted: list[list[int]],
         paths: dict[int, list[int]],
+        hidden: torch.Tensor | None,  # (B, T_max, C) where rows' heads read features, else None
         draft_seconds: float,
         verify_seconds: float,
         draft_passes: int,
@@ -400,8 +399,8 @@ class BatchEngine:
             request: BatchRequest = seq.state
             stats = request.stats
             with_model = drafts_with_model(seq)
-            request.record_step(proposal, accepted_len, draft_seconds, verify_seconds, draft_passes if with_model else 0,
-                                prefilling=seq.prefilling)
+            request.record_step(proposal, accepted_len, draft_seconds, verify_seconds,
+                                draft_passes if with_model else proposal.forward_passes, prefilling=seq.prefilling)
             # A row's acceptance is its drafter's; a row that picks its source keeps its lookups'
             # scores apart (drafters/auto_row.py), so only its draft model's count here.
             if proposal.num_tokens > 0 and not proposal.forced and (request.sources is None or with_model):
@@ -416,6 +415,8 @@ class BatchEngine:
             seq.prefilled = length + min(accepted_len, count - 1)
             if index in paths:  # the accepted path's K/V down to the positions after the root
                 self.target.keep_path(seq.seq_id, length - 1, paths[index])
+            if request.heads is not None and hidden is not None:
+                request.observe_features(hidden[index], paths.get(index), accepted_len, length - 1)
             self.target.commit(seq.seq_id, seq.prefilled)
             if with_model and proposal.num_tokens > 0 and not proposal.forced:
                 assert self.drafter is not None
@@ -429,8 +430,7 @@ class BatchEngine:
             outputs.append(RequestOutput(request.request_id, new_tokens, bool(stop_reason), stats))
         return outputs
 
-    def _verify(self, running: list[ScheduledSequence],
-                proposals: list[DraftProposal]) -> tuple[list[list[int]], list[DraftProposal], dict[int, list[int]]]:
+    def _verify(self, running: list[ScheduledSequence], proposals: list[DraftProposal]) -> VerifiedStep:
         """The step's verify pass (``engine/batch_pass.py``); tests wrap it to slow or break a step."""
         return verify_pass(self.target, running, proposals)
 

@@ -4,9 +4,12 @@ verified (``engine/batch_verify.py``), and what they emitted read back in one ho
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specdecode.backends.base import BatchModel
+from specdecode.backends.torch_batch import PagedBatchModel
 from specdecode.drafters.base import DraftProposal
 from specdecode.engine.batch_proposals import constrain_proposals
 from specdecode.engine.batch_request import BatchRequest
@@ -17,14 +20,24 @@ from specdecode.engine.scheduler import ScheduledSequence
 from specdecode.engine.verify import PAD_TOKEN, greedy_tree_read
 
 
+class VerifiedStep(NamedTuple):
+    emitted: list[list[int]]  # each row's emitted tokens: its accepted drafts and one of the target's
+    proposals: list[DraftProposal]  # as verified (a structured row's drafts cut: engine/grammar.py)
+    paths: dict[int, list[int]]  # each tree row's accepted path (root first), by row index
+    # (B, T_max, C): the target's final hidden states of every row's inputs, where a row's
+    # trained heads read them (``BatchRequest.heads``); else None.
+    hidden: torch.Tensor | None
+
+
 def verify_pass(
     target: BatchModel,
     running: list[ScheduledSequence],
     proposals: list[DraftProposal],
-) -> tuple[list[list[int]], list[DraftProposal], dict[int, list[int]]]:
+) -> VerifiedStep:
     """One target pass over every row; each row's emitted tokens (accepted drafts + one), the
     proposals as verified (a structured row's deterministic drafts cut at the first token
-    its grammar forbids: engine/grammar.py), and each tree row's accepted path by row index.
+    its grammar forbids: engine/grammar.py), each tree row's accepted path by row index, and
+    the hidden states where a row's heads read them.
 
     Greedy chain rows are verified in one call, sampling chain rows in another (each with its
     own processor's probabilities and its own generator), tree rows one by one
@@ -46,7 +59,12 @@ def verify_pass(
     logit_rows = [p.num_tokens + 1 for p in proposals] if any(seq.prefilling for seq in running) else None
     seq_ids = [seq.seq_id for seq in running]
     trees = [p.tree.parents if p.tree is not None else None for p in proposals]
-    if any(parents is not None for parents in trees):  # only where the target supports_trees
+    any_trees = any(parents is not None for parents in trees)  # only where the target supports_trees
+    hidden = None
+    if any(r.heads is not None for r in requests):  # heads run on torch only: no merged prompt here
+        assert isinstance(target, PagedBatchModel) and logit_rows is None
+        raw, hidden = target.forward_features(seq_ids, inputs, starts, trees=trees if any_trees else None)
+    elif any_trees:
         raw = target.forward(seq_ids, inputs, starts, logit_rows=logit_rows, trees=trees)  # (B, T, V)
     else:
         raw = target.forward(seq_ids, inputs, starts, logit_rows=logit_rows)  # (B, T, V)
@@ -80,4 +98,5 @@ def verify_pass(
         rows[b], paths[b] = list(result.tokens), result.path
         if requests[b].processor.logprobs is not None:
             requests[b].step_logprobs = tree_logprobs(raw[b], logits[b], result, requests[b].processor)
-    return [row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in rows], proposals, paths
+    return VerifiedStep([row[: row.index(PAD_TOKEN)] if PAD_TOKEN in row else row for row in rows], proposals, paths,
+                        hidden)

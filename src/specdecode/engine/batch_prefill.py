@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from specdecode.backends.base import BatchModel
+from specdecode.backends.torch_batch import PagedBatchModel
 from specdecode.drafters.batch_draft import BatchDraftModel
 from specdecode.engine.batch_request import BatchRequest
 from specdecode.engine.scheduler import ScheduledSequence
@@ -42,9 +43,17 @@ def prefill(
            if end > start and not (merge and end == len(seq.state.tokens) - 1)}
     rows = [(seq, start, end) for seq, start, end in chunks if seq.seq_id in fed]
     if rows:
-        target.forward([seq.seq_id for seq, _, _ in rows],
-                            [seq.state.committed[start:end] for seq, start, end in rows],
-                            [start for _, start, _ in rows], logits="none")
+        seq_ids = [seq.seq_id for seq, _, _ in rows]
+        inputs = [seq.state.committed[start:end] for seq, start, end in rows]
+        starts = [start for _, start, _ in rows]
+        if any(seq.state.heads is not None for seq, _, _ in rows):  # trained heads read the prompt's features
+            assert isinstance(target, PagedBatchModel)
+            _, hidden = target.forward_features(seq_ids, inputs, starts, logits=False)  # (B, T_max, C)
+            for b, (seq, start, end) in enumerate(rows):
+                if seq.state.heads is not None:
+                    seq.state.heads.observe(hidden[b : b + 1, : end - start], start)
+        else:
+            target.forward(seq_ids, inputs, starts, logits="none")
     elapsed = time.perf_counter() - started
     for seq, start, end in chunks:
         request: BatchRequest = seq.state

@@ -1,5 +1,6 @@
 """Which rows of the batch draft this step, how many tokens each may, and their proposals:
-prompt lookup per row on the host, the draft model for all its rows together. A row that picks
+prompt lookup per row on the host, the draft model for all its rows together, the target with
+layers skipped for all its rows together, trained heads per row. A row that picks
 its source every step (method auto, ``drafters/auto_row.py``) offers its options here and is
 told its choice once the batch's k is known (``choose_sources``)."""
 
@@ -13,6 +14,7 @@ from specdecode.backends.device import host_to_device
 from specdecode.costs.batch_k import BatchK, BatchRow, RowChoices
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import BatchDraftModel, DraftRow
+from specdecode.drafters.batch_layer_skip import BatchLayerSkip
 from specdecode.engine.batch_request import BatchRequest
 from specdecode.engine.grammar import GrammarState, first_forbidden
 from specdecode.engine.scheduler import ScheduledSequence
@@ -104,6 +106,19 @@ def reads_backlog(drafting: list[ScheduledSequence], wanted: dict[int, int], dra
         for seq in drafting)
 
 
+def slots_needed(seq: ScheduledSequence, wanted: dict[int, int], forced: dict[int, list[int]]) -> tuple[int, int]:
+    """The KV slots a running sequence needs this step in the target's and the draft's pools:
+    its committed tokens and its drafts (a tree's nodes, however deep, lie past its root); a
+    sequence still prefilling (not in ``wanted``), room for its whole prompt's coming chunks."""
+    request: BatchRequest = seq.state
+    if seq.seq_id not in wanted:
+        return len(request.tokens), 0
+    drafts = wanted[seq.seq_id]
+    if drafts and request.tree_nodes and seq.seq_id not in forced:
+        drafts = max(drafts, request.tree_nodes)
+    return len(request.tokens) + drafts, len(request.tokens) + drafts - 1
+
+
 def forced_drafts(running: list[ScheduledSequence]) -> dict[int, list[int]]:
     """The tokens each structured row's grammar forces next (engine/grammar.py), by seq_id: a
     row with some drafts them this step, whatever its method and k (before the KV reservation,
@@ -125,13 +140,16 @@ def propose(
     draft_confidence: float,
     device: torch.device,
     forced: dict[int, list[int]],
+    skipper: BatchLayerSkip | None = None,
 ) -> tuple[list[DraftProposal], int, int]:
     """Each row's proposal of up to ``wanted[seq_id]`` tokens (possibly empty), the draft
     model's passes and its rows per pass. A structured row whose grammar forces what comes next
-    drafts those tokens instead (``forced`` by seq_id, from ``forced_drafts``)."""
+    drafts those tokens instead (``forced`` by seq_id, from ``forced_drafts``). ``skipper``
+    drafts for layer-skip rows (their proposals count their passes: ``forward_passes``)."""
     empty = torch.empty((1, 0), dtype=torch.long, device=device)
     proposals = [DraftProposal(tokens=empty, probs=None) for _ in running]
     model_rows, model_index = [], []
+    skip_rows, skip_index = [], []
     for index, seq in enumerate(running):
         request: BatchRequest = seq.state
         if seq.seq_id in forced:
@@ -146,6 +164,15 @@ def propose(
             model_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator,
                                        draft_confidence))
             model_index.append(index)
+        elif request.skips_layers:
+            skip_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator,
+                                      draft_confidence))
+            skip_index.append(index)
+        elif request.heads is not None:  # a tree at most k deep from the features it was shown
+            tree = request.heads.propose_tree(request.committed[None, :length], k, request.processor, request.generator)
+            if tree.size > 1:
+                proposals[index] = DraftProposal(tokens=tree.tokens[None, 1:], probs=None,
+                                                 forward_passes=request.heads.last_forward_passes, tree=tree)
         elif request.tree_nodes:  # a token tree at most k deep (its root: the last committed token)
             tree = request.ngram.propose_tree(request.committed[None, :length], k, request.processor,  # type: ignore[union-attr]
                                               request.generator)
@@ -160,6 +187,10 @@ def propose(
         assert drafter is not None
         drafted, passes = drafter.propose(model_rows)
         for index, proposal in zip(model_index, drafted, strict=True):
+            proposals[index] = proposal
+    if skip_rows:
+        assert skipper is not None
+        for index, proposal in zip(skip_index, skipper.propose(skip_rows)[0], strict=True):
             proposals[index] = proposal
     return proposals, passes, len(model_rows)
 

@@ -12,7 +12,7 @@ from specdecode.backends.device import host_to_device
 from specdecode.config import SamplingParams
 from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.auto_row import AutoRow
-from specdecode.drafters.base import DraftProposal
+from specdecode.drafters.base import DraftProposal, TreeDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter, SuffixTreeDrafter
 from specdecode.engine.batch_rows import RowDrafters
@@ -56,6 +56,8 @@ class BatchRequest:
     tree_nodes: int = 0  # the most nodes the host drafter's token trees hold (0: it drafts chains)
     sources: AutoRow | None = None  # the same object as ``ngram`` where the row picks its source every step
     grammar: GrammarState | None = None  # structured output: the matcher over committed tokens
+    heads: TreeDrafter | None = None  # its own Medusa or EAGLE drafter (engine/batch_rows.py)
+    skips_layers: bool = False  # the target drafts for it with layers skipped
     # The last verify pass's logprobs of this row's emitted tokens (SamplingParams.logprobs),
     # kept by the commit that follows it.
     step_logprobs: list[TokenLogprob] | None = None
@@ -89,6 +91,7 @@ class BatchRequest:
             generator=None if processor.greedy else make_generator(params.seed, device),
             tokens=list(prompt_ids), committed=committed, stats=stats, started=started,
             ngram=drafters.host, sources=drafters.sources, tree_nodes=drafters.tree_nodes, grammar=state,
+            heads=drafters.heads, skips_layers=drafters.skips_layers,
         )
         stats.method, stats.prompt_tokens = method, prompt_len
         if drafters.sources is not None:
@@ -97,6 +100,8 @@ class BatchRequest:
             stats.token_logprobs = []
         if request.ngram is not None:
             request.ngram.start(prompt_len, capacity)
+        if request.heads is not None:  # it hears the features of the prompt (prefill) and of each step
+            request.heads.start(prompt_len, capacity)
         return request
 
     @property
@@ -122,6 +127,15 @@ class BatchRequest:
             stats.tree_nodes_proposed += proposal.num_tokens
         if self.sources is not None:
             self.sources.observe(proposal.num_tokens)
+
+    def observe_features(self, hidden: torch.Tensor, path: list[int] | None, accepted: int, start: int) -> None:
+        """Show its heads the target's features (hidden: (T, C), its row of the verify pass from
+        position ``start``) of the positions it kept: a tree's accepted ``path``, else its first
+        ``accepted`` + 1, root first."""
+        assert self.heads is not None
+        kept = path[: accepted + 1] if path is not None else list(range(accepted + 1))
+        # Index with a device tensor: a list index is copied from pageable memory (a sync on GPUs).
+        self.heads.observe(hidden[None, host_to_device(kept, torch.long, hidden.device)], start)
 
     def append(self, new_tokens: list[int]) -> bool:
         """Commit ``new_tokens`` to the request's state: its tokens (host and device), logprobs,

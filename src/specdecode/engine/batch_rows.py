@@ -7,17 +7,25 @@ name (the methods it takes, ``BATCH_METHODS``; the rest of the engine reads the 
 - ``draft``: the draft model, in the batch's model passes; the row holds draft KV blocks.
 - ``auto``: both lookups and, where the engine has a draft model that can pay, the draft model
   (``drafters/auto_row.py``); it picks its source and draft length every step.
+- ``layerskip``: the target with layers skipped, for all its rows in the batch's passes
+  (``drafters/batch_layer_skip.py``), in the target's own pool.
+- ``medusa``, ``eagle``: a drafter of the row's own over the engine's trained heads, fed the
+  target's features of the row's committed positions; token trees (the engine's target scores
+  trees: torch, where heads run).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from specdecode.drafters import registry
 from specdecode.drafters.auto_row import AutoRow
+from specdecode.drafters.base import HeadsDrafter, TreeDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer, SuffixTreeDrafter
 from specdecode.drafters.suffix_cache import SuffixCache
+from specdecode.errors import InvalidRequestError
 
 BATCH_METHODS = registry.BATCH_METHODS  # the registry entries whose rows the batch engine takes
 
@@ -29,7 +37,23 @@ class RowDrafters:
     host: NgramDrafter | SuffixDrafter | SuffixTreeDrafter | AutoRow | None  # proposes on the host, from committed tokens
     sources: AutoRow | None  # the same object where the row picks its source every step
     uses_draft: bool  # the draft model may draft for it: it holds draft KV blocks
-    tree_nodes: int = 0  # the most nodes its token trees draft (0: it drafts chains)
+    tree_nodes: int = 0  # the most nodes its token trees draft, root excluded (0: it drafts chains)
+    heads: TreeDrafter | None = None  # its own Medusa or EAGLE drafter, fed the target's features
+    skips_layers: bool = False  # the target drafts for it with layers skipped
+
+
+def check_method(method: str, has_draft: bool, skips_layers: bool, heads: Mapping[str, HeadsDrafter]) -> None:
+    """Raise InvalidRequestError where an engine with a draft model (``has_draft``), layers to
+    skip and ``heads`` cannot decode rows of ``method``."""
+    if method not in BATCH_METHODS:
+        raise InvalidRequestError(f"The batch engine decodes methods {', '.join(BATCH_METHODS)}; got {method!r}.")
+    if method == registry.DRAFT.name and not has_draft:
+        raise InvalidRequestError("This engine was built without a draft model; use method 'none' or 'ngram'.")
+    if method == registry.LAYERSKIP.name and not skips_layers:
+        raise InvalidRequestError("This engine was built without layers to skip (skip_layers=); method 'layerskip' "
+                                  "needs them.")
+    if registry.BY_NAME[method].needs_heads and method not in heads:
+        raise InvalidRequestError(f"This engine was built without {method} heads; method {method!r} needs them (heads=).")
 
 
 def uses_draft(method: str, model_can_pay: bool) -> bool:
@@ -47,11 +71,13 @@ def row_drafters(
     ngram_sizes: tuple[int, int],
     model_can_pay: bool,
     trees: bool,
+    heads: Mapping[str, HeadsDrafter],
 ) -> RowDrafters:
     """The drafters of a row of ``method`` (one of ``BATCH_METHODS``, checked by the engine) with
     draft length cap ``k``: a lookup drafts up to ``k``, or in auto up to ``k_max`` (the draft
     model's cap stays the request's ``k``, as on the single path). ``trees``: the target scores
-    token trees (``BatchModel.supports_trees``); a suffix row then drafts trees ``k`` deep."""
+    token trees (``BatchModel.supports_trees``); a suffix row then drafts trees ``k`` deep.
+    ``heads``: the engine's Medusa and EAGLE drafters by method, of which a row gets a fresh one."""
     if method == "ngram":
         return RowDrafters(NgramDrafter(*ngram_sizes), None, False)
     if method == "suffix":
@@ -63,4 +89,10 @@ def row_drafters(
         suffix = SuffixDrafter(SuffixProposer(suffix_cache, suffix_group, depth=k_max))
         row = AutoRow(NgramDrafter(*ngram_sizes), suffix, lookup_cap=k_max)
         return RowDrafters(row, row, uses_draft(method, model_can_pay))
+    if method == registry.LAYERSKIP.name:
+        return RowDrafters(None, None, False, skips_layers=True)
+    if method in heads:
+        drafter = heads[method].fresh()
+        return RowDrafters(None, None, False, tree_nodes=drafter.max_tree_nodes - 1, heads=drafter)
     return RowDrafters(None, None, uses_draft(method, model_can_pay))
+
