@@ -1,5 +1,5 @@
-"""Servers over the tiny models, as `specdecode serve` runs them: none/ngram/draft/suffix/auto
-batched by a worker, the other methods one at a time (every method with ``max_batch=0``)."""
+"""Servers over the tiny models, as `specdecode serve` runs them: every request decoded by the
+batch worker's engine."""
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -22,20 +22,18 @@ def tiny_decoder(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> SpecDecode
 @pytest.fixture(scope="module")
 def start_server(tiny_decoder: SpecDecoder) -> Callable[..., AbstractContextManager[tuple[str, object]]]:
     """``with start_server(options, max_batch=4) as (base_url, state):`` a fresh server (its own
-    batch engine and worker) over the shared tiny decoder; ``max_batch=0``: no worker, every
-    request one at a time on the single-sequence engine (``specdecode serve --max-batch 0``)."""
+    batch engine and worker) over the shared tiny decoder; ``max_batch=1``: one request at a time
+    (``specdecode serve --max-batch 1``)."""
 
     @contextmanager
     def start(options: ServerOptions | None = None, max_batch: int = 4) -> Iterator[tuple[str, object]]:
-        worker = (BatchWorker(tiny_decoder.batch_engine(max_batch=max_batch, kv_cache_tokens=1024, cost_aware=False))
-                  if max_batch > 0 else None)
+        worker = BatchWorker(tiny_decoder.batch_engine(max_batch=max_batch, kv_cache_tokens=1024, cost_aware=False))
         app = create_app(tiny_decoder, MODEL, worker=worker, options=options)
         try:
             with running_server(app) as base:
                 yield base, app.state.specdecode
         finally:
-            if worker is not None:
-                worker.close()
+            worker.close()
 
     return start
 

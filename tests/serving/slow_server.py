@@ -32,7 +32,7 @@ def main() -> None:
     dec = SpecDecoder.from_pretrained(target, draft, draft_confidence=0.0, dtype="fp32", device="cpu",
                                       show_progress=False)
     worker = BatchWorker(dec.batch_engine(max_batch=4, kv_cache_tokens=1024, cost_aware=False))
-    serve(dec, "tiny", "127.0.0.1", int(port), log_level="warning", worker=worker,
+    serve(dec, "tiny", "127.0.0.1", int(port), worker, log_level="warning",
           options=ServerOptions(drain_timeout=float(drain_seconds)))
 
 

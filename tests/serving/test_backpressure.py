@@ -185,42 +185,13 @@ def test_a_stream_that_starts_in_time_is_served_whole(slow_server, tiny_decoder)
         assert_whole(second)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_the_one_at_a_time_engine_has_the_same_bounds(start_server, tiny_decoder, stream: bool) -> None:
-    """Without a batch worker (--max-batch 0) a request (method auto here) waits for the
-    single-sequence engine's lock (held here by the test): with max-waiting 2, two wait and a
-    third is refused at once with a 429; the two waiting are ended after --max-queue-time with
-    a 503, streams included. Released, the engine serves."""
-    with start_server(ServerOptions(max_waiting=2, max_queue_time=1.0), max_batch=0) as (base, state):
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "method": "auto", "stream": stream}
-        state.engine_lock.acquire()
-        try:
-            waiters: list[Outcome] = []
-            threads = [threading.Thread(target=lambda: waiters.append(send(base, body))) for _ in range(2)]
-            for thread in threads:
-                thread.start()
-            wait_for(lambda: metric(base, "specdecode_requests_waiting") == 2, "the requests did not queue")
-            refused = send(base, body)
-            assert_refusal(refused.status, refused.headers, refused.body, 429, "server_overloaded")
-            assert refused.seconds < REFUSAL_SECONDS
-            for thread in threads:
-                thread.join(timeout=30)
-            for waiter in waiters:
-                assert_refusal(waiter.status, waiter.headers, waiter.body, 503, "queue_timeout")
-        finally:
-            state.engine_lock.release()
-        assert metric(base, OVERLOADED) == 1
-        wait_for(lambda: metric(base, QUEUE_TIMEOUTS) == 2, "the queue timeouts were not counted")
-        served = send(base, body)
-        assert served.status == 200, served.body
-
-
 def test_health_is_answered_while_the_request_limit_is_full(tiny_decoder) -> None:
     """--max-connections 2, both taken by requests whose bodies have not come: /health answers
     200, other routes a 503 in OpenAI's shape with Retry-After (counted as overloaded). Past the
     hard cap (the limit plus CONNECTION_HEADROOM connections) a new connection is closed unread.
     Once the clients leave, requests are served again."""
-    app = create_app(tiny_decoder, MODEL)
+    worker = BatchWorker(tiny_decoder.batch_engine(max_batch=2, kv_cache_tokens=512, cost_aware=False))
+    app = create_app(tiny_decoder, MODEL, worker)
     with running_limited_server(app, max_connections=2) as (base, server):
         port = int(base.rsplit(":", 1)[1])
         slow = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]

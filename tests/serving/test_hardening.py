@@ -362,9 +362,11 @@ def test_idle_and_slow_connections_are_closed_and_their_number_bounded(tiny_deco
 
     from specdecode.serving.connections import uvicorn_config
     from specdecode.serving.server import create_app
+    from specdecode.serving.worker import BatchWorker
 
     port = free_port()
-    app = create_app(tiny_decoder, MODEL)
+    app = create_app(tiny_decoder, MODEL, BatchWorker(tiny_decoder.batch_engine(max_batch=2, kv_cache_tokens=512,
+                                                                                 cost_aware=False)))
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", keep_alive_timeout=0.3,
                                            max_connections=3, header_timeout=0.6))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -498,7 +500,7 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing(start_
     from specdecode.serving.state import NORMALIZATION_SLACK
 
     with start_server() as (base, state):
-        bound = state.max_prompt_tokens(batched=True) * state.longest_token_chars * NORMALIZATION_SLACK
+        bound = state.max_prompt_tokens() * state.longest_token_chars * NORMALIZATION_SLACK
         real_encode, encoded = state.decoder.encode, []
 
         def encode(*args, **kwargs):

@@ -1,6 +1,6 @@
 """OpenAI's ``n`` through the server, with the official openai client: n choices of one prompt,
 streamed and not, batched (none, draft: the choices after the first start from its prompt K/V)
-and one at a time (auto without a batch worker); choice i equals the request with n = 1 and seed + i, the choices
+and one at a time (--max-batch 1); choice i equals the request with n = 1 and seed + i, the choices
 differ, usage counts the prompt once and every choice's tokens; logprobs come per choice."""
 
 import json
@@ -46,12 +46,11 @@ def test_greedy_choices_are_the_greedy_output(served, method: str) -> None:
     assert completions(base, n=3, temperature=0, max_tokens=10, extra_body={"method": method}) == [want] * 3
 
 
-def test_one_at_a_time_methods_draw_each_choice_apart(start_server) -> None:
-    """Without a batch worker (--max-batch 0) auto decodes on the single-sequence engine, one
-    choice after another (the prefix cache serves the prompt to the later ones). Its draft
-    lengths follow live measurements, so a seed does not pin its output across requests; the
-    choices still differ."""
-    with start_server(max_batch=0) as (base, _):
+def test_a_batch_of_one_draws_each_choice_apart(start_server) -> None:
+    """With --max-batch 1 the choices decode one after another (the later ones start from the
+    first one's prompt K/V). auto's draft lengths follow live measurements, so a seed does not
+    pin its output across requests; the choices still differ."""
+    with start_server(max_batch=1) as (base, _):
         reply = client(base).completions.create(model=MODEL, prompt=PROMPT, n=3, extra_body={"method": "auto"}, **SAMPLED)
     assert len({c.text for c in reply.choices}) > 1 and [c.index for c in reply.choices] == [0, 1, 2]
 

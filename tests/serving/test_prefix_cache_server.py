@@ -11,6 +11,7 @@ from server_helpers import MODEL, client, metric, running_server
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.serving.server import ServerOptions, create_app
 from specdecode.serving.suffix_share import cache_group
+from specdecode.serving.worker import BatchWorker
 
 FIRST = [{"role": "user", "content": "Write a quicksort"}]
 MAX_TOKENS = 12
@@ -23,9 +24,14 @@ def tiny(target: Path, **options) -> SpecDecoder:
 
 @pytest.fixture(scope="module")
 def single_server(tiny_qwen2_dir: Path):
-    """A server decoding one request at a time (``--max-batch 0``): the single-request path."""
-    with running_server(create_app(tiny(tiny_qwen2_dir), MODEL, options=ServerOptions())) as base:
-        yield base
+    """A server decoding one request at a time (``--max-batch 1``)."""
+    decoder = tiny(tiny_qwen2_dir)
+    worker = BatchWorker(decoder.batch_engine(max_batch=1, kv_cache_tokens=1024, cost_aware=False))
+    try:
+        with running_server(create_app(decoder, MODEL, worker, options=ServerOptions())) as base:
+            yield base
+    finally:
+        worker.close()
 
 
 def chat(base: str, messages: list[dict], api_key: str = "key-a", **extra):

@@ -54,7 +54,7 @@ def test_models_health_and_metrics(served) -> None:
     assert _metric(base, 'specdecode_requests_total{status="ok"}') >= 1
     assert _metric(base, "specdecode_generated_tokens_total") >= 4
     assert _metric(base, "specdecode_tau") >= 1.0
-    assert _metric(base, "specdecode_requests_running") == 0 and _metric(base, "specdecode_kv_cache_tokens") == 0
+    assert _metric(base, "specdecode_requests_running") == 0 and _metric(base, "specdecode_kv_blocks_used") == 0
     assert _metric(base, "specdecode_kv_blocks_used") == 0 and _metric(base, "specdecode_kv_blocks_total") > 0
 
 
@@ -172,7 +172,7 @@ def test_a_disconnected_stream_is_cancelled(served, monkeypatch) -> None:
     while _metric(base, 'specdecode_requests_total{status="cancelled"}') == cancelled:
         assert time.time() < deadline, "the request was not cancelled"
         time.sleep(0.05)
-    assert _metric(base, "specdecode_requests_running") == 0 and _metric(base, "specdecode_kv_cache_tokens") == 0
+    assert _metric(base, "specdecode_requests_running") == 0 and _metric(base, "specdecode_kv_blocks_used") == 0
     deadline = time.time() + 10
     while _metric(base, "specdecode_kv_blocks_used") != 0:  # the worker frees them before its next step
         assert time.time() < deadline, "the cancelled request kept its KV blocks"

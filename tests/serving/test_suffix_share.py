@@ -25,17 +25,17 @@ TOKENS = 32
 
 @contextmanager
 def suffix_server(target_dir: Path, share: str, batched: bool = True) -> Iterator[tuple[str, SpecDecoder]]:
-    """A server whose default method is suffix, over a decoder with its own empty cache."""
+    """A server whose default method is suffix, over a decoder with its own empty cache;
+    ``batched`` False: one request at a time (``--max-batch 1``)."""
     base = decoder(target_dir, None, "none")
     dec = SpecDecoder(base.target, None, replace(base.config, method="suffix"))
-    worker = BatchWorker(dec.batch_engine(max_batch=4, kv_cache_tokens=1024, cost_aware=False)) if batched else None
+    worker = BatchWorker(dec.batch_engine(max_batch=4 if batched else 1, kv_cache_tokens=1024, cost_aware=False))
     app = create_app(dec, MODEL, worker=worker, options=ServerOptions(suffix_share=share))
     try:
         with running_server(app) as url:
             yield url, dec
     finally:
-        if worker is not None:
-            worker.close()
+        worker.close()
 
 
 def complete(url: str, key: str | None, prompt: str = PROMPT) -> dict:

@@ -36,9 +36,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="serve the models over an OpenAI-compatible HTTP API",
         description=(
             "OpenAI-compatible /v1/completions and /v1/chat/completions (stream: true for server-sent "
-            "events), /v1/models, /health and /metrics (Prometheus). Requests with methods none, ngram, "
-            "draft, suffix and auto are batched together (continuous batching, on torch and on llama.cpp); "
-            "the other methods run one at a time. Listens on loopback unless --host says otherwise."
+            "events), /v1/models, /health and /metrics (Prometheus). Every request is batched (continuous "
+            "batching, on torch and on llama.cpp), whatever its method. Listens on loopback unless --host "
+            "says otherwise."
         ),
     )
     add_decoder_arguments(parser, method_help="the default method; a request may pass 'method' (default draft; "
@@ -47,8 +47,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         help="the name clients pass as 'model' (default: the target's folder or file name, or its hub id)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-batch", type=non_negative_int, default=DEFAULT_MAX_BATCH,
-                        help="most requests decoded together (0: no batching, one request at a time)")
+    parser.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH,
+                        help="most requests decoded together, every method batched (1: one request at a time)")
     parser.add_argument("--kv-cache-tokens", type=positive_int, default=DEFAULT_KV_CACHE_TOKENS,
                         help="KV cache slots per model for the batch (torch: paged, requests wait or are preempted beyond it; "
                              "llama.cpp: split evenly over --max-batch sequences, --spare-slots more on top)")
@@ -121,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return cmd_serve_ray(args, spec)
     refuse_ray_flags_without_ray(args)
     parts = load_server(spec)
-    serve(parts.decoder, parts.model_name, args.host, args.port, log_level=args.log_level, worker=parts.worker,
+    serve(parts.decoder, parts.model_name, args.host, args.port, parts.worker, log_level=args.log_level,
           options=parts.options)
     return 0
 

@@ -1,12 +1,11 @@
-"""One request decoding in a worker thread, its text deltas handed to the event loop.
+"""One request decoding in the batch, its text deltas handed to the event loop.
 
-A request the batch engine decodes is submitted to the ``BatchWorker``; any other waits for
-the single-sequence engine's lock, first come first served, checking every
-``LOCK_POLL_SECONDS`` whether its client left. It has *started* once it leaves that queue (the
-batch admitted it, or it holds the lock): ``settled`` is set then, or when it ends first, so
-that a stream can wait to send its 200 until its request decodes, and the server's queue-time
-limit ends only requests that have not started. However it ends (finished, cancelled, stopped
-by the server, failed), it counts once in the server's metrics and wakes its reader.
+Every request is submitted to the ``BatchWorker``, whose batch engine decodes every method; a
+thread of its own reads its tokens into text. It has *started* once the batch admits it:
+``settled`` is set then, or when it ends first, so that a stream can wait to send its 200 until
+its request decodes, and the server's queue-time limit ends only requests that have not
+started. However it ends (finished, cancelled, stopped by the server, failed), it counts once in
+the server's metrics and wakes its reader.
 """
 
 from __future__ import annotations
@@ -19,14 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
-from specdecode.engine.stream import GenerationStream
 from specdecode.errors import SpecDecodeError
 from specdecode.serving.protocol import APIError, ParsedRequest, client_message
 
 if TYPE_CHECKING:
     from specdecode.serving.state import ServerState
 
-LOCK_POLL_SECONDS = 0.1  # how often a request queued for the single-sequence engine checks it was cancelled
 # The /metrics outcome of a request the server ended early, by its reason's code (others: "shutdown").
 ENDED_BY_STATUS = {"request_timeout": "timeout", "queue_timeout": "queue_timeout"}
 
@@ -53,7 +50,7 @@ class Generation:
         self.settled = asyncio.Event()
         self.has_started = False
         self._started_at: float | None = None  # perf_counter time it started, from its own thread or the worker's
-        self.batch_id = state.worker.new_request_id() if state.worker is not None and state.batched(request) else None
+        self.batch_id = state.worker.new_request_id()
         self._finished = False
         self._lock = threading.Lock()  # orders stop() against the thread's end
         self._submitted: tuple[Iterator[list[int]], GenerationStats] | None = None
@@ -61,12 +58,12 @@ class Generation:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def submit(self, fork_of: Generation | None = None) -> None:
-        """Queue a batched request in the batch worker, from the event loop, before ``start`` (a
-        batched generation must be submitted): the choices of one request are submitted in
-        order, so that choice 0 is in the engine when the others ask to start from its prompt
-        K/V (``fork_of``). A refusal is raised in the thread, as the request's own error."""
+        """Queue the request in the batch worker, from the event loop, before ``start``: the
+        choices of one request are submitted in order, so that choice 0 is in the engine when
+        the others ask to start from its prompt K/V (``fork_of``). A refusal is raised in the
+        thread, as the request's own error."""
         req, state = self.request, self.state
-        assert state.worker is not None and self.batch_id is not None and isinstance(req.prompt, list)
+        assert isinstance(req.prompt, list)
         source = fork_of.batch_id if fork_of is not None else None
         try:
             self._submitted = state.worker.submit(req.prompt, self.params, state.method_of(req), state.k_of(req),
@@ -77,12 +74,7 @@ class Generation:
             self._submit_error = err
 
     def start(self) -> Generation:
-        """Start decoding in a thread, from the event loop. A request for the single-sequence
-        engine counts as waiting from now, not from when its thread first runs, so that the
-        server's count of waiting requests (its admission bound) includes it at once."""
-        if self.batch_id is None:
-            with self.state.metrics.lock:
-                self.state.metrics.waiting += 1
+        """Start reading its tokens in a thread, from the event loop (after ``submit``)."""
         self.thread.start()
         return self
 
@@ -112,8 +104,7 @@ class Generation:
                 return
             self.ended_by = reason
             self.cancelled.set()
-        if self.batch_id is not None and self.state.worker is not None:
-            self.state.worker.abort(self.batch_id)  # also when it is still queued and emits nothing
+        self.state.worker.abort(self.batch_id)  # also when it is still queued and emits nothing
         self._ended()
 
     def _ended(self) -> None:
@@ -127,28 +118,7 @@ class Generation:
         metrics = self.state.metrics
         status = "error"
         try:
-            if self.batch_id is not None:
-                status = self._decode()
-                return
-            try:  # counted as waiting by start()
-                while not self.state.engine_lock.acquire(timeout=LOCK_POLL_SECONDS):
-                    if self.cancelled.is_set():
-                        status = "cancelled"
-                        return
-            finally:
-                with metrics.lock:
-                    metrics.waiting -= 1
-            try:
-                with metrics.lock:
-                    metrics.running += 1
-                if not self.cancelled.is_set():
-                    self._mark_started()
-                status = self._decode()
-            finally:
-                self.state.engine_lock.release()
-                with metrics.lock:
-                    metrics.running -= 1
-                    metrics.kv_tokens = 0
+            status = self._decode()
         except BaseException as err:  # reported to the client; the server goes on
             self.error = err
         finally:
@@ -163,31 +133,21 @@ class Generation:
             else:
                 metrics.count("rejected" if isinstance(self.error, SpecDecodeError) else status)
             if status == "ok" and self._started_at is not None:
-                metrics.observe_seat(self.batch_id is not None, time.perf_counter() - self._started_at)
+                metrics.observe_seat(time.perf_counter() - self._started_at)
             self._call(self._ended)
 
     def _decode(self) -> str:
         if self.cancelled.is_set():  # the client left while waiting
             return "cancelled"
-        req, state = self.request, self.state
-        batched = state.batched(req)
-        stream: GenerationStream
-        if batched:
-            if self._submit_error is not None:
-                raise self._submit_error
-            assert self._submitted is not None, "a batched generation is submitted before it starts"
-            chunks, stats = self._submitted
-            stream = state.decoder.token_stream(chunks, stats, self.params)
-        else:
-            stream = state.decoder.stream(req.prompt, self.params, chat=req.chat, method=req.method, k=req.k,
-                                          suffix_group=req.suffix_group, cache_salt=req.cache_group)
+        if self._submit_error is not None:
+            raise self._submit_error
+        assert self._submitted is not None, "a generation is submitted before it starts"
+        chunks, stats = self._submitted
+        stream = self.state.decoder.token_stream(chunks, stats, self.params)
         self.stats = stream.stats
         deltas = iter(stream)
         try:
             for delta in deltas:
-                if not batched:
-                    with self.state.metrics.lock:
-                        self.state.metrics.kv_tokens = stream.stats.prompt_tokens + stream.stats.new_tokens
                 if self.cancelled.is_set():
                     return "cancelled"
                 self._put((delta, stream.token_count))

@@ -34,28 +34,23 @@ class ServerMetrics:
     emitted_by_steps: int = 0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
-    running: int = 0  # single-sequence requests decoding (the batch's are counted by the worker)
-    waiting: int = 0
-    kv_tokens: int = 0  # tokens in the running single-sequence request's target KV cache
     worker: BatchWorker | None = None
     suffix_cache: SuffixCache | None = None  # earlier responses for suffix decoding
     # Labels on every series, e.g. {"replica": ...} under Ray Serve, where replicas' series meet.
     labels: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # Seconds recent requests that finished ok held their seat, batched (True) and one at a time (False).
-    seat_seconds: dict[bool, deque[float]] = field(
-        default_factory=lambda: {True: deque(maxlen=RECENT_SEATS), False: deque(maxlen=RECENT_SEATS)})
+    # Seconds recent requests that finished ok held their seat in the batch.
+    seat_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SEATS))
 
-    def observe_seat(self, batched: bool, seconds: float) -> None:
-        """A request that finished ok held its seat (the batch's, or the single-sequence
-        engine's) for ``seconds``."""
+    def observe_seat(self, seconds: float) -> None:
+        """A request that finished ok held its seat in the batch for ``seconds``."""
         with self.lock:
-            self.seat_seconds[batched].append(seconds)
+            self.seat_seconds.append(seconds)
 
-    def mean_seat_seconds(self, batched: bool) -> float | None:
+    def mean_seat_seconds(self) -> float | None:
         """How long recent requests held a seat, on average (None before any finished)."""
         with self.lock:
-            recent = self.seat_seconds[batched]
+            recent = self.seat_seconds
             return sum(recent) / len(recent) if recent else None
 
     def count(self, status: str) -> None:
@@ -98,8 +93,8 @@ class ServerMetrics:
                 ("draft_tokens_accepted_total", "counter", "Draft tokens accepted.", self.draft_tokens_accepted),
                 ("tau", "gauge", "Mean tokens per verify pass, bonus token counted, since start.", tau),
                 ("acceptance_rate", "gauge", "Accepted over proposed draft tokens, since start.", acceptance),
-                ("requests_running", "gauge", "Requests decoding now.", self.running + batch),
-                ("requests_waiting", "gauge", "Requests queued for the batch or the single-sequence engine.", self.waiting + queued),
+                ("requests_running", "gauge", "Requests decoding now.", batch),
+                ("requests_waiting", "gauge", "Requests queued for the batch.", queued),
                 ("batch_size", "gauge", "Sequences in the batch engine's current step.", batch),
                 ("kv_blocks_used", "gauge", "Target KV blocks held by batched requests.", pool.used_blocks if pool else 0),
                 ("kv_blocks_total", "gauge", "Target KV blocks in the batch engine's pool.", pool.usable_blocks if pool else 0),
@@ -108,7 +103,6 @@ class ServerMetrics:
                 ("fair_preemptions_total", "counter",
                  "Batched requests that gave their seat to a waiting request (time slice; K/V kept cached).",
                  engine.scheduler.fair_preemptions if engine is not None else 0),
-                ("kv_cache_tokens", "gauge", "Tokens in the single-sequence engine's target KV cache.", self.kv_tokens),
             ]
             if pool is not None:
                 prefix = pool.prefix_stats

@@ -4,13 +4,11 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``
 as server-sent events), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus
 text format).
 
-Requests with methods ``none``, ``ngram``, ``draft``, ``suffix`` and ``auto`` are decoded together by a
-continuous-batching engine (``engine/batch.py``) stepping in one worker thread
-(``serving/worker.py``): they join and leave the batch between steps, share each target pass,
-and hold paged KV blocks only while they run. The other methods (``layerskip``,
-``medusa``, ``eagle``) keep the single-sequence engine and run one at a time, first come
-first served, beside the batch. A client that disconnects (streaming or not) cancels its
-request, which frees its blocks before the next step.
+Every request, whatever its method, is decoded by one continuous-batching engine
+(``engine/batch.py``) stepping in one worker thread (``serving/worker.py``): requests join and
+leave the batch between steps, share each target pass, and hold paged KV blocks only while they
+run; there is no second engine and no lock. A client that disconnects (streaming or not)
+cancels its request, which frees its blocks before the next step.
 
 Before a request reaches the application, ``serving/guard.py`` checks its Host, API key,
 Content-Type and body size. Its body is then parsed and tokenized in a thread, so a large prompt
@@ -21,7 +19,7 @@ serving. A request past ``request_timeout`` seconds is stopped with a 504 (or a 
 event). On SIGTERM or SIGINT the server drains (``serving/shutdown.py``).
 
 Backpressure (``ServerState.check_room``, ``limit_queue_time``): a request that finds
-``max_waiting`` requests already waiting for its engine is refused at once with a 429, and one
+``max_waiting`` requests already waiting for the batch is refused at once with a 429, and one
 that waits ``max_queue_time`` seconds without starting is ended with a 503, both with
 ``Retry-After``. A stream's 200 waits until its request has started decoding (or ended), so
 that it too gets a plain error status rather than an error event after a 200: every response
@@ -34,7 +32,7 @@ responses of the same tenant only, by default (``serving/suffix_share.py``).
 
 This module is the application: its routes and how a response ends. A request's way through
 it: ``serving/state.py`` (``ServerState.prepare``: parse, validate, tokenize; the requests in
-flight), ``serving/generation.py`` (``Generation``: the decoding in a worker thread),
+flight), ``serving/generation.py`` (``Generation``: its tokens from the batch, read into text),
 ``serving/responses.py`` (the OpenAI bodies and server-sent events).
 """
 
@@ -62,11 +60,11 @@ __all__ = ["DEFAULT_DRAIN_TIMEOUT", "APIError", "ServerOptions", "create_app", "
 T = TypeVar("T")
 
 
-def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] = (),
-               worker: BatchWorker | None = None, options: ServerOptions | None = None) -> Any:
+def create_app(decoder: SpecDecoder, model_name: str, worker: BatchWorker, aliases: tuple[str, ...] = (),
+               options: ServerOptions | None = None) -> Any:
     """The ASGI application serving ``decoder`` as ``model_name``: FastAPI behind the request
-    guard. With ``worker`` (a ``BatchWorker`` over ``decoder.batch_engine()``) the batchable
-    methods share target passes. ``app.state.specdecode`` is the ``ServerState``."""
+    guard; ``worker`` (a ``BatchWorker`` over ``decoder.batch_engine()``) decodes every request,
+    all methods sharing its target passes. ``app.state.specdecode`` is the ``ServerState``."""
     from fastapi import FastAPI, Request
     from fastapi.responses import PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -146,16 +144,15 @@ def create_app(decoder: SpecDecoder, model_name: str, aliases: tuple[str, ...] =
             req.cache_group = cache_group(options.suffix_share, authorization, req.cache_salt)
             # No await from here to the submits: the count of waiting requests it reads is the
             # one the submits add to, so a burst cannot all pass the check before any is counted.
-            state.check_room(req)
+            state.check_room()
             loop = asyncio.get_running_loop()
-            # One generation per choice (n); batched choices after the first start from its prompt K/V.
+            # One generation per choice (n); choices after the first start from its prompt K/V.
             generations = [Generation(state, req, loop, choice) for choice in range(req.n)]
             for generation in generations:
                 state.track(generation)
-                if generation.batch_id is not None:
-                    generation.submit(fork_of=generations[0] if generation.choice else None)
+                generation.submit(fork_of=generations[0] if generation.choice else None)
                 generation.start()
-            state.limit_queue_time(generations, state.batched(req))
+            state.limit_queue_time(generations)
         finally:
             state.arriving -= 1
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -251,15 +248,14 @@ def _request_body_schema(state: ServerState, chat: bool) -> dict[str, Any]:
                                         state.decoder.target.config.vocab_size)}
 
 
-def serve(decoder: SpecDecoder, model_name: str, host: str, port: int, aliases: tuple[str, ...] = (),
-          log_level: str = "info", worker: BatchWorker | None = None, options: ServerOptions | None = None) -> None:
+def serve(decoder: SpecDecoder, model_name: str, host: str, port: int, worker: BatchWorker,
+          aliases: tuple[str, ...] = (), log_level: str = "info", options: ServerOptions | None = None) -> None:
     """Run the server until SIGTERM or SIGINT, then drain (``serving/shutdown.py``)."""
     from specdecode.serving.shutdown import run_draining
 
     options = options or ServerOptions()
-    app = create_app(decoder, model_name, aliases, worker, options)
+    app = create_app(decoder, model_name, worker, aliases, options)
     try:
         run_draining(app, app.state.specdecode, host, port, log_level)
     finally:
-        if worker is not None:
-            worker.close()
+        worker.close()

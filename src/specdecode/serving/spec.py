@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from specdecode.config import DecoderConfig, SchedulerConfig
 from specdecode.engine.batch import DEFAULT_BATCH_POLICY, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH
+from specdecode.errors import InvalidRequestError
 from specdecode.serving.state import ServerOptions
 
 if TYPE_CHECKING:
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
 class ServerSpec:
     """decoder:         the decoder's configuration (models, method, k, ...).
     model_name:      the model id clients send (None: ``served_model_name`` of the target).
-    max_batch:       requests decoded together by the continuous-batching engine (0: one at a
-                     time through the single-request engine).
+    max_batch:       requests decoded together by the continuous-batching engine, which decodes
+                     every request (1: one at a time).
     kv_cache_tokens: the batch engine's KV pool, in tokens.
     batch_policy:    the batch's draft-length policy (``engine/batch.py: BATCH_POLICIES``).
     scheduling:      chunked prefill and time slices (``SchedulerConfig``).
@@ -40,13 +41,23 @@ class ServerSpec:
     scheduling: SchedulerConfig = field(default_factory=SchedulerConfig)
     options: ServerOptions = field(default_factory=ServerOptions)
 
+    def __post_init__(self) -> None:
+        # Checked before anything loads (and before Ray starts replicas): the server decodes every
+        # request in the batch engine.
+        if self.max_batch < 1:
+            raise InvalidRequestError(f"--max-batch must be at least 1 (1 decodes one request at a time), got "
+                                      f"{self.max_batch}.")
+        if self.decoder.kv_dtype != "auto":
+            raise InvalidRequestError("--kv-dtype int8: the server's batch engine keeps its paged KV cache in the "
+                                      "model's dtype; serve without --kv-dtype (generate and bench take it).")
+
 
 class ServerParts(NamedTuple):
     """What a ``ServerSpec`` builds: the process serves these (or each Ray Serve replica does)."""
 
     decoder: SpecDecoder
     model_name: str
-    worker: BatchWorker | None
+    worker: BatchWorker
     options: ServerOptions
 
 
@@ -67,25 +78,14 @@ def load_server(spec: ServerSpec) -> ServerParts:
 
     decoder = SpecDecoder.from_config(spec.decoder)
     config = decoder.config
-    if config.compile:
-        # Batched requests run the batch engine's passes, which are not compiled; requests served
-        # one at a time (--max-batch 0, or methods the batch does not take) run compiled.
-        if spec.max_batch > 0:
-            print("--compile: the continuous-batching engine's passes run eagerly; requests that run one at a time "
-                  "(--max-batch 0, methods layerskip, medusa, eagle) run compiled.", file=sys.stderr)
-        print(f"specdecode: {decoder.warm_up(show_progress=True, all_shapes=True).summary()}", file=sys.stderr)
+    if config.compile:  # the batch engine's passes are not compiled
+        print("--compile: the server's batch engine runs its passes eagerly; --compile speeds up `specdecode "
+              "generate` and `bench`.", file=sys.stderr)
     name = spec.model_name or served_model_name(config.target or demo.DEFAULT_TARGET)
-    worker = None
-    if spec.max_batch > 0:
-        if config.kv_dtype != "auto":
-            print("--kv-dtype int8: the batch engine's paged cache has no int8 storage yet; requests run one at a time.",
-                  file=sys.stderr)
-        else:
-            print(f"Timing the models for the batch's cost-aware draft length (max batch {spec.max_batch}) ...",
-                  file=sys.stderr)
-            engine = decoder.batch_engine(max_batch=spec.max_batch, kv_cache_tokens=spec.kv_cache_tokens,
-                                          policy=spec.batch_policy, scheduling=spec.scheduling)
-            worker = BatchWorker(engine)
+    print(f"Timing the models for the batch's cost-aware draft length (max batch {spec.max_batch}) ...", file=sys.stderr)
+    engine = decoder.batch_engine(max_batch=spec.max_batch, kv_cache_tokens=spec.kv_cache_tokens,
+                                  policy=spec.batch_policy, scheduling=spec.scheduling)
+    worker = BatchWorker(engine)
     # Structured outputs and tool calls need the vocabulary in the grammar engine (about a second
     # for a 151k vocabulary): read it now rather than on the first such request.
     seconds = decoder.grammars.warm()

@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,12 +36,11 @@ DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a client has to send a request's header
 # Connections and requests in flight at once; past it the guard answers 503 (but /health). Each
 # request in flight holds a thread; a 2-core server has long queued everyone by then.
 DEFAULT_MAX_CONNECTIONS = 512
-# Backpressure. Requests that may wait for an engine (beyond the batch's free seats; for the
-# single-sequence engine, for its lock) before new ones are refused with a 429, unless
-# --max-waiting says: two batches' worth, so that a burst of twice the batch queues and each
-# waiting request starts within about two requests' time, the same order as the queue-time limit.
-# The floor keeps a burst of a few dozen (parallel tool calls, a benchmark's clients) queueing
-# on a small batch, and on the one-at-a-time engine.
+# Backpressure. Requests that may wait for the batch (beyond its free seats) before new ones are
+# refused with a 429, unless --max-waiting says: two batches' worth, so that a burst of twice the
+# batch queues and each waiting request starts within about two requests' time, the same order
+# as the queue-time limit. The floor keeps a burst of a few dozen (parallel tool calls, a
+# benchmark's clients) queueing on a small batch, and on a batch of one.
 WAITING_PER_BATCH_SEAT = 2
 MIN_MAX_WAITING = 32
 # Seconds a request may wait without starting to decode before it is ended with a 503: well
@@ -82,7 +80,7 @@ class ServerOptions:
     keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
     max_connections: int | None = DEFAULT_MAX_CONNECTIONS
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
-    # Backpressure: requests that may wait for each engine (None: WAITING_PER_BATCH_SEAT x the
+    # Backpressure: requests that may wait for the batch (None: WAITING_PER_BATCH_SEAT x the
     # batch, at least MIN_MAX_WAITING), and seconds one may wait before starting (None: no limit).
     max_waiting: int | None = None
     max_queue_time: float | None = DEFAULT_MAX_QUEUE_TIME
@@ -97,14 +95,13 @@ class ServerState:
     decoder: SpecDecoder
     model_name: str
     aliases: tuple[str, ...]
-    worker: BatchWorker | None = None
+    worker: BatchWorker  # its batch engine decodes every request
     options: ServerOptions = field(default_factory=ServerOptions)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    engine_lock: threading.Lock = field(default_factory=threading.Lock)
     started: int = field(default_factory=lambda: int(time.time()))
     inflight: set[InFlight] = field(default_factory=set)  # touched on the event loop only
     draining: bool = False
-    # Requests read or being tokenized, not yet handed to the engines (changed on the event loop
+    # Requests read or being tokenized, not yet handed to the batch (changed on the event loop
     # only): the batch worker's window waits for them, and only for them (serving/worker.py).
     arriving: int = 0
     # The most characters one token stands for (None: unknown): bounds a prompt's length before
@@ -123,10 +120,6 @@ class ServerState:
     def token_text(self, token: int) -> str:
         """A token's text alone, as logprobs name it (byte-level pieces of a character decode to U+FFFD)."""
         return str(self.decoder.tokenizer.decode([token]))
-
-    def batched(self, request: ParsedRequest) -> bool:
-        """Whether the batch engine decodes this request (else the single-sequence engine)."""
-        return self.worker is not None and self.method_of(request) in registry.BATCH_METHODS
 
     def k_of(self, request: ParsedRequest) -> int | None:
         if self.method_of(request) == registry.NONE.name:
@@ -154,41 +147,32 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.longest_token_chars = longest_token_chars(self.decoder.tokenizer)
-        if self.worker is not None and self.worker.arriving is None:
+        if self.worker.arriving is None:
             self.worker.arriving = lambda: self.arriving
         self.max_waiting = self.options.max_waiting or default_max_waiting(self.worker)
 
-    def check_room(self, request: ParsedRequest) -> None:
+    def check_room(self) -> None:
         """Refuse the request at once (429, with Retry-After) when ``max_waiting`` requests
-        already wait for the engine it would run on: queued behind a full batch, or for the
-        single-sequence engine's lock. Checked once per request, so one of n choices may take
+        already wait behind a full batch. Checked once per request, so one of n choices may take
         the queue up to n - 1 past the bound."""
-        batched = self.batched(request)
-        if batched:
-            assert self.worker is not None
-            waiting = self.worker.waiting
-        else:
-            with self.metrics.lock:
-                waiting = self.metrics.waiting
+        waiting = self.worker.waiting
         if waiting < self.max_waiting:
             return
         self.metrics.count("overloaded")
-        engine = "the batch" if batched else f"the {self.method_of(request)!r} method's one-at-a-time engine"
-        raise RetryLater(429, f"The server is overloaded: {waiting} requests are already waiting for {engine} "
+        raise RetryLater(429, f"The server is overloaded: {waiting} requests are already waiting for the batch "
                               f"(--max-waiting {self.max_waiting}). Retry after the seconds in the Retry-After header.",
-                         code="server_overloaded", retry_after=self.retry_after(batched), kind="rate_limit_error")
+                         code="server_overloaded", retry_after=self.retry_after(), kind="rate_limit_error")
 
-    def retry_after(self, batched: bool) -> int:
+    def retry_after(self) -> int:
         """Seconds after which a refused request has a fair chance: about when a seat frees, the
-        time recent requests held one divided by the seats (the batch's, or the one of the
-        single-sequence engine), within [MIN_RETRY_AFTER_SECONDS, MAX_RETRY_AFTER_SECONDS]."""
-        held = self.metrics.mean_seat_seconds(batched)
+        time recent requests held one divided by the batch's seats, within
+        [MIN_RETRY_AFTER_SECONDS, MAX_RETRY_AFTER_SECONDS]."""
+        held = self.metrics.mean_seat_seconds()
         if held is None:
             return MIN_RETRY_AFTER_SECONDS
-        seats = self.worker.max_batch if batched and self.worker is not None else 1
-        return min(MAX_RETRY_AFTER_SECONDS, max(MIN_RETRY_AFTER_SECONDS, math.ceil(held / seats)))
+        return min(MAX_RETRY_AFTER_SECONDS, max(MIN_RETRY_AFTER_SECONDS, math.ceil(held / self.worker.max_batch)))
 
-    def limit_queue_time(self, generations: list[InFlight], batched: bool) -> None:
+    def limit_queue_time(self, generations: list[InFlight]) -> None:
         """End the request (all its choices) with a 503 and Retry-After if one of its choices
         has neither started decoding nor ended ``max_queue_time`` seconds from now. A stream has
         sent nothing by then (``server.py`` holds its 200 until it starts), so either way the
@@ -203,7 +187,7 @@ class ServerState:
         def expire() -> None:
             if all(generation.settled.is_set() for generation in generations):
                 return
-            reason.retry_after = self.retry_after(batched)  # as of now, not of the request's arrival
+            reason.retry_after = self.retry_after()  # as of now, not of the request's arrival
             for generation in generations:
                 generation.stop(reason)
 
@@ -211,15 +195,12 @@ class ServerState:
         for generation in generations:
             generation.queue_timer = timer
 
-    def max_prompt_tokens(self, batched: bool) -> int:
-        """The most prompt tokens a request could have: the context less one new token, and for
-        a request the batch engine decodes, what one sequence of its KV pool holds."""
-        limit = self.context_length - 1
-        if batched and self.worker is not None:
-            limit = min(limit, self.worker.engine.target_cache.capacity_tokens() - 1)
-        return limit
+    def max_prompt_tokens(self) -> int:
+        """The most prompt tokens a request could have: the context less one new token, and what
+        one sequence of the batch's KV pool holds."""
+        return min(self.context_length - 1, self.worker.engine.target_cache.capacity_tokens() - 1)
 
-    def _check_prompt_chars(self, prompt: str | list[dict[str, Any]], chat: bool, batched: bool) -> None:
+    def _check_prompt_chars(self, prompt: str | list[dict[str, Any]], chat: bool) -> None:
         """Refuse a prompt whose text alone is too long to fit, from its length in characters,
         before tokenizing it (seconds of both cores for a prompt of megabytes): no token stands
         for more than ``longest_token_chars`` characters, so it has at least chars / that many
@@ -233,7 +214,7 @@ class ServerState:
             chars = sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))
         # Unicode normalization before tokenizing may compose up to a few characters into one
         # (NFC: a Hangul syllable from three jamo, a letter with two marks): leave room for it.
-        most = self.max_prompt_tokens(batched)
+        most = self.max_prompt_tokens()
         bound = most * longest * NORMALIZATION_SLACK
         if chars > bound:
             raise APIError(400, f"The prompt's text has {chars} characters, more than {most} tokens "
@@ -257,7 +238,7 @@ class ServerState:
                 if prompt and isinstance(prompt[0], int):
                     prompt_ids = prompt
                 else:
-                    self._check_prompt_chars(prompt, chat, self.batched(req))
+                    self._check_prompt_chars(prompt, chat)
                     tools = req.tools.in_prompt if req.tools is not None else None
                     prompt_ids = self.decoder.encode(prompt, chat, tools)
                 vocab = self.decoder.target.config.vocab_size
@@ -272,9 +253,7 @@ class ServerState:
                 if bias and max(bias) >= vocab:
                     raise APIError(400, f"'logit_bias' names token {max(bias)}, past the vocabulary's {vocab} ids.",
                                    "logit_bias")
-                if self.batched(req):
-                    assert self.worker is not None
-                    self.worker.engine.check_request(len(prompt_ids), req.params, self.method_of(req), self.k_of(req))
+                self.worker.engine.check_request(len(prompt_ids), req.params, self.method_of(req), self.k_of(req))
             except SpecDecodeError as err:
                 raise APIError(400, client_message(err), "messages" if chat else "prompt") from err
         except APIError:
@@ -335,10 +314,9 @@ class ServerState:
             await asyncio.sleep(poll)
 
 
-def default_max_waiting(worker: BatchWorker | None) -> int:
+def default_max_waiting(worker: BatchWorker) -> int:
     """``--max-waiting``'s default: WAITING_PER_BATCH_SEAT x the batch, at least MIN_MAX_WAITING."""
-    seats = worker.max_batch if worker is not None else 1
-    return max(MIN_MAX_WAITING, WAITING_PER_BATCH_SEAT * seats)
+    return max(MIN_MAX_WAITING, WAITING_PER_BATCH_SEAT * worker.max_batch)
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:
