@@ -4,6 +4,12 @@ The single-request engine times its target's verify passes (``SpecEngine.verify_
 ``DecoderCosts`` adds the draft model's (one pass over one token, and a token's share of a
 long catch-up pass, for the auto method) and builds each request's ``KSchedule``;
 ``batch_pass_costs`` times the shapes the batch engine will run.
+
+Both tables are priors that the requests' live passes correct (``LivePricing``,
+``costs/live.py``): the decoder's copy follows every request's passes, the next request is
+priced by it, and it is written back to the stored table, bounded. A draft model priced out is
+tried again now and then (``Reprobe``, one per decoder, so a price its tries confirm costs ever
+rarer tries across requests).
 """
 
 from __future__ import annotations
@@ -11,16 +17,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from specdecode.costs.batch_k import PassCosts, time_batch_costs
+from specdecode.costs.goodput import Reprobe
 from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, speculation_can_pay
-from specdecode.costs.store import DRAFT_TABLE, CostStore
-from specdecode.costs.timing import VERIFY_COST_REPEATS
+from specdecode.costs.live import CATCH_UP_PROBE_ROWS, LivePricing, LiveTable
+from specdecode.costs.store import DRAFT_TABLE, VERIFY_TABLE, CostStore
+from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 
 if TYPE_CHECKING:
     from specdecode.backends.base import BatchModel
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.engine.single import SpecEngine
 
-CATCH_UP_PROBE_ROWS = 64  # tokens in the timed draft pass that prices a catch-up per token
 BATCH_PROBE_MAX_ROWS = 64  # the largest pass timed for the batch engine's costs; larger ones extrapolate
 
 
@@ -31,7 +38,9 @@ class DecoderCosts:
         self.engine = engine
         self.draft = draft
         self.draft_store = draft_store  # the draft model's timings from an earlier run (costs/store.py)
-        self._draft_costs: tuple[float, float] | None = None  # a draft pass, and a catch-up per token
+        self._draft_table: LiveTable | None = None  # a draft pass, and a catch-up pass, as live passes correct them
+        self._verify_table: LiveTable | None = None
+        self.draft_reprobe = Reprobe()  # when to try a draft model its price turns off
 
     @property
     def live(self) -> bool:
@@ -45,9 +54,15 @@ class DecoderCosts:
 
     def draft_model(self) -> tuple[float, float]:
         """Seconds of one draft-model pass over one token, and per token of a long catch-up
-        pass (timed once per decoder): whether the draft model can pay at all on this machine,
-        and what reading the tokens it missed costs the auto method."""
-        if self._draft_costs is None:
+        pass (timed once per decoder, then kept current by live passes): whether the draft
+        model can pay at all on this machine, and what reading the tokens it missed costs the
+        auto method."""
+        table = self.draft_table()
+        return table.seconds(1), table.seconds(CATCH_UP_PROBE_ROWS) / CATCH_UP_PROBE_ROWS
+
+    def draft_table(self) -> LiveTable:
+        """The draft model's pass costs (stored, or timed once), kept current by live passes."""
+        if self._draft_table is None:
             assert self.draft is not None
             rows = CATCH_UP_PROBE_ROWS
             seconds = self.draft_store.get(DRAFT_TABLE) if self.draft_store is not None else {}
@@ -55,27 +70,55 @@ class DecoderCosts:
                 seconds = self.draft.model.pass_seconds([1, rows], VERIFY_COST_REPEATS, logits_last=1)
                 if self.draft_store is not None:
                     self.draft_store.put(DRAFT_TABLE, seconds)
-            self._draft_costs = (seconds[1], seconds[rows] / rows)
-        return self._draft_costs
+            self._draft_table = LiveTable({1: seconds[1], rows: seconds[rows]}, self.draft_store, DRAFT_TABLE, "draft")
+        return self._draft_table
+
+    def verify_table(self, max_rows: int) -> LiveTable:
+        """The target's verify costs over the rows the engine timed up to ``max_rows``, kept
+        current by live passes and written back to its stored table."""
+        costs = self.verify(max_rows)
+        timed = {rows: costs[rows - 1] for rows in range(1, max_rows + 1) if rows in COST_PROBE_ROWS or rows == max_rows}
+        if self._verify_table is None:
+            self._verify_table = LiveTable(timed, getattr(self.engine, "cost_store", None), VERIFY_TABLE, "target")
+        for rows, seconds in timed.items():  # a longer table (suffix decoding's) adds its rows
+            self._verify_table.timed.setdefault(rows, seconds)
+        return self._verify_table
+
+    def live_pricing(self, max_rows: int) -> LivePricing | None:
+        """The live costs a request's schedule reports its passes to and reads the draft model's
+        price from (verify rows up to ``max_rows``); None where step timings are asynchronous."""
+        if not self.live:
+            return None
+        return LivePricing(self.verify_table(max_rows), self.draft_table() if self.draft is not None else None,
+                           self.draft_reprobe)
 
     def schedule(self, policy: str, k: int, k_max: int, with_draft_model: bool, model_free: bool = False) -> KSchedule | None:
-        """A fresh per-request draft-length schedule (None: fixed k); the cost-aware one never
-        drafts with a draft model whose measured pass cost rules out any gain, and prices a
-        model-free drafter's (prompt lookup's) drafts from its first step."""
+        """A fresh per-request draft-length schedule (None: fixed k); the cost-aware one drafts
+        with a draft model whose priced pass rules out any gain only when the decoder's
+        ``draft_reprobe`` tries it, reports its passes to the decoder's live tables, and prices
+        a model-free drafter's (prompt lookup's) drafts from its first step."""
         if policy == "threshold":
             return ThresholdK(k=min(k, k_max), k_max=k_max)
         if policy == "cost":
             costs = self.engine.verify_costs(k_max + 1)
-            # A draft model whose pass costs too much next to the target's extra verify rows
-            # loses to plain decoding even when every token is accepted: never draft with it.
+            pricing = self.live_pricing(k_max + 1)
+            verify_live = pricing.verify if pricing is not None else None
             if model_free:
                 # A lookup costs no model pass: its draft cost is known (nil) from the first step,
                 # so the first match is priced like any other. Drafting k blindly there put a
                 # (k + 1)-row verify on every request's first matches: about 3 passes lost per
                 # failed match where rows cost 0.6-0.7 of a pass (llama.cpp on 2 cores).
-                return CostAwareK(costs, k_max=k_max, draft_pass_seconds=0.0, live_costs=self.live)
-            can_pay = not with_draft_model or speculation_can_pay(costs, self.draft_model()[0], k_max)
-            return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max) if can_pay else 0, live_costs=self.live)
+                return CostAwareK(costs, k_max=k_max, draft_pass_seconds=0.0, live_costs=self.live,
+                                  reads_backlog=False, reprobe=None, verify_live=verify_live)
+            if not with_draft_model:  # model passes not timed up front (layer skip): its first k, then measured
+                return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max), live_costs=self.live, verify_live=verify_live)
+            # A draft model whose pass costs too much next to the target's extra verify rows
+            # loses to plain decoding even when every token is accepted: it drafts only when
+            # tried again (CostAwareK.reprobe), in case its price is wrong.
+            can_pay = speculation_can_pay(costs, self.draft_model()[0], k_max)
+            return CostAwareK(costs, k_max=k_max, first_k=min(k, k_max) if can_pay else 0, live_costs=self.live,
+                              reprobe=self.draft_reprobe, verify_live=verify_live,
+                              draft_live=pricing.draft if pricing is not None else None)
         return None
 
     def take_notes(self) -> list[str]:
@@ -99,7 +142,8 @@ class DecoderCosts:
             lines.append(
                 f"draft model not used: on this machine a verified row costs {row:.2f} of a target pass and a "
                 f"draft pass {draft_pass / plain:.2f}, so no draft length beats plain decoding even if every "
-                "token is accepted; decoded plainly (docs/methods.md#draft-length). --method auto drafts from prompt "
+                "token is accepted; decoded plainly, the draft model tried now and then in case its price is wrong "
+                "(docs/methods.md#draft-length). --method auto drafts from prompt "
                 "lookup and earlier answers where they pay, with no draft pass")
         # After the timings above: a stored table they read may just have been re-timed.
         lines += self.take_notes()

@@ -16,8 +16,10 @@ running estimate of a and the measured costs on this machine and picks, every st
 After ``PROBE_AFTER`` plain steps in a row the schedule drafts a little again, so a prompt
 whose later part becomes predictable gets speculation back; each probe that does not bring it
 back doubles the wait (up to ``MAX_PROBE_AFTER``), as the batch's schedule does, so a request
-where speculation never pays costs few probes. Where it cannot pay even at full acceptance
-(``speculation_can_pay``) there are no probes at all.
+where speculation never pays costs few probes. Where its price says it cannot pay even at full
+acceptance (``speculation_can_pay``) those probes would only lose: the drafter is tried far more
+rarely instead, so that a wrong price is corrected (``Reprobe``, ``costs/goodput.py``), and a
+drafter whose measured goodput falls below plain decoding's stops (``SourceCheck``).
 
 The threshold schedule is the seed's rule: raise k by one while the acceptance estimate is
 above ``RAISE_ABOVE``, drop to ``k_min`` when it falls below ``DROP_BELOW``.
@@ -34,14 +36,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specdecode.config import DEFAULT_K_MAX
+from specdecode.costs.goodput import GoodputEstimate, Reprobe, SourceCheck, plain_goodput
 
 ACCEPTANCE_DECAY = 0.85  # weight kept by older observations per step: a window of ~7 steps
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0  # pseudo-trials behind the prior
-# Goodput comes in runs (easy and hard stretches of text) that recent steps predict poorly; a
-# window of ~30 steps judges a source over the request, so a few bad steps do not switch off
-# a source that pays overall.
-GOODPUT_DECAY = 0.97
 COST_DECAY = 0.8  # weight of the old cost estimate in a live update
 PROBE_AFTER = 12  # plain steps in a row before drafting again
 MAX_PROBE_AFTER = 96  # the longest wait between probes
@@ -180,33 +179,6 @@ class AcceptanceEstimate:
         return AcceptanceEstimate(trials=self.trials * weight, accepted=self.accepted * weight)
 
 
-@dataclass(slots=True)
-class GoodputEstimate:
-    """Tokens per second of one way of stepping, pooled over its recent steps with forgetting.
-
-    Starts as ``prior_seconds`` of decoding at ``prior_rate``, so a source that has not run yet
-    has a rate to compare (a hopeful prior gets it tried); the prior fades like any old step.
-    """
-
-    prior_rate: float
-    prior_seconds: float
-    tokens: float = 0.0
-    seconds: float = 0.0
-    decay: float = GOODPUT_DECAY
-
-    def __post_init__(self) -> None:
-        self.tokens += self.prior_rate * self.prior_seconds
-        self.seconds += self.prior_seconds
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.tokens = self.tokens * self.decay + tokens
-        self.seconds = self.seconds * self.decay + seconds
-
-
 class KSchedule(Protocol):
     def next_k(self) -> int:
         """Tokens to draft this step (0 = plain step)."""
@@ -251,13 +223,29 @@ class ThresholdK:
             self.k = self.k_min
 
 
+class PassObserver(Protocol):
+    """Hears a request's live passes for the whole decoder (``costs/live.LiveTable``: kept
+    current for its other requests, and written back to the stored table)."""
+
+    def observe(self, rows: int | Sequence[int], seconds: float | None) -> None:
+        """Passes over ``rows`` (a count, or each pass's count) took ``seconds`` in all."""
+
+
 @dataclass(slots=True)
 class CostAwareK:
-    """Pick the k that maximises E(k) / measured cost(k) each step."""
+    """Pick the k that maximises E(k) / measured cost(k) each step.
+
+    Two checks keep its choices honest where the prices are wrong (issue 50): a drafter its
+    price says never pays (``first_k`` 0 from the cost table, or its measured pass cost) is
+    tried again after ``reprobe``'s wait (two steps where the first read the drafter's backlog:
+    the second times a pass), so a table too high is corrected by the drafter's own passes; and
+    a drafter whose measured goodput falls below plain decoding's stops drafting for the
+    request (``check``, ``costs/goodput.py``) until a probe drafts at least as fast as plain.
+    """
 
     verify_seconds: list[float]  # index r - 1: a verify pass over r rows; at least k_max + 1 entries
     k_max: int = DEFAULT_K_MAX
-    first_k: int = 5  # before any draft cost is measured (0: the drafter was measured not to pay)
+    first_k: int = 5  # before any draft cost is measured (0: the drafter's priced pass says it never pays)
     live_costs: bool = True  # update verify costs from steps; False where timings are asynchronous
     draft_pass_seconds: float | None = None
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
@@ -265,19 +253,49 @@ class CostAwareK:
     steps: int = 0
     probe_after: int = PROBE_AFTER
     probing: bool = False  # the last next_k() was a probe
+    # False for a drafter with nothing to catch up on (a lookup): every step after the first
+    # times its drafting. A model drafter's first pass after plain steps reads what it missed.
+    reads_backlog: bool = True
+    # When to try a drafter priced out (the decoder's, shared by its requests); None: never (a
+    # lookup, whose only price is the verify table's shape, which no live pass re-shapes).
+    reprobe: Reprobe | None = field(default_factory=Reprobe)
+    check: SourceCheck = field(default_factory=SourceCheck)
+    verify_live: PassObserver | None = None  # the decoder's tables, told of this request's passes
+    draft_live: PassObserver | None = None
     _live: LiveVerifyCosts | None = field(default=None, init=False, repr=False)
+    _plain: GoodputEstimate = field(init=False, repr=False)
+    _drafted_last: bool = field(default=False, init=False, repr=False)
+    _drafted_ever: bool = field(default=False, init=False, repr=False)
+    _price_probe: bool = field(default=False, init=False, repr=False)  # the last next_k() tried a priced-out drafter
+    _follow_up: bool = field(default=False, init=False, repr=False)  # ... and its pass is still to be timed
+    _probe_seconds: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.live_costs:
             self._live = LiveVerifyCosts(self.verify_seconds)
+        self._plain = plain_goodput(self.verify_seconds[0])
+
+    def can_pay(self) -> bool:
+        """Whether the drafter's price lets it beat plain decoding at all: ``first_k`` before a
+        pass is measured, then ``speculation_can_pay`` at the measured pass."""
+        if self.draft_pass_seconds is None:
+            return self.first_k > 0
+        return speculation_can_pay(self.verify_seconds, self.draft_pass_seconds, self.k_max)
 
     def next_k(self) -> int:
-        self.probing = False
+        self.probing = self._price_probe = False
+        if not self.can_pay():
+            if self._follow_up or (self.reprobe is not None and self.reprobe.due()):
+                self._price_probe = True
+                return min(PROBE_K, self.k_max)
+            return 0
         if self.draft_pass_seconds is None:  # no draft pass measured yet
             return min(self.first_k, self.k_max)
-        if self.plain_streak >= self.probe_after and speculation_can_pay(self.verify_seconds, self.draft_pass_seconds, self.k_max):
+        if self.plain_streak >= self.probe_after:
             self.probing = True
             return min(PROBE_K, self.k_max)
+        if self.check.off:  # measured slower than plain: plain steps until a probe pays
+            return 0
         return best_k(self.acceptance.rate, self.verify_seconds, self.draft_pass_seconds, self.k_max)
 
     def observe(self, proposed: int, accepted: int, draft_seconds: float, draft_passes: int,
@@ -285,16 +303,43 @@ class CostAwareK:
         self.plain_streak = self.plain_streak + 1 if proposed == 0 else 0
         self.acceptance.observe(proposed, accepted)
         self.steps += 1
+        step_seconds = draft_seconds + (verify_seconds or 0.0)
+        # A step's draft time is its passes' only where the first pass read no backlog: the
+        # request's first draft reads the prompt, one after plain steps the tokens they emitted.
+        timed = proposed > 0 and (self._drafted_last if self.reads_backlog else self.steps > 1)
+        if timed:
+            # A drafter that proposes without model passes (n-gram lookup) costs its host time per token.
+            per_pass = draft_seconds / (draft_passes if draft_passes > 0 else proposed)
+            self.draft_pass_seconds = blend(self.draft_pass_seconds, per_pass)
+            if self.draft_live is not None and draft_passes > 0:
+                self.draft_live.observe([1] * draft_passes, draft_seconds)
+        if self._live is not None:
+            self._live.observe(proposed + 1, verify_seconds)
+            if self.verify_live is not None:
+                self.verify_live.observe(proposed + 1, verify_seconds)
+        self._judge(proposed, accepted, step_seconds, verify_seconds)
         if self.probing and proposed > 0:  # a probe that drafted: did it bring speculation back?
             assert self.draft_pass_seconds is not None
             pays = best_k(self.acceptance.rate, self.verify_seconds, self.draft_pass_seconds, self.k_max) > 0
+            pays = pays and not self.check.off
             self.probe_after = PROBE_AFTER if pays else min(2 * self.probe_after, MAX_PROBE_AFTER)
-        if proposed > 0 and self.steps > 1:
-            # The first step's draft time includes the drafter's own prefill of the prompt, so it
-            # says nothing about a draft pass. A drafter that proposes without model passes
-            # (n-gram lookup) costs its host time per token.
-            per_pass = draft_seconds / (draft_passes if draft_passes > 0 else proposed)
-            self.draft_pass_seconds = blend(self.draft_pass_seconds, per_pass)
-        if self._live is not None:
-            self._live.observe(proposed + 1, verify_seconds)
+        if self.reprobe is not None:
+            self.reprobe.step(step_seconds, ran=proposed > 0)
+            if self._price_probe and proposed > 0:  # a try of a priced-out drafter: did its pass price it back?
+                self._probe_seconds += step_seconds
+                self._follow_up = not timed
+                if timed:
+                    self.reprobe.outcome(self.can_pay(), self._probe_seconds)
+                    self._probe_seconds = 0.0
+        self._drafted_ever = self._drafted_ever or proposed > 0
+        self._drafted_last = proposed > 0
 
+    def _judge(self, proposed: int, accepted: int, step_seconds: float, verify_seconds: float | None) -> None:
+        """Measured goodput: plain steps' for plain decoding, drafting steps' (catch-up included,
+        the prompt's first read not: a cost already paid) for the drafter (``SourceCheck``)."""
+        if verify_seconds is None:  # a pass that also fed the prompt's tail
+            return
+        if proposed == 0:
+            self._plain.observe(1, verify_seconds)
+        elif self._drafted_ever and not self._price_probe:
+            self.check.observe(accepted + 1, step_seconds, self._plain.rate)

@@ -7,13 +7,13 @@ model file's identity (name, size, modification time and a hash of its first and
 backend and its settings (dtype, KV storage, compiled passes), the thread count, the CPU model,
 the GPU and the library versions; a change in any of them is another key, so it is timed
 afresh. ``retime_costs=True`` (``--retime-costs``) times again and overwrites the stored table.
-Live step timings still refine the loaded table within a run, as they refine a measured one.
 
 A stored table is a prior, not a verdict (issue 50). The first read of each table checks it
 (``costs/spot_check.py``: its costs in order, and this machine's one-row pass timed now within 2x
 of the stored one); a table that fails is dropped, so its users time it afresh and store the new
 figures. A timing whose repeats never agreed (``costs/timing.py``) is used for the run but not
-stored. Each such event leaves one line in ``CostStore.notes`` for the user.
+stored. The passes of a run correct the table as it runs and are written back to it, bounded
+(``costs/live.py``). Each such event leaves one line in ``CostStore.notes`` for the user.
 """
 
 from __future__ import annotations
@@ -173,12 +173,16 @@ class CostStore:
         if name not in self._checked:
             self._checked.add(name)
             self._check(name)
+        return self.stored(name)
+
+    def stored(self, name: str) -> dict[int, float]:
+        """Table ``name`` as it is stored now, unchecked (what a live write-back starts from)."""
         return {int(rows): float(seconds) for rows, seconds in self._load().get(name, {}).items()}
 
     def _check(self, name: str) -> None:
         """Drop stored table ``name`` where its costs are out of order or the probe's one-row
         pass contradicts its own by more than ``CONTRADICTION_FACTOR``, with a note saying so."""
-        table = {int(rows): float(seconds) for rows, seconds in self._load().get(name, {}).items()}
+        table = self.stored(name)
         if not table:
             return
         pair = out_of_order(table)

@@ -29,9 +29,24 @@ microseconds; then the source with the highest expected tokens per second steps:
 The draft model drafts up to ``draft_k`` tokens (its confidence cut-off ends drafts early);
 prompt lookup at most ``k_max`` found tokens, suffix decoding at most its cost-aware chain
 (``SuffixProposer`` with the verify costs: up to ``suffix_depth``, past ``k_max``, where its
-match and calibrated path probabilities say a long copy is coming). After ``DRAFT_RETRY_AFTER`` steps without
-the draft model and no lookup match, a
-draft model used earlier in the request drafts again, so a stale estimate can recover.
+match and calibrated path probabilities say a long copy is coming).
+
+Priced as it runs (issue 50), so that a wrong price costs a bounded share and no source is off
+for good (``costs/goodput.py``, ``costs/live.py``):
+
+- the draft model's pass and catch-up costs are the decoder's live table (``LivePricing``):
+  every draft step's passes correct it (the catch-up pass counted at its own row count) and it
+  is written back to the stored table. A draft model its price says never pays (even at full
+  acceptance) is tried now and then (``LivePricing.draft_reprobe``, from
+  ``REPROBE_FIRST_AFTER`` steps, waiting longer after each try that confirms the price), so a
+  table 30x too high is corrected by the try's own passes;
+- a draft model used earlier in the request whose goodput fell below the other sources' drafts
+  again (a ``Reprobe`` of its own: after ``DRAFT_RETRY_AFTER`` steps without it and no lookup
+  match, doubling while its tries stay slower than plain), so a stale estimate can recover;
+- a lookup's price is modelled (its agreement and the verify table); its measured goodput
+  (``SourceCheck``: its steps' tokens over their seconds) below plain decoding's, measured on
+  the request's plain steps, turns it off for the request until a try pays.
+
 Choosing only changes what is proposed, never the acceptance rule: output stays lossless.
 
 The drafter is also its own draft-length schedule (``k_policy.KSchedule``): choosing the source
@@ -47,13 +62,17 @@ import torch
 
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.device import host_to_device
+from specdecode.costs.goodput import GoodputEstimate, Reprobe, SourceCheck, plain_goodput
 from specdecode.costs.k_policy import (
+    MAX_PROBE_AFTER,
+    PROBE_AFTER,
+    PROBE_K,
     AcceptanceEstimate,
-    GoodputEstimate,
     LiveVerifyCosts,
     best_plan,
     speculation_can_pay,
 )
+from specdecode.costs.live import LivePricing, draft_pricing
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
@@ -68,7 +87,8 @@ PRIOR_STEPS = 2.0  # ... with the weight of this many plain steps' time
 # k_policy.PROBE_AFTER, which counts plain steps in a row before a schedule drafts a short
 # probe (PROBE_K tokens, waiting longer after each probe that does not pay): this counts steps
 # any other source took (lookup steps included) before the draft model, whose goodput estimate
-# only its own steps update, drafts its full draft_k again.
+# only its own steps update, drafts its full draft_k again; the wait doubles (up to
+# MAX_PROBE_AFTER) while its tries stay slower than plain decoding.
 DRAFT_RETRY_AFTER = 6
 
 
@@ -129,6 +149,7 @@ class AutoDrafter:
         live_costs: bool = True,  # update verify costs from steps; False where timings are asynchronous
         suffix: SuffixDrafter | None = None,
         suffix_depth: int | None = None,  # the most a suffix chain drafts (None: k_max)
+        pricing: LivePricing | None = None,  # the decoder's live costs (None: the request's own, from the two above)
     ) -> None:
         self.ngram = ngram
         self.suffix = suffix
@@ -140,21 +161,41 @@ class AutoDrafter:
         if len(self.verify_seconds) < self.k + 1:
             raise ValueError(f"verify_seconds has {len(self.verify_seconds)} row counts; drafting {self.k} needs {self.k + 1}.")
         self.draft_k = min(draft_k, k_max)
-        self.draft_token_seconds = draft_token_seconds
-        # A draft model that loses to plain decoding even at full acceptance is never tried.
-        self.draft_can_pay = draft is not None and speculation_can_pay(self.verify_seconds, draft_pass_seconds, self.draft_k)
+        if pricing is None or (draft is not None and pricing.draft is None):
+            pricing = draft_pricing(draft_pass_seconds, draft_token_seconds)
+        self.pricing = pricing
+        self.live_costs = live_costs
         # Live steps scale the whole table, keeping its start-up shape (LiveVerifyCosts).
         self._live = LiveVerifyCosts(self.verify_seconds) if live_costs else None
         self.draft_goodput = self._prior()
+        self.plain_goodput = plain_goodput(self.verify_seconds[0])  # measured on this request's plain steps
         # Per lookup source: how often its offers agreed with the emitted tokens, scored every step.
         self.agreement = {source: LookupAgreement() for source in LOOKUP_SOURCES}
+        # Per lookup source: its measured goodput against plain decoding's, and when to try it once off.
+        self.checks = {source: SourceCheck() for source in LOOKUP_SOURCES}
+        self.lookup_retry = {source: Reprobe(PROBE_AFTER, MAX_PROBE_AFTER) for source in LOOKUP_SOURCES}
+        self.draft_retry = Reprobe(DRAFT_RETRY_AFTER, MAX_PROBE_AFTER)  # a draft model that fell behind
         # Steps each source drafted (or decoded plainly): reported in GenerationStats.
         self.steps_by_source: Counter[str] = Counter()
         self.source = "none"  # of the last step
         self._catch_up = 0
         self._draft_used = False
-        self._since_draft = 0
         self._capacity = 0
+        self._try = False  # this step tries a source that is off: priced out, fallen behind, or slower than plain
+
+    @property
+    def draft_pass_seconds(self) -> float:
+        return self.pricing.draft_pass_seconds
+
+    @property
+    def draft_token_seconds(self) -> float:
+        return self.pricing.draft_token_seconds
+
+    @property
+    def draft_can_pay(self) -> bool:
+        """Whether the draft model's price now lets it beat plain decoding at full acceptance
+        (``speculation_can_pay``); where not, it drafts only when tried (``plan``)."""
+        return self.draft is not None and speculation_can_pay(self.verify_seconds, self.draft_pass_seconds, self.draft_k)
 
     def _prior(self) -> GoodputEstimate:
         plain = self.verify_seconds[0]
@@ -171,13 +212,42 @@ class AutoDrafter:
                 verify_seconds: float | None) -> None:
         if self._live is not None:
             self._live.observe(proposed + 1, verify_seconds)
+            if self.pricing.verify is not None:
+                self.pricing.verify.observe(proposed + 1, verify_seconds)
         source = self.source if proposed else "none"
         self.steps_by_source[source] += 1
-        self._since_draft = 0 if source == "draft" else self._since_draft + 1
-        if source == "draft" and verify_seconds is not None:
-            # A catch-up is a one-off cost, priced separately: keep it out of the step's rate.
-            drafting = max(0.0, draft_seconds - self._catch_up_seconds(self._catch_up))
-            self.draft_goodput.observe(accepted + 1, drafting + verify_seconds)
+        seconds = draft_seconds + (verify_seconds or 0.0)
+        if source == "draft":
+            self._observe_draft(accepted, draft_seconds, draft_passes, verify_seconds)
+        elif verify_seconds is not None and source in self.checks:
+            paid = self.checks[source].observe(accepted + 1, seconds, self.plain_goodput.rate)
+            if paid is not None:
+                self.lookup_retry[source].outcome(paid, seconds)
+        elif verify_seconds is not None and source == "none":
+            self.plain_goodput.observe(1, verify_seconds)
+        for name, retry in self.lookup_retry.items():
+            retry.step(seconds, ran=source == name)
+        self.draft_retry.step(seconds, ran=source == "draft")
+        self.pricing.draft_reprobe.step(seconds, ran=source == "draft")
+        self._try = False
+
+    def _observe_draft(self, accepted: int, draft_seconds: float, draft_passes: int, verify_seconds: float | None) -> None:
+        """A draft-model step: its passes correct the draft model's price (the first pass read
+        ``_catch_up`` tokens, the rest one each), its goodput the draft model's rate; a try says
+        whether the price, or the rate, lets it back."""
+        priced_out = not self.draft_can_pay
+        if self.live_costs and self.pricing.draft is not None and draft_passes > 0:
+            self.pricing.draft.observe([max(1, self._catch_up)] + [1] * (draft_passes - 1), draft_seconds)
+        if verify_seconds is None:
+            return
+        seconds = draft_seconds + verify_seconds
+        if priced_out and self._try:
+            self.pricing.draft_reprobe.outcome(self.draft_can_pay, seconds)
+        elif self._try:
+            self.draft_retry.outcome((accepted + 1) / seconds >= self.plain_goodput.rate, seconds)
+        # A catch-up is a one-off cost, priced separately: keep it out of the step's rate.
+        drafting = max(0.0, draft_seconds - self._catch_up_seconds(self._catch_up))
+        self.draft_goodput.observe(accepted + 1, drafting + verify_seconds)
 
     # -- drafter side --------------------------------------------------------------------------
     def start(self, prompt_len: int, capacity: int, target: SequenceModel | None = None, shared_prefix: int = 0) -> None:
@@ -204,23 +274,36 @@ class AutoDrafter:
         ``lookup_tokens``, ``suffix_tokens``: how many tokens the n-gram lookup and the suffix
         chain offer (0: no match).
         """
+        self._try = False
         best = ("none", 0, 1.0 / self.verify_seconds[0])
         for source, found in (("ngram", lookup_tokens), ("suffix", suffix_tokens)):
-            if found > 0:
+            trying = self.checks[source].off
+            if found > 0 and (not trying or self.lookup_retry[source].due()):
                 k, rate = best_plan(self.agreement[source].rate, self.verify_seconds, 0.0, found, k_min=1)
                 if rate > best[2]:
                     best = (source, k, rate)
-        if self.draft is not None and self.draft_can_pay:
-            k = min(self.draft_k, num_tokens)
-            if self._draft_used and self._since_draft >= DRAFT_RETRY_AFTER and lookup_tokens == 0 and suffix_tokens == 0:
-                return "draft", k
-            rate = self.draft_goodput.rate
-            catch_up = self._catch_up_seconds(length - self.draft.cached_len)
-            if catch_up > 0:
-                horizon = max(1, min(self._capacity - 1 - length, CATCH_UP_HORIZON))
-                rate = 1.0 / (1.0 / rate + catch_up / horizon)
-            if rate > best[2]:
-                best = ("draft", k, rate)
+                    self._try = trying
+        if self.draft is None:
+            return best[0], best[1]
+        lookups = lookup_tokens > 0 or suffix_tokens > 0
+        k = min(self.draft_k, num_tokens)
+        if not self.draft_can_pay:
+            # Priced out: only a try (short, where no lookup offers anything) can correct the price.
+            if not lookups and self.pricing.draft_reprobe.due():
+                self._try = True
+                return "draft", min(PROBE_K, k)
+            return best[0], best[1]
+        if self._draft_used and not lookups and self.draft_retry.due():
+            self._try = True
+            return "draft", k
+        rate = self.draft_goodput.rate
+        catch_up = self._catch_up_seconds(length - self.draft.cached_len)
+        if catch_up > 0:
+            horizon = max(1, min(self._capacity - 1 - length, CATCH_UP_HORIZON))
+            rate = 1.0 / (1.0 / rate + catch_up / horizon)
+        if rate > best[2]:
+            self._try = False
+            best = ("draft", k, rate)
         return best[0], best[1]
 
     def propose(
