@@ -134,20 +134,44 @@ def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
+def usage_apart(raw: bytes) -> bool:
+    """Whether a request body asks for OpenAI's ``stream_options: {"include_usage": true}``
+    (read again only when the words are in it: ``parse_request`` has no field for it)."""
+    if b"include_usage" not in raw:
+        return False
+    try:
+        options = json.loads(raw).get("stream_options")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _usage_chunk(generations: Sequence[Generation], request_id: str, created: int, model: str, chat: bool) -> str:
+    """OpenAI's last chunk with ``include_usage``: no choices, the request's usage (and metrics)."""
+    all_stats = [g.stats for g in generations]
+    return sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": model, "choices": [], "usage": _usage(all_stats),
+                "specdecode": _spec_metrics(all_stats)})
+
+
 async def events(generations: Sequence[Generation], request_id: str, created: int, model: str, chat: bool,
-                 token_text: TokenText | None = None) -> AsyncIterator[str]:
+                 token_text: TokenText | None = None, usage_chunk: bool = False) -> AsyncIterator[str]:
     """Server-sent events, ending in ``data: [DONE]`` whether the generation finished or failed
     (then the event before it is an OpenAI error body). With logprobs asked for, each event
     carries those of the tokens taken since the one before (``token_text`` names them).
 
-    One choice: its last chunk carries ``usage`` and the ``specdecode`` metrics. Several (n > 1):
-    the choices' chunks interleave as their tokens come, each with its ``index``, and a last
-    chunk with no choices carries the usage (OpenAI's shape with ``include_usage``); the first
-    choice to fail ends the stream with its error."""
+    The ``usage`` and the ``specdecode`` metrics come in a last chunk with no choices (OpenAI's
+    shape) with ``usage_chunk`` (the request's ``include_usage``) or several choices (n > 1);
+    otherwise on the one choice's last chunk. Several choices' chunks interleave as their tokens
+    come, each with its ``index``; the first choice to fail ends the stream with its error."""
     if len(generations) == 1:
-        async for event in _choice_events(generations[0], request_id, created, model, chat, token_text, usage=True):
+        generation = generations[0]
+        async for event in _choice_events(generation, request_id, created, model, chat, token_text,
+                                          usage=not usage_chunk):
             yield event
-        if generations[0].failure() is None:
+        if generation.failure() is None:
+            if usage_chunk:
+                yield _usage_chunk(generations, request_id, created, model, chat)
             yield "data: [DONE]\n\n"
         return
     merged: asyncio.Queue[str | None] = asyncio.Queue()
@@ -170,10 +194,7 @@ async def events(generations: Sequence[Generation], request_id: str, created: in
             yield event
             if event.startswith('data: {"error"'):
                 return  # [DONE] came with it
-        body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": model, "choices": [],
-                "usage": _usage([g.stats for g in generations]), "specdecode": _spec_metrics([g.stats for g in generations])}
-        yield sse(body)
+        yield _usage_chunk(generations, request_id, created, model, chat)
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:

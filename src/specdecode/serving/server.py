@@ -50,7 +50,7 @@ from specdecode.serving.generation import Generation
 from specdecode.serving.guard import RequestGuard, error_headers
 from specdecode.serving.health import engine_problem
 from specdecode.serving.protocol import APIError, parse_request
-from specdecode.serving.responses import choice_body, events, final_body, logprobs_body
+from specdecode.serving.responses import choice_body, events, final_body, logprobs_body, usage_apart
 from specdecode.serving.state import DEFAULT_DRAIN_TIMEOUT, ServerOptions, ServerState
 from specdecode.serving.suffix_share import cache_group, suffix_group
 from specdecode.serving.worker import BatchWorker
@@ -137,6 +137,7 @@ def create_app(decoder: SpecDecoder, model_name: str, worker: BatchWorker, alias
         try:
             raw = await request.body()  # the guard has read it, within the size limit
             req = await asyncio.to_thread(state.prepare, raw, chat)
+            usage_chunk = req.stream and await asyncio.to_thread(usage_apart, raw)  # a body's second parse
             if req.params.structured is not None:
                 await asyncio.get_running_loop().run_in_executor(state.grammar_waits, state.compile_grammar, req)
             authorization = request.headers.get("authorization")
@@ -173,7 +174,7 @@ def create_app(decoder: SpecDecoder, model_name: str, worker: BatchWorker, alias
                 release(generations)
                 raise failure
             return GenerationResponse(generations, events(generations, request_id, created, state.model_name, chat,
-                                                          state.token_text))
+                                                          state.token_text, usage_chunk))
         try:
             texts = await _unless_disconnected(_texts(generations), request)
         finally:
