@@ -108,3 +108,31 @@ def request_body(chat: bool, served_names: tuple[str, ...], methods: tuple[str, 
                                 {"required": ["tools"], "properties": {"tools": {"minItems": 1}}}]})
     schema = {"type": "object", "required": required, "properties": properties, "allOf": rules}
     return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+_MODEL_OPTIONAL = "optional: one of the names in GET /v1/models"
+_SAMPLING = {name: _COMMON[name] for name in ("temperature", "top_p", "top_k", "seed", "stop", "stream")}
+_UTILITY_BODIES: dict[str, tuple[dict[str, Any], list[str]]] = {
+    # vLLM's /tokenize takes a prompt or chat messages; the schema states the prompt form.
+    "/tokenize": ({"prompt": {"type": "string", "minLength": 1}, "add_special_tokens": {"type": "boolean"},
+                   "return_token_strs": {"type": "boolean"}}, ["prompt"]),
+    "/detokenize": ({"tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}, ["tokens"]),  # < vocab
+    "/apply-template": ({"messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+                         "add_generation_prompt": {"type": "boolean"}}, ["messages"]),
+    "/infill": ({"input_prefix": {"type": "string"}, "input_suffix": {"type": "string"}, "prompt": {"type": "string"},
+                 "input_extra": {"type": "array", "items": {"type": "object", "properties": {
+                     "filename": {"type": "string"}, "text": {"type": "string"}}}},
+                 "n_predict": {"type": "integer", "description": "llama-server's max_tokens; -1: the default"},
+                 "max_tokens": _COMMON["max_tokens"], **_SAMPLING}, []),
+}
+
+
+def utility_body(path: str, served_names: tuple[str, ...], vocab_size: int) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of /tokenize, /detokenize, /apply-template or /infill
+    (``serving/utility_routes.py``, ``serving/infill.py``), for a tokenizer of ``vocab_size`` ids."""
+    properties, required = _UTILITY_BODIES[path]
+    if path == "/detokenize":
+        properties = {"tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}}
+    model = {"enum": list(served_names), "description": _MODEL_OPTIONAL}
+    schema = {"type": "object", "required": required, "properties": {"model": model, **properties}}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}

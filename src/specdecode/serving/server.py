@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true``
 as server-sent events), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus
-text format).
+text format); ``POST /infill`` (``serving/infill.py``: a translation onto a completion), and
+``/tokenize``, ``/detokenize``, ``/apply-template``, ``GET /props`` (``serving/utility_routes.py``).
 
 Every request, whatever its method, is decoded by one continuous-batching engine
 (``engine/batch.py``) stepping in one worker thread (``serving/worker.py``): requests join and
@@ -42,17 +43,19 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from specdecode.api import SpecDecoder
 from specdecode.serving.generation import Generation
 from specdecode.serving.guard import RequestGuard, error_headers
 from specdecode.serving.health import engine_problem
+from specdecode.serving.infill import add_infill_route
 from specdecode.serving.protocol import APIError, parse_request
 from specdecode.serving.responses import choice_body, events, final_body, logprobs_body, usage_apart
 from specdecode.serving.state import DEFAULT_DRAIN_TIMEOUT, ServerOptions, ServerState
 from specdecode.serving.suffix_share import cache_group, suffix_group
+from specdecode.serving.utility_routes import add_utility_routes
 from specdecode.serving.worker import BatchWorker
 
 __all__ = ["DEFAULT_DRAIN_TIMEOUT", "APIError", "ServerOptions", "create_app", "parse_request", "serve"]
@@ -132,10 +135,13 @@ def create_app(decoder: SpecDecoder, model_name: str, worker: BatchWorker, alias
         for generation in generations:
             state.untrack(generation)
 
-    async def respond(request: Request, chat: bool) -> Any:
+    async def respond(request: Request, chat: bool, translate: Callable[[bytes], bytes] | None = None) -> Any:
+        """``translate``: another protocol's body to a completion's (``serving/infill.py``)."""
         state.arriving += 1  # until submitted: the batch worker's window waits for it
         try:
             raw = await request.body()  # the guard has read it, within the size limit
+            if translate is not None:
+                raw = await asyncio.to_thread(translate, raw)
             req = await asyncio.to_thread(state.prepare, raw, chat)
             usage_chunk = req.stream and await asyncio.to_thread(usage_apart, raw)  # a body's second parse
             if req.params.structured is not None:
@@ -197,6 +203,8 @@ def create_app(decoder: SpecDecoder, model_name: str, worker: BatchWorker, alias
     async def chat_completions(request: Request) -> Any:
         return await respond(request, chat=True)
 
+    add_utility_routes(app, state)  # /tokenize, /detokenize, /apply-template, /props
+    add_infill_route(app, state, respond)
     return RequestGuard(app, options.guard, lambda: state.draining, lambda: state.metrics.count("overloaded"))
 
 
