@@ -207,6 +207,8 @@ def test_deeply_nested_json_is_a_400(served, depth: int) -> None:
         ("/v1/completions", '{"model": "tiny", "prompt": "x", "stop": ["\\udfff"]}', 400, "stop"),
         ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
          "messages"),
+        ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": ["user"], "content": "x"}]}', 400,
+         "messages"),  # an unhashable role: a 500 before
         ("/v1/completions", '{"model": "ti\\ud800ny", "prompt": "x"}', 404, "model"),
         ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, None),
         ("/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": Infinity}', 400, None),

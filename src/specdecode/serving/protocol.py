@@ -325,7 +325,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             # Arguments sent as a JSON string were decoded just now, escapes included.
             check_unicode(parsed[-1], f"messages[{i}]", "messages")
             continue
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or an object is unhashable
             raise APIError(400, f"messages[{i}] needs a role in {', '.join(CHAT_ROLES)}, got {_short(role)}.",
                            "messages")
         parsed.append({"role": CHAT_ROLES[role], "content": _message_content(message.get("content"), i)})
