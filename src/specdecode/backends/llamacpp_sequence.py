@@ -129,6 +129,8 @@ def load_llamacpp_model(
     ``exact`` (the API's ``dtype="fp32"``) keeps the KV cache in f32 and turns flash attention
     off, whose CPU kernel rounds through f16: logits then match an fp32 torch run of the same
     file to ~1e-5 instead of ~5e-3. The default is llama.cpp's own (f16 cache, flash attention).
+    ``context``: the positions the single-request engine may use, capped at the model's trained
+    context; a draft model needs no more than its target's.
     """
     path = gguf_source(name, show_progress=show_progress)
     if path is None:
@@ -143,7 +145,13 @@ def load_llamacpp_model(
         print(f"specdecode: loading {name} on llama.cpp ({path.name}; {repack.describe()})", file=sys.stderr, flush=True)
     model = LlamaCppModel(path, n_ctx=context, kv_type="f32" if exact else "f16", flash_attn=False if exact else None)
     info = model.describe()
-    context = min(context, info["n_ctx_train"]) if info["n_ctx_train"] > 0 else context
+    if 0 < info["n_ctx_train"] < context:
+        # llama.cpp keeps the KV of all n_ctx positions from the start (the demo target's: 28 KiB
+        # a position): none for positions past what the model was trained for.
+        context = info["n_ctx_train"]
+        trained = model.with_sequences(1, context)  # the same loaded weights, a smaller context
+        model.close()
+        model = trained
     config = ModelConfig(
         model_type=info["architecture"], vocab_size=model.vocab_size, hidden_size=info["n_embd"],
         intermediate_size=0, num_layers=info["n_layer"], num_heads=info["n_head"], num_kv_heads=info["n_head_kv"],
