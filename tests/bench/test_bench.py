@@ -297,8 +297,8 @@ def test_a_failing_prompt_is_recorded_and_the_run_goes_on(bench_run: tuple[dict,
 
 
 DOCUMENTED_TOP = {"schema", "complete", "env", "config", "chat_template", "num_speculative_tokens", "draft_confidence",
-                  "models", "bandwidth", "wall_seconds", "compile", "warmup_errors", "prompts", "summary", "oracle", "failures",
-                  "records"}
+                  "models", "bandwidth", "wall_seconds", "load_peak_rss_bytes", "compile", "warmup_errors", "prompts", "summary",
+                  "oracle", "failures", "records"}
 DOCUMENTED_ENTRY = {"prompts", "failed", "new_tokens", "seconds", "tokens_per_second", "tokens_per_second_median", "tau",
                     "acceptance_rate", "acceptance_per_position", "draft_passes_per_step", "target_passes", "draft_passes",
                     "time_split", "peak_rss_bytes", "run_rss_bytes", "ceiling_tokens_per_second", "fraction_of_ceiling",

@@ -43,6 +43,7 @@ def test_llamacpp_methods_alone_load_no_torch_model(ggufs: dict[str, Path], monk
     assert results["summary"]["draft@llama.cpp"]["all"]["equality"]["equal_fraction"] == 1.0
     turn = results["records"][0]["repeats"][0][0]
     assert turn["peak_rss_bytes"] > 0 and turn["run_rss_bytes"] >= 0
+    assert results["load_peak_rss_bytes"] > 0  # the loading's peak, which the turns' peaks leave out
     assert set(TurnResult.__dataclass_fields__) <= set(turn)
     header = bench.trace_header()  # a replay rebuilds the models from these: every shape is there
     assert header["target"]["intermediate_size"] > 0 and header["target"]["rope_theta"] > 0

@@ -153,6 +153,7 @@ class Bench(BenchLineup):
         for group in oracle_groups:
             for name in group.methods:
                 self.methods[name].trace = True  # type: ignore[attr-defined]  # a SpecDecodeMethod
+        load_peak_rss = _peak_rss_bytes()  # every model loaded, before the turns reset the peak
         env = environment(self.device, self.dtype)
         probes: list[float] = []  # before and after the run: drift shows as a difference
         if config.bandwidth_probe_bytes > 0:
@@ -239,6 +240,7 @@ class Bench(BenchLineup):
                 "plain_ceiling_tokens_per_second": bandwidth / self.target_bytes if bandwidth else None,
             },
             "wall_seconds": time.perf_counter() - started,
+            "load_peak_rss_bytes": load_peak_rss,
             "compile": [asdict(log) for log in self.compile_logs],
             "warmup_errors": warmup_errors,
             "prompts": [asdict(p) for p in prompts],
