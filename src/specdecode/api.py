@@ -46,6 +46,7 @@ from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.planner import DecoderResources, PlanRequest, plan_request
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
+from specdecode.engine.batch_run import run_samples
 from specdecode.engine.grammar import GrammarCompiler
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.plan import RequestPlan
@@ -338,7 +339,13 @@ class SpecDecoder:
         stats.note = "; ".join(filter(None, [plan.note, *self.costs.take_notes()]))
         chunks = self.engine.decode(prompt_ids, params, plan, stats, acceptance=acceptance, cache_salt=cache_salt,
                                     grammar=grammar)
-        return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
+        return GenerationStream(self._late_notes(chunks, stats), IncrementalDecoder(self.tokenizer, params.stop), stats)
+
+    def _late_notes(self, chunks: Iterator[list[int]], stats: GenerationStats) -> Iterator[list[int]]:
+        """``chunks``, then this run's own cost notes (its live passes replaced a stored table:
+        costs/live.py) in ``stats.note``, so a one-shot ``generate`` tells them too."""
+        yield from chunks
+        stats.note = "; ".join(filter(None, [stats.note, *self.costs.take_notes()]))
 
     @releases_thread_team
     def plan(self, method: str | None = None, k: int | str | None = None, k_policy: str | None = None,
@@ -503,24 +510,4 @@ class SpecDecoder:
         samples = [(ids, request_params.for_choice(i), grammar)
                    for ids, request_params, grammar in zip(prompt_ids, params_list, grammars, strict=True)
                    for i in range(n)]
-        decoders = [IncrementalDecoder(self.tokenizer, p.stop) for _, p, _ in samples]
-        stats = [GenerationStats() for _ in samples]
-        ids_to_index: dict[str, int] = {}
-        first_of_prompt: str | None = None  # a prompt's later samples start from its first one's K/V
-        for index, ((ids, request_params, grammar), request_stats) in enumerate(zip(samples, stats, strict=True)):
-            request_id = engine.add_request(ids, request_params, method, k, stats=request_stats,
-                                            suffix_group=suffix_group, cache_salt=cache_salt, grammar=grammar,
-                                            fork_of=None if index % n == 0 else first_of_prompt)
-            if index % n == 0:
-                first_of_prompt = request_id
-            ids_to_index[request_id] = index
-        while engine.has_unfinished:
-            for output in engine.step():
-                index = ids_to_index[output.request_id]
-                decoders[index].add(output.new_tokens)
-                if decoders[index].stopped and not output.finished:
-                    engine.abort(output.request_id)
-                    stats[index].stop_reason = "stop_string"
-        for decoder in decoders:
-            decoder.flush()
-        return [GenerationResult(d.text, list(d.token_ids), s) for d, s in zip(decoders, stats, strict=True)]
+        return run_samples(engine, self.tokenizer, samples, n, method, k, suffix_group, cache_salt)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from specdecode import SamplingParams, SpecDecoder
+from specdecode.drafters import registry
 from specdecode.engine.batch import BATCH_METHODS
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -26,7 +27,7 @@ def test_a_single_result_round_trips_through_json(dec: SpecDecoder, method: str)
 
 
 def test_batched_results_round_trip_through_json(dec: SpecDecoder) -> None:
-    for method in BATCH_METHODS:
+    for method in (m for m in BATCH_METHODS if not registry.BY_NAME[m].needs_heads):  # this decoder has no heads
         for result in dec.generate_batch(["def quicksort(arr):", "The quick brown fox"], PARAMS, method=method):
             data = result.to_dict()
             assert json.loads(json.dumps(data)) == data

@@ -59,8 +59,8 @@ def test_models_health_and_metrics(served) -> None:
 
 
 def test_concurrent_requests_share_the_batch_and_match_their_single_outputs(served) -> None:
-    """Greedy requests of mixed methods and lengths sent at once (batched ones and one on the
-    single-sequence engine) each get what they get alone; every KV block comes back."""
+    """Greedy requests of mixed methods and lengths sent at once, all in the batch, each get what
+    they get alone; every KV block comes back."""
     base, dec = served
     cases = [("def quicksort(arr):", "draft", 14), ("The quick brown fox", "none", 9),
              ("1, 2, 3, 4, 5,", "ngram", 16), ("x", "draft", 5), ("import numpy as np", "auto", 8)]
@@ -140,7 +140,7 @@ def test_malformed_json_and_unknown_routes_and_the_server_keeps_serving(served) 
 
 def test_a_disconnected_stream_is_cancelled(served, monkeypatch) -> None:
     base, dec = served
-    real_stream, real_token_stream = dec.stream, dec.token_stream
+    real_token_stream = dec.token_stream
 
     class Slow:  # 50 ms per delta, so the client leaves mid-generation
         def __init__(self, stream) -> None:
@@ -155,13 +155,9 @@ def test_a_disconnected_stream_is_cancelled(served, monkeypatch) -> None:
                 time.sleep(0.05)
                 yield delta
 
-    def slow_stream(*args, **kwargs):  # the single-sequence engine's path
-        return Slow(real_stream(*args, **kwargs))
-
-    def slow_token_stream(*args, **kwargs):  # the batched path
+    def slow_token_stream(*args, **kwargs):  # every request's text, from the batch's tokens
         return Slow(real_token_stream(*args, **kwargs))
 
-    monkeypatch.setattr(dec, "stream", slow_stream)
     monkeypatch.setattr(dec, "token_stream", slow_token_stream)
     cancelled = _metric(base, 'specdecode_requests_total{status="cancelled"}')
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 0, "stream": True}

@@ -109,6 +109,7 @@ def plan_auto(resources: DecoderResources, request: PlanRequest) -> RequestPlan:
         draft_pass_seconds=pass_seconds,
         draft_token_seconds=token_seconds,
         live_costs=costs.live,
+        pricing=costs.live_pricing(depth + 1),  # the decoder's live tables: what it learns is kept and written back
         suffix=SuffixDrafter(SuffixProposer(resources.suffix_cache, request.suffix_group, depth=depth,
                                             verify_seconds=verify_seconds)),
         suffix_depth=depth,

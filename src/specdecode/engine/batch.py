@@ -125,9 +125,6 @@ class BatchEngine:
                                    time_slice=self.scheduling.time_slice)
         self._prefilling: list[ScheduledSequence] = []  # admitted, their prefill not finished yet
         self.chooser = BatchK(k_max, verify_costs, draft_costs)
-        # Whether auto rows may draft with the draft model (and so hold draft KV blocks): not
-        # where it loses to plain decoding even at full acceptance.
-        self.model_can_pay = self.drafter is not None and model_can_pay(verify_costs, draft_costs, k_max)
         self.ngram_sizes = (ngram_max, ngram_min)
         self.draft_confidence = draft_confidence  # the draft model's per-row cut-off (batch_draft.DraftRow)
         self.sync_timing = sync_timing
@@ -143,6 +140,13 @@ class BatchEngine:
         # model pair and the workload decide acceptance more than any one request does).
         self._pooled_acceptance = {method: AcceptanceEstimate(decay=POOLED_ACCEPTANCE_DECAY) for method in BATCH_METHODS}
         self._requests: dict[str, ScheduledSequence] = {}
+
+    @property
+    def model_can_pay(self) -> bool:
+        """Whether a new auto row may draft with the draft model (holding draft KV): unless it
+        loses even at full acceptance by the live costs and no re-try of that price is due."""
+        can_pay = model_can_pay(self.chooser.verify, self.chooser.draft, self.k_max) or self.chooser.reprobe.due()
+        return self.drafter is not None and can_pay
 
     @property
     def device(self) -> torch.device:
@@ -288,7 +292,6 @@ class BatchEngine:
         read_ahead = reads_backlog(drafting, wanted, self.drafter)
         forced = forced_drafts(running)
         wanted.update({seq_id: len(tokens) for seq_id, tokens in forced.items()})
-
         for seq in self.scheduler.reserve(lambda seq: slots_needed(seq, wanted, forced)):
             if self.drafter is not None:
                 self.drafter.forget(seq.seq_id)
@@ -329,11 +332,10 @@ class BatchEngine:
         return [seq for seq in self.scheduler.running if seq not in self._prefilling]
 
     # -- failures of one request ---------------------------------------------------------------
-    # Drafting and verifying change nothing a rerun would not redo: the target and draft caches
-    # are written by position (a rerun overwrites the same slots), the draft model's lengths
-    # move only in ``on_verified`` after the commit, and the sampling generators are restored
-    # from a snapshot. So a failed step can be rerun row by row to find the request to blame,
-    # then once more without it.
+    # Drafting and verifying change nothing a rerun would not redo: caches are written by
+    # position, the draft model's lengths move only after the commit, an EAGLE head's catch-up
+    # is idempotent, and the generators are restored from a snapshot. So a failed step can be
+    # rerun row by row to find the request to blame, then once more without it.
     def _isolate_failures(
         self,
         running: list[ScheduledSequence],
@@ -358,10 +360,9 @@ class BatchEngine:
         return [self._fail(seq, err) for seq, err in blamed]
 
     def _fail(self, seq: ScheduledSequence, error: BaseException) -> RequestOutput:
-        request: BatchRequest = seq.state
-        request.stats.stop_reason = "error"
+        seq.state.stats.stop_reason = "error"
         self._finish(seq)
-        return RequestOutput(request.request_id, [], True, request.stats, error=error)
+        return RequestOutput(seq.state.request_id, [], True, seq.state.stats, error=error)
 
     def _draft(self, running: list[ScheduledSequence], wanted: dict[int, int],
                forced: dict[int, list[int]]) -> tuple[list[DraftProposal], int, int]:
@@ -434,7 +435,6 @@ class BatchEngine:
         """The step's verify pass (``engine/batch_pass.py``); tests wrap it to slow or break a step."""
         return verify_pass(self.target, running, proposals)
 
-    # -- convenience -------------------------------------------------------------------------
     def run(self) -> dict[str, list[int]]:
         """Step until every queued request is done; each request's new tokens by id."""
         generated: dict[str, list[int]] = {}
