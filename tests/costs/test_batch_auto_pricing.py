@@ -71,3 +71,18 @@ def test_a_flat_batch_prices_a_row_by_its_own_drafts() -> None:
     assert flat.scale > 1.0 and (4, 5) not in flat.shapes
     flat.observe_pass([2, 2], 0.5)
     assert flat.shapes[(2, 2)] == 0.5 and flat.pass_seconds([2, 2]) == 0.5
+
+
+def test_layer_skip_drafts_are_priced_as_passes_of_the_kept_layers() -> None:
+    """Two layer-skip rows at 70% on flat verify costs (a GPU's): drafting is nearly free when a
+    draft pass keeps a tenth of the layers, and never pays when it keeps nine tenths (each
+    drafted token then costs most of a target pass: plain decoding wins)."""
+    def rows(fraction: float) -> list[BatchRow]:
+        return [BatchRow(0.7, 8, uses_draft_model=False, self_pass_fraction=fraction)] * 2
+
+    light = BatchK(8, flat())
+    assert light.choose(rows(0.1), 2) >= 2
+    heavy = BatchK(8, flat())
+    assert heavy.choose(rows(0.9), 2) == 0
+    free = BatchK(8, flat())  # before: priced as free as a lookup, it drafted the same rows deep
+    assert free.choose(rows(0.0), 2) >= 4

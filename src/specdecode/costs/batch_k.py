@@ -122,6 +122,9 @@ class BatchRow:
     observed: bool = True  # False: no draft of this row verified yet (``acceptance`` is a prior)
     remaining: int = 1 << 30  # tokens the request may still generate
     stops_early: bool = False  # its drafts end at the draft model's confidence cut-off
+    # Its drafts run the target itself with layers skipped (layerskip): one such pass over the
+    # batch's layer-skip rows costs this fraction of a target pass over them (kept / all layers).
+    self_pass_fraction: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -293,6 +296,10 @@ class BatchK:
                 if model_rows:
                     assert self.draft is not None
                     seconds += k * self.draft.seconds(len(model_rows), 1) + self._read_ahead(model_rows)
+                skipping = [p.option.self_pass_fraction for p in picks
+                            if p.option is not None and p.option.self_pass_fraction > 0 and p.k > 0]
+                if skipping:  # k passes of the target's kept layers over those rows
+                    seconds += k * max(skipping) * self.verify.seconds(len(skipping), 1)
                 if tokens / seconds > best_rate * (1 + 1e-9):
                     best, best_model, best_rate = k, model_allowed, tokens / seconds
         return best, best_model

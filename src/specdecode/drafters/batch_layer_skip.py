@@ -35,6 +35,9 @@ class BatchLayerSkip:
         self.target = target  # the target itself, over the batch's pool
         self.skip_layers = check_skip_layers(skip_layers, num_layers)
         self.kept_layers = tuple(i for i in range(num_layers) if i not in self.skip_layers)
+        # A draft pass's cost as a fraction of a target pass (the batch's chooser prices drafts
+        # with it): the layers dominate; the embedding and the head, run either way, are left out.
+        self.pass_fraction = len(self.kept_layers) / num_layers
 
     def propose(self, rows: Sequence[DraftRow]) -> tuple[list[DraftProposal], int]:
         """Drafts for every row (row b up to ``rows[b].num_tokens``) and the passes run."""

@@ -281,7 +281,7 @@ class BatchEngine:
             broken = prefill_isolated(self.target, self.drafter, self._prefilling, self.scheduling.prefill_chunk,
                                       self._prefilling)
             failed += [self._fail(seq, err) for seq, err in broken]
-        drafting, plans, broken = plan_rows(self._decoding(), self.drafter, self.draft_confidence)
+        drafting, plans, broken = plan_rows(self._decoding(), self.drafter, self.draft_confidence, self.skipper)
         failed += [self._fail(seq, err) for seq, err in broken]
         running = self._decoding()
         if not running:

@@ -43,10 +43,12 @@ def drafts_with_model(seq: ScheduledSequence) -> bool:
     return seq.uses_draft and (request.sources is None or request.sources.drafts_with_model)
 
 
-def plan_row(seq: ScheduledSequence, drafter: BatchDraftModel | None, draft_confidence: float) -> BatchRow | RowChoices:
+def plan_row(seq: ScheduledSequence, drafter: BatchDraftModel | None, draft_confidence: float,
+             skip_fraction: float = 0.0) -> BatchRow | RowChoices:
     """What the batch's draft-length chooser needs to know of one drafting row: its drafter,
     or the options of a row that picks its source (each lookup's offer, recorded to be scored,
-    and the draft model where the row holds draft KV)."""
+    and the draft model where the row holds draft KV). ``skip_fraction``: what a layer-skip
+    draft pass costs, as a fraction of a target pass (``BatchLayerSkip.pass_fraction``)."""
     request: BatchRequest = seq.state
     if request.ngram is not None:  # the lookups look at every committed token
         request.ngram.extend(request.tokens[len(request.ngram.history):])
@@ -56,7 +58,8 @@ def plan_row(seq: ScheduledSequence, drafter: BatchDraftModel | None, draft_conf
         backlog = drafter.backlog(seq.seq_id, len(request.tokens))
     row = BatchRow(request.acceptance.rate, max_draft(request), seq.uses_draft, backlog,
                    observed=request.acceptance.trials >= MIN_OBSERVED_TRIALS, remaining=request.remaining,
-                   stops_early=seq.uses_draft and draft_confidence > 0)
+                   stops_early=seq.uses_draft and draft_confidence > 0,
+                   self_pass_fraction=skip_fraction if request.skips_layers else 0.0)
     if request.sources is not None:
         return request.sources.choices(request.remaining, row if seq.uses_draft else None)
     return row
@@ -64,16 +67,18 @@ def plan_row(seq: ScheduledSequence, drafter: BatchDraftModel | None, draft_conf
 
 def plan_rows(
     running: list[ScheduledSequence], drafter: BatchDraftModel | None, draft_confidence: float,
+    skipper: BatchLayerSkip | None = None,
 ) -> tuple[list[ScheduledSequence], list[BatchRow | RowChoices], list[tuple[ScheduledSequence, Exception]]]:
     """The rows that may draft this step and their plans (``plan_row``), and the rows whose
     planning raised, with the error: a row's host lookups run here, outside the step's rerun
     (``BatchEngine._isolate_failures``), and what they raise is that row's alone."""
     drafting, plans, broken = [], [], []
+    skip_fraction = skipper.pass_fraction if skipper is not None else 0.0
     for seq in running:
         if not may_draft(seq.state):
             continue
         try:
-            plans.append(plan_row(seq, drafter, draft_confidence))
+            plans.append(plan_row(seq, drafter, draft_confidence, skip_fraction))
         except Exception as err:  # noqa: BLE001 - any error of a row's own lookups is that row's
             broken.append((seq, err))
             continue
