@@ -57,3 +57,20 @@ def test_many_slots_cost_the_kv_of_their_tokens_not_slots_times_context(wide_kv_
     assert grown >= 0.8 * kv_bytes  # the measurement sees the KV at all
     every_slot_whole = 2 * SLOTS * TRAINED_CONTEXT * KV_BYTES_PER_POSITION  # 2 GiB
     assert grown < every_slot_whole / 10
+
+
+def test_the_single_request_context_costs_nothing_until_a_request_decodes_in_it(wide_kv_gguf: Path) -> None:
+    """A decoder's single-request contexts (4,096 positions x 8 KiB = 32 MiB each here; 224 MiB
+    for the demo target) are made at the first request that decodes in them, not at load, nor
+    by the load-time spot check of stored costs (its own scratch context): a server, which
+    decodes in its batch engine's contexts, never pays for them."""
+    dec = SpecDecoder.from_pretrained(str(wide_kv_gguf), str(wide_kv_gguf), method="draft", backend="llama.cpp",
+                                      device="cpu", show_progress=False)
+    target, draft = dec.target.model, dec.draft.model
+    assert target._ctx is None and draft._ctx is None  # noqa: SLF001 - what is allocated is the point
+    before = resident_bytes()
+    result = dec.generate(dec.encode("def fibonacci(n):"), SamplingParams(max_new_tokens=4))
+    grown = resident_bytes() - before
+    assert result.token_ids and target._ctx is not None and draft._ctx is not None  # noqa: SLF001
+    contexts = 2 * TRAINED_CONTEXT * KV_BYTES_PER_POSITION  # llama.cpp writes a context's KV as it makes it
+    assert grown >= 0.8 * contexts, f"{grown / MIB:.0f} MiB at the first request: the KV was there before"

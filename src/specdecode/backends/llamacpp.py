@@ -14,7 +14,7 @@ holds after an exception too.
 Logits come out of llama.cpp's buffer with exactly one copy (into the returned tensor).
 ``llama_cpp`` is imported on first use, so this module imports without the binding
 (``backends/llamacpp_binding.py``: the import, llama.cpp's log, our errors; the batch fed to
-``llama_decode`` is ``backends/llamacpp_decode.py``'s).
+``llama_decode`` and the context's parameters are ``backends/llamacpp_decode.py``'s).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from specdecode.backends.llamacpp_binding import (
     import_llama_cpp,
     physical_core_count,
 )
-from specdecode.backends.llamacpp_decode import TokenBatch, copy_logits
+from specdecode.backends.llamacpp_decode import TokenBatch, context_params, copy_logits
 from specdecode.backends.llamacpp_repack import (
     EXTRA_BUFTS_ENV,
     RepackChoice,
@@ -113,6 +113,9 @@ class LlamaCppModel:
     flash_attn:  None lets llama.cpp decide (it enables it on CPU); its CPU kernel works in f16,
                  so False plus kv_type "f32" is what gives logits within ~1e-5 of fp32 torch.
     verbose:     print llama.cpp's log (process-wide: llama.cpp has one logger).
+    lazy:        create the context (its KV buffer: n_ctx * n_seq_max cells) at first use, not
+                 now: a server decodes in its batch engine's contexts, and the single-request
+                 engine's would hold hundreds of MiB it never uses (224 MiB for the demo target).
     """
 
     def __init__(
@@ -129,12 +132,14 @@ class LlamaCppModel:
         n_ubatch: int | None = None,
         verbose: bool = False,
         weights_of: LlamaCppModel | None = None,
+        lazy: bool = False,
     ) -> None:
         self._llama = None  # set first: close() (and __del__) must work on a half-built object
         self._model = None
         self._weights: _Weights | None = None
         self._ctx = None
         self._batch: TokenBatch | None = None
+        self._closed = False
         for name, value in (("n_ctx", n_ctx), ("n_seq_max", n_seq_max), ("n_batch", n_batch)):
             if value < 1:
                 raise InvalidRequestError(f"{name} must be at least 1, got {value}")
@@ -164,7 +169,14 @@ class LlamaCppModel:
             self._weights = _Weights(self._load_model(llama_cpp))
         self._model = self._weights.model
         self.vocab_size: int = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))
-        self._ctx = self._new_context(llama_cpp, kv_type, flash_attn)
+        if not lazy:
+            self._open()
+
+    def _open(self) -> None:
+        """Create the context, its memory handle and its token batch."""
+        llama_cpp = self._llama
+        assert llama_cpp is not None
+        self._ctx = self._new_context(llama_cpp, self.kv_type, self.flash_attn)
         # One thread pool for all our contexts (a target and its draft): see llamacpp_threads.py.
         self.shared_threads = attach_shared_threadpool(llama_cpp, self._ctx, self.n_threads)
         forget_loaded_libraries()  # ggml may have brought its libgomp (backends/openmp.py)
@@ -194,25 +206,8 @@ class LlamaCppModel:
         return model
 
     def _new_context(self, llama_cpp: ModuleType, kv_type: str, flash_attn: bool | None) -> Any:
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = self.n_ctx * self.n_seq_max
-        params.n_batch = self.n_batch
-        params.n_ubatch = self.n_ubatch
-        params.n_seq_max = self.n_seq_max
-        params.kv_unified = self.kv_unified
-        params.n_outputs_max = 0  # 0: up to n_batch logit rows per pass
-        params.n_outputs_max_per_seq = 0  # default 1 in 0.3.36; verification needs a row per token
-        params.n_threads = self.n_threads
-        params.n_threads_batch = self.n_threads
-        params.embeddings = False
-        kv_ggml_type = llama_cpp.GGML_TYPE_F16 if kv_type == "f16" else llama_cpp.GGML_TYPE_F32
-        params.type_k = kv_ggml_type
-        params.type_v = kv_ggml_type
-        params.flash_attn_type = {
-            None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
-            True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-            False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-        }[flash_attn]
+        params = context_params(llama_cpp, self.n_ctx * self.n_seq_max, self.n_seq_max, self.n_batch, self.n_ubatch,
+                                self.kv_unified, self.n_threads, kv_type, flash_attn)
         ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not ctx:
             detail = LogSink.take_recent() or "no detail from llama.cpp"
@@ -418,8 +413,10 @@ class LlamaCppModel:
                 )
 
     def _check_seq(self, seq: int) -> None:
-        if self._ctx is None:  # the memory and batch pointers are freed: using them would crash
+        if self._closed:  # the memory and batch pointers are freed: using them would crash
             raise SpecDecodeError("this LlamaCppModel is closed; create a new one")
+        if self._ctx is None:  # lazy: first use
+            self._open()
         if not 0 <= seq < self.n_seq_max:
             raise InvalidRequestError(f"sequence id {seq} is outside 0..{self.n_seq_max - 1}; raise n_seq_max")
 
@@ -430,6 +427,7 @@ class LlamaCppModel:
         llama_cpp = self._llama
         if llama_cpp is None:
             return
+        self._closed = True
         if self._batch is not None:
             self._batch.free()
             self._batch = None

@@ -1,4 +1,5 @@
-"""The token batch a llama.cpp model feeds to ``llama_decode``, and the copy of its logits out.
+"""The token batch a llama.cpp model feeds to ``llama_decode``, the copy of its logits out, and
+the parameters of its context.
 
 One ``llama_batch`` serves a model for its lifetime. Each token is one sequence's, so every
 token's ``n_seq_id`` is 1 and only the first entry of its sequence-id array is written.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -55,3 +57,31 @@ def copy_logits(buffer: np.ndarray, results: list[np.ndarray | None], owners: li
             run += 1
         results[request][first_row : first_row + run] = buffer[i : i + run]
         i += run
+
+
+def context_params(
+    llama_cpp: ModuleType, cells: int, n_seq_max: int, n_batch: int, n_ubatch: int, kv_unified: bool, n_threads: int,
+    kv_type: str, flash_attn: bool | None,
+) -> Any:
+    """``llama_context_params`` for a context of ``cells`` KV cells shared by ``n_seq_max``
+    sequences (``LlamaCppModel``'s arguments), logits for every row a pass asks for."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = cells
+    params.n_batch = n_batch
+    params.n_ubatch = n_ubatch
+    params.n_seq_max = n_seq_max
+    params.kv_unified = kv_unified
+    params.n_outputs_max = 0  # 0: up to n_batch logit rows per pass
+    params.n_outputs_max_per_seq = 0  # default 1 in 0.3.36; verification needs a row per token
+    params.n_threads = n_threads
+    params.n_threads_batch = n_threads
+    params.embeddings = False
+    kv_ggml_type = llama_cpp.GGML_TYPE_F16 if kv_type == "f16" else llama_cpp.GGML_TYPE_F32
+    params.type_k = kv_ggml_type
+    params.type_v = kv_ggml_type
+    params.flash_attn_type = {
+        None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+        True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    }[flash_attn]
+    return params

@@ -143,15 +143,15 @@ def load_llamacpp_model(
     if show_progress:
         repack = repack_choice(path, show_progress=True)  # probes AMX here if it is the machine's first load
         print(f"specdecode: loading {name} on llama.cpp ({path.name}; {repack.describe()})", file=sys.stderr, flush=True)
-    model = LlamaCppModel(path, n_ctx=context, kv_type="f32" if exact else "f16", flash_attn=False if exact else None)
+    # The single-request engine's context (its KV) is made at first use: a server decodes in its
+    # batch engine's contexts only, and this one's would hold 224 MiB (the demo target's) unused.
+    model = LlamaCppModel(path, n_ctx=context, kv_type="f32" if exact else "f16", flash_attn=False if exact else None,
+                          lazy=True)
     info = model.describe()
     if 0 < info["n_ctx_train"] < context:
         # llama.cpp keeps the KV of all n_ctx positions from the start (the demo target's: 28 KiB
         # a position): none for positions past what the model was trained for.
-        context = info["n_ctx_train"]
-        trained = model.with_sequences(1, context)  # the same loaded weights, a smaller context
-        model.close()
-        model = trained
+        context = model.n_ctx = info["n_ctx_train"]  # before the context exists
     config = ModelConfig(
         model_type=info["architecture"], vocab_size=model.vocab_size, hidden_size=info["n_embd"],
         intermediate_size=0, num_layers=info["n_layer"], num_heads=info["n_head"], num_kv_heads=info["n_head_kv"],

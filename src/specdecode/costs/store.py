@@ -115,10 +115,20 @@ def one_row_probe(loaded: LoadedModel, kv_dtype: str, compile_mode: str | None) 
         return None
     model = loaded.model
     if loaded.backend == "llama.cpp":
-        # Its begin bumps the model's sequence epoch, so the engine's and the drafter's
-        # sequences begin afresh after it, as after any timing (backends/base.py).
-        return lambda: time_one_row(LlamaCppSequence(model))
+        # On a scratch context over the same weights, closed after: the check runs at every load,
+        # and the model's own context is made only when a request decodes in it (a server's
+        # never does). llama.cpp attends over the cells in use, so the pass costs the same.
+        return lambda: time_scratch_row(model)
     return lambda: time_one_row(TorchSequence(model, kv_dtype))
+
+
+def time_scratch_row(model: Any) -> Timing:  # model: a LlamaCppModel
+    """``time_one_row`` on a one-sequence context of its own over ``model``'s weights."""
+    scratch = model.with_sequences(1, SPOT_CHECK_CONTEXT + SPOT_CHECK_ROWS)
+    try:
+        return time_one_row(LlamaCppSequence(scratch))
+    finally:
+        scratch.close()
 
 
 def time_one_row(sequence: SequenceModel) -> Timing:
