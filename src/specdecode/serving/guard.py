@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from specdecode.serving.anthropic_errors import ANTHROPIC_PATHS, anthropic_error_json
 from specdecode.serving.protocol import APIError
 
 Scope = MutableMapping[str, Any]
@@ -159,7 +160,7 @@ class RequestGuard:
             if error is None:
                 receive = _replay(body, receive)
         if error is not None:
-            await _send_error(send, error)
+            await _send_error(send, error, anthropic=scope["path"] in ANTHROPIC_PATHS)
             return
         await self.app(scope, receive, send)
 
@@ -175,10 +176,14 @@ class RequestGuard:
         # /docs and /openapi.json describe the server. A load balancer's health probe has no key.
         if self._key is not None and scope["path"] not in UNGUARDED_PATHS:
             scheme, _, token = headers.get("authorization", "").partition(" ")
+            bearer = token.strip() if scheme.lower() == "bearer" else ""
             # compare_digest: the time taken says nothing about how much of the key matched.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
-                return APIError(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
-                                     "the key the server was started with.", code="invalid_api_key")
+            # x-api-key: Anthropic's header, which its SDK sends instead of Authorization.
+            if not any(hmac.compare_digest(given.encode(), self._key)
+                       for given in (bearer, headers.get("x-api-key", "").strip()) if given):
+                return APIError(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>' (or "
+                                     "'x-api-key: <key>') with the key the server was started with.",
+                                code="invalid_api_key")
         if scope["method"] != "POST":
             return None
         if api and self.draining():
@@ -252,8 +257,9 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-async def _send_error(send: Send, error: APIError) -> None:
-    body = error.json().encode()
+async def _send_error(send: Send, error: APIError, anthropic: bool = False) -> None:
+    """``anthropic``: in the error shape of Anthropic's Messages API, for its routes."""
+    body = (anthropic_error_json(error) if anthropic else error.json()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                # The body may be unread: close rather than parse what is left of it as a request.
                (b"connection", b"close"), *error_headers(error)]

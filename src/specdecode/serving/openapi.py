@@ -136,3 +136,31 @@ def utility_body(path: str, served_names: tuple[str, ...], vocab_size: int) -> d
     model = {"enum": list(served_names), "description": _MODEL_OPTIONAL}
     schema = {"type": "object", "required": required, "properties": {"model": model, **properties}}
     return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+_BLOCKS = {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["type"],
+           "properties": {"type": {"enum": ["text", "tool_use", "tool_result"]}}}}]}
+_MESSAGES_FIELDS: dict[str, Any] = {
+    "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"],
+                 "properties": {"role": {"enum": ["user", "assistant"]}, "content": _BLOCKS}}},
+    "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
+    "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": {"type": "object", "required": ["name", "input_schema"],
+              "properties": {"name": {"type": "string", "pattern": NAME_PATTERN.pattern},
+                             "description": {"type": "string"}, "input_schema": {"type": "object"}}}},
+    "tool_choice": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"}}},
+}
+
+
+def messages_body(served_names: tuple[str, ...], count: bool) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of Anthropic's ``/v1/messages`` or (``count``)
+    ``/v1/messages/count_tokens`` (``serving/anthropic_messages.py``)."""
+    properties = {"model": {"enum": list(served_names), "description": _MODEL_OPTIONAL}, **_MESSAGES_FIELDS}
+    required = ["messages"]
+    if not count:
+        properties |= {"max_tokens": _COMMON["max_tokens"], "stop_sequences": {
+            "type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "minLength": 1}},
+            **{name: _COMMON[name] for name in ("temperature", "top_p", "top_k", "stream", "method", "k")}}
+        required.append("max_tokens")
+    schema = {"type": "object", "required": required, "properties": properties}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}

@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from specdecode.api import SpecDecoder
+from specdecode.serving.anthropic_messages import add_messages_routes
 from specdecode.serving.generation import Generation
 from specdecode.serving.guard import RequestGuard, error_headers
 from specdecode.serving.health import engine_problem
@@ -205,6 +206,7 @@ def create_app(decoder: SpecDecoder, model_name: str, worker: BatchWorker, alias
 
     add_utility_routes(app, state)  # /tokenize, /detokenize, /apply-template, /props
     add_infill_route(app, state, respond)
+    add_messages_routes(app, state, respond)  # /v1/messages, /v1/messages/count_tokens
     return RequestGuard(app, options.guard, lambda: state.draining, lambda: state.metrics.count("overloaded"))
 
 
