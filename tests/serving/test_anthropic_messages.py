@@ -6,13 +6,15 @@ prompt tokens; the stop reasons; errors in Anthropic's shape; the key from ``x-a
 speculation on, with the chat route's method."""
 
 import json
+import time
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
-from server_helpers import MODEL, client
+from server_helpers import MODEL, client, metric, wait_for
 
+import specdecode.engine.batch
 from specdecode.serving.anthropic_messages import to_chat
 from specdecode.serving.guard import GuardOptions
 from specdecode.serving.protocol import APIError
@@ -211,3 +213,69 @@ def test_the_routes_are_in_the_openapi_document(served) -> None:
     assert schema["required"] == ["messages", "max_tokens"] and "tool_choice" in schema["properties"]
     counted = paths["/v1/messages/count_tokens"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert "max_tokens" not in counted["properties"]
+
+
+def test_a_client_that_leaves_a_whole_message_cancels_it(served, monkeypatch) -> None:
+    """Without stream the reply is folded from the chat route's stream: a client that hangs up
+    still cancels its request and frees its KV blocks, as on the chat route."""
+    base, _ = served
+    verify = specdecode.engine.batch.BatchEngine._verify
+    monkeypatch.setattr(specdecode.engine.batch.BatchEngine, "_verify",
+                        lambda self, *args: (time.sleep(0.05), verify(self, *args))[1])  # ~10 steps in 0.5 s
+    cancelled = metric(base, 'specdecode_requests_total{status="cancelled"}')
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 400, "temperature": 0}  # greedy: past 30 tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/messages", json=body, timeout=0.5)
+    wait_for(lambda: metric(base, 'specdecode_requests_total{status="cancelled"}') == cancelled + 1,
+             "the request was not cancelled")
+    wait_for(lambda: metric(base, "specdecode_kv_blocks_used") == 0, "the cancelled request kept its KV blocks")
+
+
+FUZZ_EXAMPLES = 30
+FUZZ_TEXT_CHARS = 64  # texts cut so that a valid prompt fits the tiny model's context
+
+
+def _shorten(body: object) -> object:
+    """A generated body made cheap: at most 16 new tokens, four messages, short texts and schemas."""
+    if not isinstance(body, dict):
+        return body
+    if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool):
+        body["max_tokens"] = min(body["max_tokens"], 16)
+    if isinstance(body.get("messages"), list):
+        body["messages"] = body["messages"][:4]
+        for message in body["messages"]:
+            if isinstance(message, dict) and isinstance(message.get("content"), str):
+                message["content"] = message["content"][:FUZZ_TEXT_CHARS]
+    if isinstance(body.get("system"), str):
+        body["system"] = body["system"][:FUZZ_TEXT_CHARS]
+    for tool in body.get("tools") or [] if isinstance(body.get("tools"), list) else []:
+        if isinstance(tool, dict):
+            tool.update(input_schema={"type": "object"}, description=str(tool.get("description", ""))[:FUZZ_TEXT_CHARS])
+    return body
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_schema_fuzz_gets_no_5xx_and_anthropic_errors(served, path: str, mode: str) -> None:
+    """Bodies generated from the routes' own OpenAPI schemas: every answer is a 200 or a 4xx in
+    Anthropic's error shape."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    base, _ = served
+    operation = schemathesis.openapi.from_url(base + "/openapi.json")[path]["POST"]
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
+    def check(case) -> None:
+        body = _shorten(case.body)
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = httpx.post(base + path, content=raw, headers={"content-type": "application/json"}, timeout=20)
+        assert response.status_code < 500, (body, response.text)
+        if response.status_code >= 400:
+            error = response.json()
+            assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, response.text
+
+    check()
