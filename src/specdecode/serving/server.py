@@ -3,7 +3,8 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true``
 as server-sent events), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus
 text format); ``POST /infill`` (``serving/infill.py``: a translation onto a completion), and
-``/tokenize``, ``/detokenize``, ``/apply-template``, ``GET /props`` (``serving/utility_routes.py``).
+``/tokenize``, ``/detokenize``, ``/apply-template``, ``GET /props`` (``serving/utility_routes.py``);
+``POST /v1/responses`` and ``GET``/``DELETE /v1/responses/{id}`` (``serving/responses_api.py``).
 
 Every request, whatever its method, is decoded by one continuous-batching engine
 (``engine/batch.py``) stepping in one worker thread (``serving/worker.py``): requests join and
@@ -54,6 +55,7 @@ from specdecode.serving.health import engine_problem
 from specdecode.serving.infill import add_infill_route
 from specdecode.serving.protocol import APIError, parse_request
 from specdecode.serving.responses import choice_body, events, final_body, logprobs_body, usage_apart
+from specdecode.serving.responses_api import add_responses_routes
 from specdecode.serving.state import DEFAULT_DRAIN_TIMEOUT, ServerOptions, ServerState
 from specdecode.serving.suffix_share import cache_group, suffix_group
 from specdecode.serving.utility_routes import add_utility_routes
@@ -207,6 +209,7 @@ def create_app(decoder: SpecDecoder, model_name: str, worker: BatchWorker, alias
     add_utility_routes(app, state)  # /tokenize, /detokenize, /apply-template, /props
     add_infill_route(app, state, respond)
     add_messages_routes(app, state, respond)  # /v1/messages, /v1/messages/count_tokens
+    add_responses_routes(app, state, respond)  # /v1/responses, GET and DELETE /v1/responses/{id}
     return RequestGuard(app, options.guard, lambda: state.draining, lambda: state.metrics.count("overloaded"))
 
 
