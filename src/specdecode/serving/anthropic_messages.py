@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from specdecode.serving.anthropic_errors import anthropic_error_body, anthropic_error_json
+from specdecode.serving.generation import unless_disconnected
 from specdecode.serving.protocol import APIError, check_unicode
 from specdecode.serving.state import ServerState
 from specdecode.serving.utility_routes import check_text_chars, load_body, validated
@@ -262,23 +263,6 @@ async def whole_message(events: AsyncIterator[tuple[str, dict[str, Any]]]) -> di
     return message
 
 
-async def _unless_disconnected(work: Awaitable[dict[str, Any]], request: Any) -> dict[str, Any] | None:
-    """``work``'s result, or None when the client disconnects first (``work`` is cancelled).
-    As server.py's helper of the same name, which this module cannot import (server.py imports it)."""
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    collect, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (collect, watch):
-            task.cancel()
-    return collect.result() if collect.done() and not collect.cancelled() else None
-
-
 class _Failed(Exception):
     def __init__(self, body: dict[str, Any]) -> None:
         super().__init__(body["error"]["message"])
@@ -347,7 +331,7 @@ def add_messages_routes(app: Any, state: ServerState, respond: Respond) -> None:
             reply.body_iterator = (_sse(name, data) async for name, data in events)
             return reply
         try:
-            message = await _unless_disconnected(whole_message(events), request)
+            message = await unless_disconnected(whole_message(events), request)
         except _Failed as failed:
             error = generation.failure() or APIError(500, str(failed), kind="server_error")
             return refusal(error)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 # The /metrics outcome of a request the server ended early, by its reason's code (others: "shutdown").
 ENDED_BY_STATUS = {"request_timeout": "timeout", "queue_timeout": "queue_timeout"}
+
+
+T = TypeVar("T")
 
 
 class Generation:
@@ -184,3 +187,21 @@ class Generation:
         if isinstance(err, SpecDecodeError):
             return APIError(400, client_message(err))
         return APIError(500, f"The server failed on this request: {type(err).__name__}: {err}", kind="server_error")
+
+
+async def unless_disconnected(work: Coroutine[Any, Any, T], request: Any) -> T | None:
+    """``work``'s result, or None when the client disconnects first (``work`` is cancelled): a
+    route waiting for a generation stops waiting for a client that left."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    collect = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (collect, watch):
+            task.cancel()
+    return collect.result() if collect.done() and not collect.cancelled() else None

@@ -44,12 +44,12 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from specdecode.api import SpecDecoder
 from specdecode.serving.anthropic_messages import add_messages_routes
-from specdecode.serving.generation import Generation
+from specdecode.serving.generation import Generation, unless_disconnected
 from specdecode.serving.guard import RequestGuard, error_headers
 from specdecode.serving.health import engine_problem
 from specdecode.serving.infill import add_infill_route
@@ -62,9 +62,6 @@ from specdecode.serving.utility_routes import add_utility_routes
 from specdecode.serving.worker import BatchWorker
 
 __all__ = ["DEFAULT_DRAIN_TIMEOUT", "APIError", "ServerOptions", "create_app", "parse_request", "serve"]
-
-T = TypeVar("T")
-
 
 def create_app(decoder: SpecDecoder, model_name: str, worker: BatchWorker, aliases: tuple[str, ...] = (),
                options: ServerOptions | None = None) -> Any:
@@ -171,7 +168,7 @@ def create_app(decoder: SpecDecoder, model_name: str, worker: BatchWorker, alias
             # The 200 waits for the request to start (or end): until then it can still be
             # refused with a status of its own (the queue-time limit's 503, a shutdown's).
             try:
-                settled = await _unless_disconnected(_all_settled(generations), request)
+                settled = await unless_disconnected(_all_settled(generations), request)
             except BaseException:
                 release(generations)
                 raise
@@ -185,7 +182,7 @@ def create_app(decoder: SpecDecoder, model_name: str, worker: BatchWorker, alias
             return GenerationResponse(generations, events(generations, request_id, created, state.model_name, chat,
                                                           state.token_text, usage_chunk))
         try:
-            texts = await _unless_disconnected(_texts(generations), request)
+            texts = await unless_disconnected(_texts(generations), request)
         finally:
             release(generations)  # cancels them when the client left (or this task was cancelled)
         if texts is None:
@@ -236,23 +233,6 @@ def _failed_before_start(generations: list[Generation]) -> APIError | None:
         if failure is not None and not generation.has_started:
             return failure
     return None
-
-
-async def _unless_disconnected(work: Coroutine[Any, Any, T], request: Any) -> T | None:
-    """``work``'s result, or None when the client disconnects first (``work`` is cancelled)."""
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    collect = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (collect, watch):
-            task.cancel()
-    return collect.result() if collect.done() and not collect.cancelled() else None
 
 
 def _request_body_schema(state: ServerState, chat: bool) -> dict[str, Any]:
