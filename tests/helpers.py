@@ -330,3 +330,17 @@ def broken_rejection_tree_verify(
     final = int(torch.multinomial(residual, 1, generator=gen).item())
     path = tree.path_to(node)
     return TreeVerifyResult(path, [tokens[n] for n in path[1:]] + [final])
+
+
+def run_aborting(eng, aborted: str | None, abort_at: int | None) -> dict[str, list[int]]:
+    """Step batch engine ``eng`` until every request is done; each request's new tokens by id.
+    Request ``aborted`` is cancelled after step ``abort_at`` (and asserted to say so)."""
+    generated: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished:
+        for output in eng.step():
+            generated.setdefault(output.request_id, []).extend(output.new_tokens)
+        steps += 1
+        if aborted is not None and steps == abort_at:
+            assert eng.abort(aborted).stats.stop_reason == "cancelled"
+    return generated

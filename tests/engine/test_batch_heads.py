@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CHI2_CRITICAL_P001, DRAWS, PATTERN, PROMPTS, chi_square_in_mixed_batches
+from helpers import CHI2_CRITICAL_P001, DRAWS, PATTERN, PROMPTS, chi_square_in_mixed_batches, run_aborting
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.engine.batch import BatchEngine
@@ -63,14 +63,7 @@ def run(dec: SpecDecoder, eng: BatchEngine, batch, abort_at: int | None = None):
     aborted = None
     if abort_at is not None:
         aborted = eng.add_request(dec.encode(PATTERN[3:70]), SamplingParams(max_new_tokens=30), "eagle", 3)
-    generated: dict[str, list[int]] = {}
-    steps = 0
-    while eng.has_unfinished:
-        for output in eng.step():
-            generated.setdefault(output.request_id, []).extend(output.new_tokens)
-        steps += 1
-        if steps == abort_at:
-            assert eng.abort(aborted).stats.stop_reason == "cancelled"
+    generated = run_aborting(eng, aborted, abort_at)
     return [generated.get(i, []) for i in ids], stats
 
 

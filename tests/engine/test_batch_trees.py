@@ -28,6 +28,7 @@ from helpers import (
     chi_square_in_mixed_batches,
     decoder,
     last_logits,
+    run_aborting,
 )
 
 import specdecode.engine.batch_verify
@@ -134,14 +135,7 @@ def test_suffix_tree_rows_survive_preemption_and_aborts(dec) -> None:
     ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=n), m, k, stats=s)
            for (p, m, k, n), s in zip(batch, stats, strict=True)]
     aborted = eng.add_request(dec.encode(REPEATING[2]), SamplingParams(max_new_tokens=30), "suffix", 4)
-    generated: dict[str, list[int]] = {}
-    steps = 0
-    while eng.has_unfinished:
-        for output in eng.step():
-            generated.setdefault(output.request_id, []).extend(output.new_tokens)
-        steps += 1
-        if steps == 6:
-            assert eng.abort(aborted).stats.stop_reason == "cancelled"
+    generated = run_aborting(eng, aborted, 6)
     assert eng.scheduler.preemptions > 0
     assert [generated[i] for i in ids] == plain(dec, batch)
     assert sum(s.tree_nodes_proposed for s in stats) > 0
