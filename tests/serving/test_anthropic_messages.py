@@ -95,7 +95,9 @@ def test_a_forced_tool_use_round_trip(served, choice: dict, stream: bool) -> Non
            "extra_body": GREEDY}
     if stream:
         with sdk.messages.stream(**ask) as events:
+            kinds = [event.type for event in events]
             first = events.get_final_message()
+        assert kinds.count("input_json") > 1  # the input as it decodes, in several input_json_delta
     else:
         first = sdk.messages.create(**ask)
     assert first.stop_reason == "tool_use" and [block.type for block in first.content] == ["tool_use"]

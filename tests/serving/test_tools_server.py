@@ -63,6 +63,21 @@ def test_required_gives_one_valid_call_streamed_or_not(served) -> None:
     assert strip == [{k: v for k, v in c.items() if k != "id"} for c in streamed[1]]
 
 
+def test_streamed_arguments_come_as_they_decode(served) -> None:
+    """A call's first delta names it (id, type, name, empty arguments); its arguments follow in
+    several deltas, one per decoding step, not whole at the end."""
+    base, _ = served
+    chunks = client(base).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                  max_tokens=100, temperature=0, stream=True,
+                                                  extra_body={"method": "none"})
+    pieces = [piece for chunk in chunks for piece in chunk.choices[0].delta.tool_calls or []]
+    assert pieces[0].id.startswith("call_") and pieces[0].function.name in SCHEMAS
+    assert pieces[0].function.arguments == "" and all(piece.index == 0 and piece.id is None for piece in pieces[1:])
+    assert len(pieces) > 3, [piece.function.arguments for piece in pieces]
+    arguments = "".join(piece.function.arguments for piece in pieces)
+    jsonschema.validate(json.loads(arguments), SCHEMAS[pieces[0].function.name])
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft", "suffix"])
 def test_a_named_function_is_called_and_speculation_writes_the_same_call(served, method: str) -> None:
     base, _ = served
@@ -157,13 +172,57 @@ def test_the_markup_parser_reads_calls_and_leaves_the_rest() -> None:
     assert split_tool_calls("", NAMES) == (None, [])
 
 
-def test_the_stream_splitter_sends_content_at_once_and_calls_at_the_end() -> None:
-    text = 'Sure: a<b <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+def _split(text: str, size: int) -> tuple[str, str, list[dict], int]:
+    """(content sent, content held to the end, calls merged from their pieces, call deltas) of
+    ``text`` streamed ``size`` characters at a time through a ToolStream."""
+    splitter, sent, pieces = ToolStream(NAMES), "", []
+    for i in range(0, len(text), size):
+        content, deltas = splitter.feed(text[i:i + size])
+        sent, pieces = sent + content, pieces + deltas
+    held, last = splitter.finish()
+    calls: dict[int, dict] = {}
+    for piece in pieces + last:  # a call's first piece has its id and name, the others add arguments
+        call = calls.setdefault(piece["index"], {"id": "", "name": "", "arguments": ""})
+        call["id"] += piece.get("id", "")
+        call["name"] += piece["function"].get("name", "")
+        call["arguments"] += piece["function"].get("arguments", "")
+    return sent, held, [calls[i] for i in sorted(calls)], len(pieces)
+
+
+def test_the_stream_splitter_sends_content_at_once_and_arguments_as_they_come() -> None:
+    text = ('Sure: a<b <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "}\\"{"}}\n</tool_call>\n'
+            '<tool_call>\n{"name":"weather","arguments":{"city":"Oslo"}}\n</tool_call>')
+    _, whole = split_tool_calls(text, NAMES)
+    expected = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in whole]
+    assert expected == [{"name": "add", "arguments": '{"a": 1, "b": "}\\"{"}'},
+                        {"name": "weather", "arguments": '{"city":"Oslo"}'}]  # as written: a stream's pieces add up to it
     for size in (1, 2, 3, 5, 7, len(text)):  # every way a stream may cut the markup
-        splitter = ToolStream(NAMES)
-        sent = "".join(splitter.feed(text[i:i + size]) for i in range(0, len(text), size))
-        held, calls = splitter.finish()
-        assert sent + held == "Sure: a<b " and [c["function"]["name"] for c in calls] == ["add"]
-    splitter = ToolStream(NAMES)
-    assert splitter.feed("a <tool") == "a " and splitter.feed("box>") == "<toolbox>"  # held only while it may be markup
-    assert splitter.finish() == ("", [])
+        sent, held, calls, pieces = _split(text, size)
+        assert sent + held == "Sure: a<b " and [{k: c[k] for k in ("name", "arguments")} for c in calls] == expected
+        assert all(c["id"].startswith("call_") for c in calls)
+        if size == 1:  # the arguments came a piece at a time, before the end of their block
+            assert pieces == 2 + len(expected[0]["arguments"]) + len(expected[1]["arguments"])
+    sent, held, calls, _ = _split("a <tool", 7)
+    assert sent == "a " and calls == []
+    sent, held, calls, _ = _split("a <toolbox>", 7)
+    assert sent + held == "a <toolbox>" and calls == []  # held only while it may be markup
+
+
+def test_a_block_in_another_layout_is_parsed_at_the_end() -> None:
+    """Keys in another order, a name nobody offered, a block that is not JSON: held to the end
+    and read as a whole reply reads them."""
+    for text in ('<tool_call>\n{"arguments": {"a": 1}, "name": "add"}\n</tool_call>',
+                 '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+                 '<tool_call>\n{"name": "add" "arguments"}\n</tool_call>'):
+        content, whole = split_tool_calls(text, NAMES)
+        for size in (1, 4, len(text)):
+            sent, held, calls, _ = _split(text, size)
+            assert (sent + held or None) == content
+            assert [c["arguments"] for c in calls] == [c["function"]["arguments"] for c in whole]
+
+
+def test_a_streamed_call_cut_short_stays_a_call() -> None:
+    """Sent as it decodes, a call cut by max_tokens cannot be taken back: its arguments stop
+    where the text did (OpenAI's stream does the same)."""
+    sent, held, calls, _ = _split('<tool_call>\n{"name": "add", "arguments": {"a": 1, ', 3)
+    assert sent + held == "" and calls[0]["name"] == "add" and calls[0]["arguments"] == '{"a": 1, '

@@ -195,7 +195,7 @@ async def message_events(events: AsyncIterator[str], generation: Any, model: str
                "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
     yield "message_start", {"type": "message_start", "message": message}
-    index, text_open, called, last = -1, False, False, None
+    index, open_kind, called, last = -1, None, False, None  # open_kind: the open block's type, or None
     async for event in events:
         for chunk in _payloads(event):
             if "error" in chunk:
@@ -205,24 +205,27 @@ async def message_events(events: AsyncIterator[str], generation: Any, model: str
             last = chunk
             delta = chunk["choices"][0]["delta"]
             if delta.get("content"):
-                if not text_open:
-                    index, text_open = index + 1, True
+                if open_kind != "text":
+                    if open_kind is not None:
+                        yield "content_block_stop", {"type": "content_block_stop", "index": index}
+                    index, open_kind = index + 1, "text"
                     yield "content_block_start", {"type": "content_block_start", "index": index,
                                                   "content_block": {"type": "text", "text": ""}}
                 yield "content_block_delta", {"type": "content_block_delta", "index": index,
                                               "delta": {"type": "text_delta", "text": delta["content"]}}
-            for call in delta.get("tool_calls") or []:
-                if text_open:
-                    yield "content_block_stop", {"type": "content_block_stop", "index": index}
-                    text_open = False
-                index, called = index + 1, True
-                block = {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
-                         "name": call["function"]["name"], "input": {}}
-                yield "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
-                yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                    "type": "input_json_delta", "partial_json": call["function"]["arguments"]}}
-                yield "content_block_stop", {"type": "content_block_stop", "index": index}
-    if text_open:
+            for piece in delta.get("tool_calls") or []:  # a call's first piece has its id (ToolStream)
+                if "id" in piece:
+                    if open_kind is not None:
+                        yield "content_block_stop", {"type": "content_block_stop", "index": index}
+                    index, open_kind, called = index + 1, "tool_use", True
+                    block = {"type": "tool_use", "id": "toolu_" + piece["id"].removeprefix("call_"),
+                             "name": piece["function"]["name"], "input": {}}
+                    yield "content_block_start", {"type": "content_block_start", "index": index,
+                                                  "content_block": block}
+                if piece["function"].get("arguments") and open_kind == "tool_use":
+                    yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": piece["function"]["arguments"]}}
+    if open_kind is not None:
         yield "content_block_stop", {"type": "content_block_stop", "index": index}
     stats = generation.stats
     reason = STOP_REASONS.get(stats.stop_reason if stats is not None else "", "end_turn")
@@ -259,8 +262,17 @@ async def whole_message(events: AsyncIterator[tuple[str, dict[str, Any]]]) -> di
         elif name == "error":
             raise _Failed(data)
     for index, text in arguments.items():
-        message["content"][index]["input"] = json.loads(text) if text else {}
+        message["content"][index]["input"] = _input(text)
     return message
+
+
+def _input(arguments: str) -> Any:
+    """A tool_use block's input from its streamed JSON; ``{}`` where the call was cut short (by
+    max_tokens: its stop_reason says so) and its JSON is incomplete."""
+    try:
+        return json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        return {}
 
 
 class _Failed(Exception):

@@ -48,9 +48,9 @@ def _finish(stats: GenerationStats | None) -> str | None:
     return FINISH_REASONS.get(stats.stop_reason, "stop") if stats is not None else None
 
 
-def _finish_with(stats: GenerationStats | None, calls: list[dict[str, Any]]) -> str | None:
+def _finish_with(stats: GenerationStats | None, called: bool) -> str | None:
     # OpenAI's reason when the model called tools; a call cut by max_tokens is not parsed.
-    return "tool_calls" if calls and stats is not None and stats.stop_reason != "length" else _finish(stats)
+    return "tool_calls" if called and stats is not None and stats.stop_reason != "length" else _finish(stats)
 
 
 TokenText = Callable[[int], str]  # a token id's text (the tokenizer's decode of it alone)
@@ -92,7 +92,7 @@ def choice_body(index: int, chat: bool, text: str, stats: GenerationStats | None
         choice["message"] = {"role": "assistant", "content": content}
         if calls:
             choice["message"]["tool_calls"] = calls
-        choice["finish_reason"] = _finish_with(stats, calls)
+        choice["finish_reason"] = _finish_with(stats, bool(calls))
     elif chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -116,7 +116,7 @@ def _chunk(request_id: str, created: int, model: str, chat: bool, delta: str | N
         if delta:
             payload["content"] = delta
         if calls:
-            payload["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            payload["tool_calls"] = calls  # each with its index (ToolStream)
         choice["delta"] = payload
     else:
         choice["text"] = delta or ""
@@ -229,7 +229,10 @@ async def _choice_events(generation: Generation, request_id: str, created: int, 
         yield make(None, None, first=True)
     async for delta, taken in generation.chunks():
         if splitter is not None:
-            delta = splitter.feed(delta)
+            delta, calls = splitter.feed(delta)
+            if calls:
+                yield _chunk(request_id, created, model, chat, delta, None, calls=calls, index=index)
+                continue
             if not delta:
                 continue
         yield make(delta, None, upto=taken)
@@ -240,9 +243,9 @@ async def _choice_events(generation: Generation, request_id: str, created: int, 
     finish = _finish(generation.stats)
     if splitter is not None:
         held, calls = splitter.finish()
-        if held or calls:  # the held-back text, and the calls as one delta each (their index tells them apart)
+        if held or calls:  # the held-back text, and calls parsed at the end, whole (their index tells them apart)
             yield _chunk(request_id, created, model, chat, held, None, calls=calls, index=index)
-        finish = _finish_with(generation.stats, calls)
+        finish = _finish_with(generation.stats, splitter.called)
     final = make(None, finish, upto=generation.token_count)
     if not usage:
         yield final

@@ -305,6 +305,7 @@ async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
     output: list[dict[str, Any]] = []
     message_id, text, calls = None, "", []
     finish, usage, metrics = None, None, None
+    open_call: tuple[str, int, dict[str, Any]] | None = None  # the call whose arguments are streaming
 
     def text_done() -> list[str]:
         index, item = len(output), message_item(message_id, text)
@@ -314,6 +315,20 @@ async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
                       logprobs=[]),
                 event("response.content_part.done", item_id=message_id, output_index=index, content_index=0, part=part),
                 event("response.output_item.done", output_index=index, item=item)]
+
+    def close() -> list[str]:
+        """Events that end the open item (a text, or a call), before another starts or at the end."""
+        nonlocal open_call, message_id
+        if open_call is not None:
+            item_id, index, call = open_call
+            item, open_call = call_item(item_id, call), None
+            output.append(item)
+            return [event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                          arguments=call["function"]["arguments"], name=call["function"]["name"]),
+                    event("response.output_item.done", output_index=index, item=item)]
+        if message_id is not None and not any(item["id"] == message_id for item in output):
+            return text_done()
+        return []
 
     async for raw in chunks:
         payload = raw[len("data: "):].strip()
@@ -332,7 +347,9 @@ async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                if message_id is None:
+                if message_id is None or open_call is not None or any(item["id"] == message_id for item in output):
+                    for done_event in close():
+                        yield done_event
                     message_id = _new_id("msg_")
                     yield event("response.output_item.added", output_index=len(output),
                                 item=message_item(message_id, "", "in_progress"))
@@ -342,26 +359,25 @@ async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
                 text += delta["content"]
                 yield event("response.output_text.delta", item_id=message_id, output_index=len(output),
                             content_index=0, delta=delta["content"], logprobs=[])
-            for call in delta.get("tool_calls") or []:
-                if message_id is not None and not any(item["id"] == message_id for item in output):
-                    for done_event in text_done():
+            for piece in delta.get("tool_calls") or []:  # a call's first piece has its id (ToolStream)
+                if "id" in piece:
+                    for done_event in close():
                         yield done_event
-                calls.append(call)
-                item_id, index = _new_id("fc_"), len(output)
-                yield event("response.output_item.added", output_index=index, item=call_item(item_id, call, "in_progress"))
-                arguments = call["function"]["arguments"]
-                yield event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                            delta=arguments)
-                yield event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                            arguments=arguments, name=call["function"]["name"])
-                item = call_item(item_id, call)
-                output.append(item)
-                yield event("response.output_item.done", output_index=index, item=item)
+                    call = {"id": piece["id"], "type": "function",
+                            "function": {"name": piece["function"]["name"], "arguments": ""}}
+                    calls.append(call)
+                    open_call = (_new_id("fc_"), len(output), call)
+                    yield event("response.output_item.added", output_index=len(output),
+                                item=call_item(open_call[0], call, "in_progress"))
+                arguments = piece["function"].get("arguments") or ""
+                if arguments and open_call is not None:
+                    open_call[2]["function"]["arguments"] += arguments
+                    yield event("response.function_call_arguments.delta", item_id=open_call[0],
+                                output_index=open_call[1], delta=arguments)
             if choice.get("finish_reason") is not None:
                 finish = choice["finish_reason"]
-    if message_id is not None and not any(item["id"] == message_id for item in output):
-        for done_event in text_done():
-            yield done_event
+    for done_event in close():
+        yield done_event
     body = shell.body("completed", output, usage, finish, metrics)
     done(body, shell.finished(text or None, calls))
     # response.completed also for a response cut by max_output_tokens (its status "incomplete"),

@@ -176,6 +176,10 @@ def split_tool_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, lis
     return (content or None) if calls else (text or None), calls
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(body: str, names: tuple[str, ...]) -> dict[str, Any] | None:
     try:
         data = json.loads(body)
@@ -184,44 +188,189 @@ def _call(body: str, names: tuple[str, ...]) -> dict[str, Any] | None:
     if not isinstance(data, dict) or data.get("name") not in names:
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": data["name"],
-                         "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments,
-                                                                                               ensure_ascii=False)}}
+    if not isinstance(arguments, str):
+        # The arguments as the model wrote them where a stream would have sent them so (the
+        # usual layout), so that a whole reply's and a stream's arguments are the same string.
+        header = _read_header(OPEN + body, names)
+        written = _object_end(OPEN + body, header[2]) if header[0] == "match" else None
+        raw = (OPEN + body)[header[2]:written] if written is not None else None
+        arguments = raw if raw is not None and json.loads(raw) == arguments else json.dumps(arguments,
+                                                                                             ensure_ascii=False)
+    return {"id": new_call_id(), "type": "function", "function": {"name": data["name"], "arguments": arguments}}
+
+
+# What follows the opening markup of a call whose arguments can be streamed: the layout the
+# Qwen2.5 and Hermes templates teach, and the one the tool-call grammar writes.
+_HEADER = ("{", '"name"', ":", None, ",", '"arguments"', ":", "{")  # None: the function's name, a JSON string
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_-]*")
+
+
+def _read_header(text: str, names: tuple[str, ...]) -> tuple[str, str, int]:
+    """How ``text`` (which begins ``<tool_call>``) opens: ``("match", name, at)`` when it is
+    ``{"name": "<one of names>", "arguments": {`` (any whitespace between), ``at`` the index of
+    the arguments' ``{``; ``("maybe", "", 0)`` while it may still become one; ``("no", "", 0)``."""
+    pos, name = len(OPEN), ""
+    for expected in _HEADER:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos == len(text):
+            return "maybe", "", 0
+        if expected is None:
+            if text[pos] != '"':
+                return "no", "", 0
+            word = _NAME_CHARS.match(text, pos + 1)
+            assert word is not None  # the pattern matches the empty string
+            end = word.end()
+            if end == len(text):
+                return ("maybe", "", 0) if any(n.startswith(word.group()) for n in names) else ("no", "", 0)
+            if text[end] != '"' or word.group() not in names:
+                return "no", "", 0
+            name, pos = word.group(), end + 1
+            continue
+        piece = text[pos:pos + len(expected)]
+        if not expected.startswith(piece):
+            return "no", "", 0
+        if len(piece) < len(expected):
+            return "maybe", "", 0
+        pos += len(expected)
+    return "match", name, pos - 1
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """The index after the JSON object that opens at ``text[start]`` (``{``), None when the text
+    ends first. Counts brackets outside strings; whether it is valid JSON is not checked here."""
+    scan = _JsonScan()
+    for i in range(start, len(text)):
+        if scan.step(text[i]):
+            return i + 1
+    return None
+
+
+class _JsonScan:
+    """Where a JSON value made of objects and arrays closes, read a character at a time."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def step(self, char: str) -> bool:
+        """Read ``char``; True when it closes the outermost bracket."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+            return False
+        if char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+        elif char in "}]":
+            self.depth -= 1
+            return self.depth == 0
+        return False
+
+
+CallDelta = dict[str, Any]  # a chat chunk's tool_calls entry: {"index", "id"?, "type"?, "function": {...}}
 
 
 class ToolStream:
-    """Streamed text split into content deltas and, at the end, tool calls: text that may begin
-    a ``<tool_call>`` is held back until it is known not to; from a call's opening on, the rest
-    is buffered and parsed when the generation ends (OpenAI streams a call's arguments in
-    pieces; one piece is the same to a client that concatenates them)."""
+    """Streamed text split into content and tool calls, as vLLM's and OpenAI's streams send them.
+
+    Text that may begin a ``<tool_call>`` is held back until it is known not to. A call in the
+    usual layout (``{"name": "<tool>", "arguments": {``, the one the templates teach and the
+    grammar of ``required`` writes) is sent as it decodes: a first delta with its ``id``,
+    ``type`` and ``name`` and empty ``arguments``, then the arguments' text in pieces, each
+    with the call's ``index``; the markup after the arguments is dropped. A block in another
+    layout is held, with all the text after it, and parsed when the generation ends
+    (``split_tool_calls``), its calls sent whole. A streamed call is sent before the end of its
+    block is seen: one cut by max_tokens, or whose arguments are not JSON, stays a call (with
+    those arguments), where a whole reply leaves such a block in its content.
+    """
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
-        self._pending = ""  # text not yet sent: a possible start of OPEN, or everything from OPEN on
-        self._in_call = False
+        self._pending = ""  # text not yet sent: a possible start of OPEN, or a call's markup
+        self._mode = "content"  # content, header (after OPEN), arguments, after (the markup to CLOSE), held
+        self._scan = _JsonScan()
+        self.calls = 0  # calls sent so far (the next call's index)
 
-    def feed(self, delta: str) -> str:
-        """The part of ``delta`` (with what was held back) that is surely content."""
+    def feed(self, delta: str) -> tuple[str, list[CallDelta]]:
+        """The content and the call deltas that ``delta`` (with what was held back) makes sure."""
         self._pending += delta
-        if self._in_call:
-            return ""
-        at = self._pending.find(OPEN)
-        if at >= 0:
-            self._in_call = True
-            out, self._pending = self._pending[:at], self._pending[at:]
-            return out
-        hold = _partial_suffix(self._pending, OPEN)
-        out = self._pending[: len(self._pending) - hold]
-        self._pending = self._pending[len(out):]
-        return out
+        content: list[str] = []
+        calls: list[CallDelta] = []
+        while self._step(content, calls):
+            pass
+        return "".join(content), calls
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The content still held and the calls parsed from it."""
-        content, calls = split_tool_calls(self._pending, self.names)
+    def _step(self, content: list[str], calls: list[CallDelta]) -> bool:
+        """Advance through the pending text as far as it is sure; True to go on."""
+        if self._mode == "content":
+            at = self._pending.find(OPEN)
+            if at >= 0:
+                if not self.calls or self._pending[:at].strip():  # whitespace between calls is dropped
+                    content.append(self._pending[:at])
+                self._pending, self._mode = self._pending[at:], "header"
+                return True
+            hold = _partial_suffix(self._pending, OPEN)
+            sure = self._pending[: len(self._pending) - hold]
+            if self.calls and not sure.strip():
+                return False  # whitespace after a call: held, and dropped if nothing else follows
+            content.append(sure)
+            self._pending = self._pending[len(sure):]
+            return False
+        if self._mode == "header":
+            found, name, at = _read_header(self._pending, self.names)
+            if found == "no":
+                self._mode = "held"
+            elif found == "match":
+                calls.append({"index": self.calls, "id": new_call_id(), "type": "function",
+                              "function": {"name": name, "arguments": ""}})
+                self._pending, self._mode, self._scan = self._pending[at:], "arguments", _JsonScan()
+                return True
+            return False
+        if self._mode == "arguments":
+            for i, char in enumerate(self._pending):
+                if self._scan.step(char):
+                    self._send(self._pending[: i + 1], calls)
+                    self._pending, self._mode = self._pending[i + 1:], "after"
+                    self.calls += 1
+                    return True
+            self._send(self._pending, calls)
+            self._pending = ""
+            return False
+        if self._mode == "after":
+            at = self._pending.find(CLOSE)
+            if at < 0:
+                return False
+            self._pending, self._mode = self._pending[at + len(CLOSE):], "content"
+            return True
+        return False  # held: parsed at the end
+
+    def _send(self, arguments: str, calls: list[CallDelta]) -> None:
+        if arguments:
+            calls.append({"index": self.calls, "function": {"arguments": arguments}})
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """The content still held and the calls parsed from it, whole (their ``index`` after the
+        streamed ones'). A streamed call cut before its end is over: its markup is dropped."""
+        held, self._pending = self._pending, ""
+        if self._mode in ("arguments", "after"):
+            if self._mode == "arguments":
+                self.calls += 1
+            self._mode = "content"
+            return "", []
+        content, calls = split_tool_calls(held, self.names)
         if not calls:
-            return self._pending, []
-        return content or "", calls
+            return ("" if self.calls and not held.strip() else held), []
+        first, self.calls = self.calls, self.calls + len(calls)
+        return content or "", [{"index": first + i, **call} for i, call in enumerate(calls)]
+
+    @property
+    def called(self) -> bool:
+        return self.calls > 0
 
 
 def _partial_suffix(text: str, marker: str) -> int:
