@@ -46,6 +46,7 @@ from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.planner import DecoderResources, PlanRequest, plan_request
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
+from specdecode.engine.batch_rows import auto_suffix_depth
 from specdecode.engine.batch_run import run_samples
 from specdecode.engine.grammar import GrammarCompiler
 from specdecode.engine.metrics import GenerationStats
@@ -417,7 +418,8 @@ class SpecDecoder:
                  else batch_model(self.draft, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots))
         verify_costs = draft_costs = None
         if cost_aware:
-            verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.config.k_max, live=self.costs.live)
+            verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.config.k_max, live=self.costs.live,
+                                                         longest_draft=auto_suffix_depth(self.config.k_max))
         return BatchEngine(
             target, draft, self.eos_token_ids,
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,

@@ -25,6 +25,17 @@ def test_a_sure_lookup_drafts_all_it_found_and_a_doubtful_one_decodes_plainly() 
     assert costly.choose([doubtful], 1) == 0 and costly.pick(doubtful, 0, 1).option is None
 
 
+def test_a_long_sure_lookup_drafts_past_k_max_and_fixed_rows_keep_their_cap() -> None:
+    """An auto row's suffix chain may offer more than k_max tokens (as on the single path): the
+    batch's k follows it, while a fixed row beside it still drafts at most its own cap."""
+    long_chain = RowChoices((BatchRow(0.95, 20, uses_draft_model=False),))
+    fixed = BatchRow(0.95, 4, uses_draft_model=False)
+    chooser = BatchK(8, flat())
+    k = chooser.choose([long_chain, fixed], 2)
+    assert k == 20 and chooser.pick(long_chain, k, 2).k == 20
+    assert min(k, fixed.cap) == 4
+
+
 def test_a_row_takes_the_draft_model_only_where_its_passes_pay() -> None:
     """A lookup offering 3 tokens and the draft model offering 5, both at 80%: a cheap draft pass
     makes the model's longer draft the better buy, a pass as dear as the target's does not."""

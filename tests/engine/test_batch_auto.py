@@ -234,3 +234,20 @@ def test_generate_batch_runs_auto(dec) -> None:
     assert [r.token_ids for r in results] == [dec.generate(p, SamplingParams(max_new_tokens=12), method="none").token_ids
                                              for p in prompts]
     assert all(r.stats.method == "auto" and r.stats.steps_by_source for r in results)
+
+
+def test_an_auto_rows_suffix_chain_drafts_past_k_max(dec) -> None:
+    """The second time a prompt runs in its group, the suffix chain holds the whole earlier
+    answer: with cheap extra verify rows the row drafts past the engine's k_max in one step (as
+    the single path's auto does, up to AUTO_DEPTH), and the output is still plain decoding's."""
+    k_max = 4
+    eng = lookup_engine(dec, max_batch=1, k_max=k_max, verify_costs=PassCosts({1: 1.0, 64: 1.1}))
+    prompt, params = dec.encode(REPEATING[1]), SamplingParams(max_new_tokens=40, ignore_eos=True)
+    outputs, stats = [], []
+    for _ in range(2):
+        stats.append(GenerationStats())
+        request_id = eng.add_request(prompt, params, "auto", None, stats=stats[-1], suffix_group="g")
+        outputs.append(eng.run()[request_id])
+    assert outputs[0] == outputs[1] == dec.generate(prompt, params, method="none").token_ids
+    assert len(stats[1].proposed_at_position) > k_max, stats[1].proposed_at_position
+    assert stats[1].steps_by_source.get("suffix", 0) > 0

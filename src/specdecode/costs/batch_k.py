@@ -1,7 +1,7 @@
 """How many tokens a whole batch drafts per step, from acceptance and measured pass costs.
 
 The batch engine drafts one k for every speculating row (each row capped by its own request's
-k and remaining tokens). The choice maximises the batch's expected tokens per second:
+k and remaining tokens; an auto row's suffix chain may go past k_max, and k with it). The choice maximises the batch's expected tokens per second:
 
     sum_b E(a_b, k_b) / (k draft passes over the draft-model rows + one verify pass of
                          B rows x (max k_b + 1) tokens, the batch padded to its longest row;
@@ -287,7 +287,11 @@ class BatchK:
         # about this size, and a marginal gain is lost to read-aheads and probes.
         best, best_model = 0, True
         best_rate = batch_size / self.verify.seconds(batch_size, 1) * (1 + SPECULATION_MARGIN)
-        for k in range(1, self.k_max + 1):
+        # A lookup may offer more than k_max tokens (an auto row's suffix chain): k goes as far
+        # as the longest offer; every other row drafts at most its own cap.
+        longest = max([self.k_max, *(option.cap for row in speculative if isinstance(row, RowChoices)
+                                     for option in row.options)])
+        for k in range(1, longest + 1):
             for model_allowed in ways:
                 picks = [self._pick(row, k, batch_size, model_allowed, acceptance) for row in speculative]
                 tokens = plain_rows + sum(expected_tokens(p.acceptance, p.k) for p in picks)

@@ -151,11 +151,12 @@ class DecoderCosts:
 
 
 def batch_pass_costs(
-    target: BatchModel, draft: BatchModel | None, max_batch: int, k_max: int, live: bool
+    target: BatchModel, draft: BatchModel | None, max_batch: int, k_max: int, live: bool, longest_draft: int = 0,
 ) -> tuple[PassCosts, PassCosts | None]:
     """(target, draft) pass costs for a batch engine of ``max_batch`` rows drafting up to
-    ``k_max``: one sequence over 1..64 rows, and the batched shapes it will run often."""
-    most_rows = max_batch * (k_max + 1)
+    ``k_max`` (one row's lookup up to ``longest_draft``): one sequence over 1..64 rows, and the
+    batched shapes it will run often."""
+    most_rows = max(max_batch * (k_max + 1), longest_draft + 1)
     rows = sorted({1, 2, 4, 8, 16, 32, 64, most_rows} & set(range(1, min(most_rows, BATCH_PROBE_MAX_ROWS) + 1)))
     # Batched shapes the engine will run often: plain steps and short drafts, at a middling and
     # the largest batch.

@@ -37,10 +37,14 @@ MODEL = "draft"
 class AutoRow:
     """A batch row's host drafter for method auto (the module docstring)."""
 
-    def __init__(self, ngram: NgramDrafter, suffix: SuffixDrafter, lookup_cap: int) -> None:
+    def __init__(self, ngram: NgramDrafter, suffix: SuffixDrafter, ngram_cap: int) -> None:
         self.ngram = ngram
         self.suffix = suffix
-        self.lookup_cap = lookup_cap  # the most tokens a lookup drafts (the engine's k_max)
+        self.ngram_cap = ngram_cap  # the most tokens prompt lookup drafts (the engine's k_max)
+        # A suffix chain drafts as deep as its proposer goes (``AUTO_DEPTH``, past k_max, as on
+        # the single path): it costs no pass per token, and its proposer, given the target's
+        # pass costs, stops where a longer chain would not pay (``SuffixProposer._choose``).
+        self.suffix_cap = suffix.proposer.depth
         self.agreement = {source: LookupAgreement() for source in LOOKUP_SOURCES}
         # Steps each source drafted (PLAIN: none did); the request's GenerationStats holds it.
         self.steps_by_source: Counter[str] = Counter()
@@ -72,12 +76,13 @@ class AutoRow:
         self.suffix.extend(tokens)
 
     def choices(self, remaining: int, model: BatchRow | None) -> RowChoices:
-        """This step's options: each lookup that found tokens (at most ``lookup_cap`` and
+        """This step's options: each lookup that found tokens (at most its cap and
         ``remaining - 1``: a step emits its drafts and one more), then ``model`` (the draft
         model's option, None where the row has none). The offers are kept to be scored by the
         tokens committed next, whichever source steps."""
-        cap = max(0, min(self.lookup_cap, remaining - 1))
+        cap = max(0, min(self.ngram_cap, remaining - 1))
         lookup = self.ngram.match(cap)[0] if cap else []
+        cap = max(0, min(self.suffix_cap, remaining - 1))
         # Only looked at (mark=False): calibrated by the committed tokens only if drafted (``match``).
         self._chain = self.suffix.proposer.propose(cap, tree=False, mark=False) if cap else Draft()
         self._offers = {"ngram": lookup, "suffix": list(self._chain.tokens)}

@@ -195,7 +195,7 @@ class BatchEngine:
             raise InvalidRequestError(f"Request {request_id!r} can fork only a request with its prompt and cache_salt; "
                                       f"{fork_of!r} has another.")
         drafters = row_drafters(method, k, self.k_max, suffix_group, self.suffix_cache, self.ngram_sizes,
-                                self.model_can_pay, self.trees, self.heads)
+                                self.model_can_pay, self.trees, self.heads, self.chooser.verify)
         request = BatchRequest.start(request_id, prompt_ids, params, method, k, drafters, grammar,
                                      self.target.vocab_size, self.device, stats or GenerationStats(),
                                      time.perf_counter() if arrived is None else arrived)

@@ -19,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from specdecode.costs.batch_k import PassCosts
 from specdecode.drafters import registry
 from specdecode.drafters.auto_row import AutoRow
 from specdecode.drafters.base import HeadsDrafter, TreeDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer, SuffixTreeDrafter
+from specdecode.drafters.suffix import AUTO_DEPTH, SuffixDrafter, SuffixProposer, SuffixTreeDrafter
 from specdecode.drafters.suffix_cache import SuffixCache
 from specdecode.errors import InvalidRequestError
 
@@ -62,6 +63,12 @@ def uses_draft(method: str, model_can_pay: bool) -> bool:
     return method == "draft" or (method == "auto" and model_can_pay)
 
 
+def auto_suffix_depth(k_max: int) -> int:
+    """How deep an auto row's suffix chain may draft: past k_max, as ``--method suffix --k auto``
+    (``drafters/planner.suffix_depth``): a model-free draft pays no pass per token."""
+    return max(k_max, AUTO_DEPTH)
+
+
 def row_drafters(
     method: str,
     k: int,
@@ -72,12 +79,15 @@ def row_drafters(
     model_can_pay: bool,
     trees: bool,
     heads: Mapping[str, HeadsDrafter],
+    verify_costs: PassCosts | None = None,
 ) -> RowDrafters:
     """The drafters of a row of ``method`` (one of ``BATCH_METHODS``, checked by the engine) with
     draft length cap ``k``: a lookup drafts up to ``k``, or in auto up to ``k_max`` (the draft
     model's cap stays the request's ``k``, as on the single path). ``trees``: the target scores
     token trees (``BatchModel.supports_trees``); a suffix row then drafts trees ``k`` deep.
-    ``heads``: the engine's Medusa and EAGLE drafters by method, of which a row gets a fresh one."""
+    ``heads``: the engine's Medusa and EAGLE drafters by method, of which a row gets a fresh one.
+    ``verify_costs``: the target's pass costs as now priced (None: not timed), at which an auto
+    row's suffix chain chooses its length, as on the single path (``drafters/planner.plan_auto``)."""
     if method == "ngram":
         return RowDrafters(NgramDrafter(*ngram_sizes), None, False)
     if method == "suffix":
@@ -86,8 +96,11 @@ def row_drafters(
             return RowDrafters(SuffixTreeDrafter(proposer), None, False, tree_nodes=proposer.tree_size)
         return RowDrafters(SuffixDrafter(proposer), None, False)
     if method == "auto":
-        suffix = SuffixDrafter(SuffixProposer(suffix_cache, suffix_group, depth=k_max))
-        row = AutoRow(NgramDrafter(*ngram_sizes), suffix, lookup_cap=k_max)
+        depth = auto_suffix_depth(k_max)
+        verify_seconds = (None if verify_costs is None
+                          else [verify_costs.seconds(1, rows) for rows in range(1, depth + 2)])
+        suffix = SuffixDrafter(SuffixProposer(suffix_cache, suffix_group, depth=depth, verify_seconds=verify_seconds))
+        row = AutoRow(NgramDrafter(*ngram_sizes), suffix, ngram_cap=k_max)
         return RowDrafters(row, row, uses_draft(method, model_can_pay))
     if method == registry.LAYERSKIP.name:
         return RowDrafters(None, None, False, skips_layers=True)
