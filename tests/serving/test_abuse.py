@@ -10,12 +10,9 @@ import time
 
 import httpx
 import pytest
-from server_helpers import MODEL, PROMPT, metric, sse_data, wait_for
+from server_helpers import MODEL, PROMPT, metric, schema_fuzz, sse_data, wait_for
 
 import specdecode.engine.batch
-
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402 - only once schemathesis is known installed
 
 FUZZ_EXAMPLES = 40  # per route and generation mode: 160 requests in all
 FUZZ_MAX_TOKENS = 16  # valid requests are cut to this many tokens, so that the fuzz stays fast
@@ -65,19 +62,6 @@ def _shorten(body: object) -> object:
     return body
 
 
-def _send(url: str, body: object) -> httpx.Response:
-    """POST a generated body (sent with httpx rather than case.call: the same bytes, and a stream
-    read in full): an answer within REQUEST_SECONDS, no 5xx, and OpenAI's error body on a 4xx."""
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()  # surrogates as \\ud800 escapes
-    started = time.perf_counter()
-    response = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=REQUEST_SECONDS)
-    assert time.perf_counter() - started < REQUEST_SECONDS
-    assert response.status_code < 500, (body, response.text)
-    if response.status_code >= 400:
-        assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text
-    return response
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("mode", ["positive", "negative"])
@@ -86,17 +70,8 @@ def test_schema_fuzz_gets_no_5xx_and_no_hang(served, path: str, mode: str) -> No
     break it (negative: wrong types, missing fields, raw bytes). Every answer is a 200 or a 4xx
     with the OpenAI error body, and arrives within REQUEST_SECONDS."""
     base, _ = served
-    schema = schemathesis.openapi.from_url(base + "/openapi.json")
-    operation = schema[path]["POST"]
-    statuses: list[int] = []
 
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
-    def check(case) -> None:
-        body = _shorten(case.body)
-        response = _send(base + path, body)
-        statuses.append(response.status_code)
+    def whole(body: object, response: httpx.Response) -> None:
         if response.status_code >= 400:
             return
         if response.headers["content-type"].startswith("text/event-stream"):
@@ -105,7 +80,7 @@ def test_schema_fuzz_gets_no_5xx_and_no_hang(served, path: str, mode: str) -> No
         else:
             assert response.json()["choices"], response.text
 
-    check()
+    statuses = schema_fuzz(base, path, mode, FUZZ_EXAMPLES, prepare=_shorten, check=whole, timeout=REQUEST_SECONDS)
     assert len(statuses) >= FUZZ_EXAMPLES // 2
     if mode == "positive":  # the schema is right: most valid requests decode
         assert statuses.count(200) >= len(statuses) // 2, statuses
@@ -192,28 +167,21 @@ def test_schema_fuzz_with_hostile_grammars_and_tools(served, path: str) -> None:
     """Valid generated bodies with one hostile patch each: every answer is a 200 or a 4xx with the
     OpenAI error body within REQUEST_SECONDS, /health stays ok, and the server's resident memory
     grows by less than HOSTILE_RSS_GROWTH_BOUND."""
-    from hypothesis import strategies as st
-
     base, _ = served
-    schema = schemathesis.openapi.from_url(base + "/openapi.json")
-    operation = schema[path]["POST"]
     rss_before = metric(base, "specdecode_process_resident_memory_bytes")
-    statuses: list[int] = []
 
-    @settings(max_examples=HOSTILE_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(operation.as_strategy(generation_mode=schemathesis.GenerationMode("positive")),
-           st.sampled_from(HOSTILE_PATCHES))
-    def check(case, patch: dict) -> None:
-        body = _shorten(case.body)
-        if not isinstance(body, dict):
-            return
-        for name in ("response_format", "structured_outputs", "tools", "tool_choice"):
-            body.pop(name, None)  # the patch's constraint alone (two would be a plain 400)
-        statuses.append(_send(base + path, body | patch).status_code)
+    def alone(body: object) -> object:
+        body = _shorten(body)
+        if isinstance(body, dict):
+            for name in ("response_format", "structured_outputs", "tools", "tool_choice"):
+                body.pop(name, None)  # the patch's constraint alone (two would be a plain 400)
+        return body
+
+    def healthy(body: object, response: httpx.Response) -> None:
         assert httpx.get(base + "/health").json()["status"] == "ok"
 
-    check()
+    statuses = schema_fuzz(base, path, "positive", HOSTILE_EXAMPLES, prepare=alone, check=healthy,
+                           patches=HOSTILE_PATCHES, timeout=REQUEST_SECONDS)
     growth = metric(base, "specdecode_process_resident_memory_bytes") - rss_before
     print(f"hostile fuzz {path}: {len(statuses)} requests, statuses {sorted(set(statuses))}, "
           f"RSS growth {growth / 2**20:+.1f} MiB")
