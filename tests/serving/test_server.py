@@ -114,7 +114,7 @@ def test_library_errors_name_what_a_client_sets(served) -> None:
     """A library error a request causes names the request's field (max_tokens, not the library's
     max_new_tokens) and the server's flags."""
     from specdecode.errors import InvalidRequestError
-    from specdecode.serving.protocol import client_message
+    from specdecode.serving.api_errors import client_message
 
     base, _ = served
     response = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 10**9})

@@ -15,7 +15,8 @@ import httpx
 import pytest
 from server_helpers import MODEL
 
-from specdecode.serving.protocol import APIError, check_unicode
+from specdecode.serving.api_errors import APIError
+from specdecode.serving.unicode_check import check_unicode
 
 BAD = "a\ud800b"  # a lone surrogate at character 1
 WELL_FORMED = "ab"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specdecode.serving.protocol import APIError
+from specdecode.serving.api_errors import APIError
 
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 # Anthropic's error types by HTTP status (docs.anthropic.com, "Errors"); any other status is an

@@ -30,9 +30,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from specdecode.serving.anthropic_errors import anthropic_error_body, anthropic_error_json
+from specdecode.serving.api_errors import APIError
 from specdecode.serving.generation import unless_disconnected
-from specdecode.serving.protocol import APIError, check_unicode
 from specdecode.serving.state import ServerState
+from specdecode.serving.unicode_check import check_unicode
 from specdecode.serving.utility_routes import check_text_chars, load_body, validated
 
 # Fields passed to the chat route as they are (the last four are this server's extensions).

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdecode.serving.anthropic_errors import ANTHROPIC_PATHS, anthropic_error_json
-from specdecode.serving.protocol import APIError
+from specdecode.serving.api_errors import APIError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -29,9 +29,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.serving.protocol import DEFAULT_CHAT_MAX_TOKENS, APIError, check_unicode
+from specdecode.serving.api_errors import APIError
+from specdecode.serving.protocol import DEFAULT_CHAT_MAX_TOKENS
 from specdecode.serving.responses import sse
 from specdecode.serving.state import ServerState
+from specdecode.serving.unicode_check import check_unicode
 from specdecode.serving.utility_routes import check_text_chars, load_body
 
 # FIM token names by model family: prefix, suffix, middle, repo name, file separator (None:

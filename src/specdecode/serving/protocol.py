@@ -1,5 +1,5 @@
-"""The OpenAI request bodies the server accepts: validation into a ``ParsedRequest``, and the
-error a client gets back (``APIError``, an OpenAI-style JSON body).
+"""The OpenAI request bodies the server accepts: validation into a ``ParsedRequest`` (a bad one
+raises ``serving/api_errors.py: APIError``; text is checked by ``serving/unicode_check.py``).
 
 Everything here runs before a request reaches an engine, so that a streaming request too gets
 a 4xx instead of an error event after its 200. Fields the server does not implement
@@ -10,16 +10,16 @@ carry their default value, so that clients which always send ``best_of: 1`` or
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from specdecode.config import MAX_CHOICES, MAX_LOGPROBS, SamplingParams, StructuredOutput
-from specdecode.errors import SpecDecodeError, reword_params
+from specdecode.errors import SpecDecodeError
+from specdecode.serving.api_errors import APIError, client_message
 from specdecode.serving.tools import ToolError, ToolRequest, parse_tools, tool_message
+from specdecode.serving.unicode_check import check_unicode
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -29,46 +29,6 @@ MAX_REPETITION_PENALTY = 10.0  # beyond it every seen token is all but banned
 MAX_SEED = 2**63 - 1  # torch seeds are 64-bit; vLLM limits seeds to int64 too
 # Chat roles a request may use; `developer` is OpenAI's newer name for `system`.
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-# Library parameters (``errors.reword_params``) as a client of this server sets them: a request
-# field, or a flag the server was started with.
-REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "method": "method", "k": "k", "temperature": "temperature",
-                  "top_k": "top_k", "top_p": "top_p", "seed": "seed"}
-SERVER_FLAGS = {"kv_cache_tokens": "--kv-cache-tokens", "backend": "--backend", "kv_dtype": "--kv-dtype",
-                "k_max": "--k-max", "heads": "--heads", "draft": "--draft", "grammar_timeout": "--grammar-timeout"}
-
-
-def _as_client_words(name: str, value: str) -> str | None:
-    if name in REQUEST_FIELDS:
-        return f"{REQUEST_FIELDS[name]}={value}" if value else REQUEST_FIELDS[name]
-    if name in SERVER_FLAGS:
-        return f"{SERVER_FLAGS[name]} {value}".rstrip()
-    if name == "chat":  # chat=True is the chat endpoint
-        return "the chat endpoint: POST it to /v1/completions"
-    return None
-
-
-def client_message(err: SpecDecodeError) -> str:
-    """A library error's message with its parameters named as a client of this server sets them."""
-    return reword_params(str(err), _as_client_words)
-
-
-class APIError(Exception):
-    """An error to return as an OpenAI-style JSON body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def json(self) -> str:
-        # ASCII escapes: a message may quote client text, which may hold a lone surrogate that
-        # UTF-8 cannot encode.
-        return json.dumps(self.body(), ensure_ascii=True)
 
 
 MAX_CACHE_SALT_CHARS = 256
@@ -203,84 +163,6 @@ def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: An
         names = " or ".join(k.__name__ for k in kinds)
         raise APIError(400, f"'{name}' must be {names}, got {type(value).__name__}.", name)
     return value
-
-
-# A key a path names with a dot (``tools[0].function.name``); any other key is quoted in brackets.
-_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-
-
-def _segment(key: str) -> str:
-    if _PLAIN_KEY.match(key):
-        return f".{key}"
-    return f"[{json.dumps(key, ensure_ascii=True)}]"  # escaped: the key may be the bad string itself
-
-
-WELL_FORMED = "send well-formed UTF-8 text (a character past U+FFFF escaped as a surrogate pair, or as itself)."
-# A place in a request: (parent node, its path segment such as ".name" or "[0]", top-level key).
-_PathNode = tuple[Any, str, str | None]
-
-
-def _path(node: _PathNode) -> str:
-    segments = []
-    while node is not None:
-        node, segment, _ = node
-        segments.append(segment)
-    return "".join(reversed(segments)).lstrip(".")
-
-
-def _where(node: _PathNode) -> str:
-    path = _path(node)
-    return f"'{path}'" if path else "the request body"
-
-
-def _unencodable_at(text: str) -> int | None:
-    """The index of ``text``'s first character that UTF-8 cannot encode (a lone surrogate), or None."""
-    if text.isascii():  # the common case, without encoding a copy of a long prompt
-        return None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        return err.start
-    return None
-
-
-def check_unicode(value: Any, root: str = "", param: str | None = None) -> None:
-    """Refuse (400) the first string in ``value``, a decoded JSON value, that UTF-8 cannot
-    encode: dict keys and strings at any depth, named by their path (``tools[0].function.
-    description``) and the character's index. JSON's ``\\ud800`` escape decodes to a lone
-    surrogate, which no tokenizer, chat template or response encoder accepts; walking the whole
-    body rather than the fields the server reads today covers fields added later too. Refused,
-    not replaced: a lossless server does not change the user's text.
-
-    ``root``: the path of ``value`` in the request (JSON the server decodes out of a request's
-    string, such as a tool call's ``arguments``, goes through here again). ``param``: the field
-    to name in the error (default: the top-level key the string is under)."""
-    # Iterative, not recursive: a body may be nested as deep as the JSON parser allows. A node is
-    # (parent node, path segment, top-level key), so a path is built only for a string that fails.
-    stack: list[tuple[Any, _PathNode]] = [(value, (None, root, param))]
-    while stack:
-        item, node = stack.pop()
-        if isinstance(item, str):
-            at = _unencodable_at(item)
-            if at is not None:
-                where = _where(node)
-                raise APIError(400, f"{where[:1].upper() + where[1:]} holds invalid Unicode (a lone surrogate at "
-                                    f"character {at}); {WELL_FORMED}", node[2])
-        elif isinstance(item, dict):
-            children = []
-            for key, child in item.items():
-                # The body's own keys are the fields an error names (escaped, as in any message).
-                top = node[2] if node[2] is not None else json.dumps(key)[1:-1]
-                at = _unencodable_at(key)
-                if at is not None:
-                    raise APIError(400, f"A key in {_where(node)} ({json.dumps(key)}) holds invalid Unicode (a lone "
-                                        f"surrogate at character {at}); {WELL_FORMED}", top)
-                if isinstance(child, str | dict | list):
-                    children.append((child, (node, _segment(key), top)))
-            stack.extend(reversed(children))  # reversed: the first field is checked first
-        elif isinstance(item, list):
-            stack.extend((child, (node, f"[{i}]", node[2])) for i, child in reversed(list(enumerate(item)))
-                         if isinstance(child, str | dict | list))
 
 
 def _message_content(content: Any, index: int) -> str:

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from specdecode.serving.protocol import APIError
+from specdecode.serving.api_errors import APIError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

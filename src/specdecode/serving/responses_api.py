@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from specdecode.serving.protocol import APIError
+from specdecode.serving.api_errors import APIError
 from specdecode.serving.responses import sse
 from specdecode.serving.responses_store import ResponseStore, response_tenant
 from specdecode.serving.state import ServerState

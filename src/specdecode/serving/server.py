@@ -15,7 +15,7 @@ cancels its request, which frees its blocks before the next step.
 Before a request reaches the application, ``serving/guard.py`` checks its Host, API key,
 Content-Type and body size. Its body is then parsed and tokenized in a thread, so a large prompt
 never stalls the event loop (``/health``, other streams). Bad input gets a 4xx with an
-OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` (``serving/protocol.py``);
+OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` (``serving/api_errors.py``);
 an unexpected failure inside one request gets a 500 with the same shape, and the server keeps
 serving. A request past ``request_timeout`` seconds is stopped with a 504 (or a final error
 event). On SIGTERM or SIGINT the server drains (``serving/shutdown.py``).
@@ -49,11 +49,12 @@ from typing import Any
 
 from specdecode.api import SpecDecoder
 from specdecode.serving.anthropic_messages import add_messages_routes
+from specdecode.serving.api_errors import APIError
 from specdecode.serving.generation import Generation, unless_disconnected
 from specdecode.serving.guard import RequestGuard, error_headers
 from specdecode.serving.health import engine_problem
 from specdecode.serving.infill import add_infill_route
-from specdecode.serving.protocol import APIError, parse_request
+from specdecode.serving.protocol import parse_request
 from specdecode.serving.responses import choice_body, events, final_body, logprobs_body, usage_apart
 from specdecode.serving.responses_api import add_responses_routes
 from specdecode.serving.state import DEFAULT_DRAIN_TIMEOUT, ServerOptions, ServerState

@@ -21,9 +21,10 @@ from typing import Any, Protocol
 from specdecode.api import SpecDecoder
 from specdecode.drafters import registry
 from specdecode.errors import SpecDecodeError
+from specdecode.serving.api_errors import APIError, client_message
 from specdecode.serving.guard import GuardOptions, RetryLater
 from specdecode.serving.metrics import ServerMetrics
-from specdecode.serving.protocol import APIError, ParsedRequest, client_message, parse_request
+from specdecode.serving.protocol import ParsedRequest, parse_request
 from specdecode.serving.suffix_share import DEFAULT_SUFFIX_SHARE
 from specdecode.serving.tools import OPEN
 from specdecode.serving.worker import BatchWorker

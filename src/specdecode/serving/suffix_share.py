@@ -32,7 +32,7 @@ DIGEST_CHARS = 32  # 128 bits of SHA-256: no two keys or salts collide in practi
 
 
 def _digest(text: str) -> str:
-    # surrogatepass: a library caller's salt is not checked as a request's is (serving/protocol.py).
+    # surrogatepass: a library caller's salt is not checked as a request's is (serving/unicode_check.py).
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:DIGEST_CHARS]
 
 

@@ -15,7 +15,8 @@ import asyncio
 from typing import Any
 
 from specdecode import __version__
-from specdecode.serving.protocol import APIError, ParsedRequest, parse_request
+from specdecode.serving.api_errors import APIError
+from specdecode.serving.protocol import ParsedRequest, parse_request
 from specdecode.serving.state import NORMALIZATION_SLACK, ServerState, _load_json
 
 # Fields of a body that parse_request reads as sampling settings and that these routes do not
