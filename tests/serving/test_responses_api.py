@@ -259,3 +259,42 @@ def test_schema_fuzz_gets_no_5xx(served, mode: str) -> None:
     if mode == "positive":
         assert statuses.count(200) >= len(statuses) // 3, statuses
     print(f"fuzz {mode} /v1/responses: {len(statuses)} requests, statuses {sorted(set(statuses))}")
+
+
+def test_the_events_of_text_a_streamed_call_and_text_again() -> None:
+    """Chat chunks (text, a call in pieces, text after it) as Responses events: each text its own
+    message item holding its own text, the call an item between them whose argument deltas add
+    up to its arguments."""
+    from specdecode.serving.responses import sse
+    from specdecode.serving.responses_api import ResponseShell, response_events
+
+    deltas = [{"content": "Let me look."},
+              {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "weather", "arguments": ""}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]},
+              {"content": "Done."}]
+
+    async def chunks():
+        for delta in deltas:
+            yield sse({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+        yield sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}})
+        yield "data: [DONE]\n\n"
+
+    kept = []
+
+    async def collect() -> list[dict]:
+        shell = ResponseShell({"input": ASK}, MODEL, [])
+        return [json.loads(event[len("data: "):]) async for event in
+                response_events(chunks(), shell, lambda body, conversation: kept.append(body))]
+
+    events = asyncio.run(collect())
+    output = events[-1]["response"]["output"]
+    assert [item["type"] for item in output] == ["message", "function_call", "message"]
+    assert [item["content"][0]["text"] for item in (output[0], output[2])] == ["Let me look.", "Done."]
+    assert output[1]["arguments"] == '{"city":"Oslo"}' and output[1]["call_id"] == "call_1"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta") == \
+        '{"city":"Oslo"}'
+    assert [e["text"] for e in events if e["type"] == "response.output_text.done"] == ["Let me look.", "Done."]
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+    assert kept == [events[-1]["response"]] and events[-1]["type"] == "response.completed"

@@ -304,14 +304,15 @@ async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
     yield event("response.in_progress", response=shell.body("in_progress", []))
     output: list[dict[str, Any]] = []
     message_id, text, calls = None, "", []
+    item_start = 0  # where the open message item's text begins in ``text`` (content after a call is a new item)
     finish, usage, metrics = None, None, None
     open_call: tuple[str, int, dict[str, Any]] | None = None  # the call whose arguments are streaming
 
     def text_done() -> list[str]:
-        index, item = len(output), message_item(message_id, text)
+        index, item = len(output), message_item(message_id, text[item_start:])
         part = item["content"][0]
         output.append(item)
-        return [event("response.output_text.done", item_id=message_id, output_index=index, content_index=0, text=text,
+        return [event("response.output_text.done", item_id=message_id, output_index=index, content_index=0, text=part["text"],
                       logprobs=[]),
                 event("response.content_part.done", item_id=message_id, output_index=index, content_index=0, part=part),
                 event("response.output_item.done", output_index=index, item=item)]
@@ -350,7 +351,7 @@ async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
                 if message_id is None or open_call is not None or any(item["id"] == message_id for item in output):
                     for done_event in close():
                         yield done_event
-                    message_id = _new_id("msg_")
+                    message_id, item_start = _new_id("msg_"), len(text)
                     yield event("response.output_item.added", output_index=len(output),
                                 item=message_item(message_id, "", "in_progress"))
                     yield event("response.content_part.added", item_id=message_id, output_index=len(output),
