@@ -270,3 +270,47 @@ def test_schema_fuzz_gets_no_5xx_and_anthropic_errors(served, path: str, mode: s
 
     statuses = schema_fuzz(base, path, mode, FUZZ_EXAMPLES, prepare=_shorten, is_error=anthropic_error)
     print(f"fuzz {mode} {path}: {len(statuses)} requests, statuses {sorted(set(statuses))}")
+
+
+def test_the_events_of_text_a_streamed_call_and_text_again() -> None:
+    """Chat chunks (text, a call in pieces, text after it) as Anthropic's blocks: text, tool_use,
+    text, each opened and closed once; the input_json_delta pieces fold into the tool_use input."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from specdecode.engine.metrics import GenerationStats
+    from specdecode.serving.anthropic_messages import message_events, whole_message
+    from specdecode.serving.responses import sse
+
+    deltas = [{"content": "Let me look."},
+              {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "weather", "arguments": ""}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]},
+              {"content": "Done."}]
+
+    async def chunks():
+        for delta in deltas:
+            yield sse({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+        yield "data: [DONE]\n\n"
+
+    generation = SimpleNamespace(request=SimpleNamespace(prompt=[1, 2, 3]), failure=lambda: None,
+                                 stats=GenerationStats(stop_reason="eos"))
+
+    async def run() -> tuple[list[tuple[str, dict]], dict]:
+        events = [event async for event in message_events(chunks(), generation, MODEL, ())]
+
+        async def replay():
+            for event in events:
+                yield event
+
+        return events, await whole_message(replay())
+
+    events, message = asyncio.run(run())
+    names = [name for name, _ in events]
+    assert names.count("content_block_start") == names.count("content_block_stop") == 3
+    assert [block["type"] for block in message["content"]] == ["text", "tool_use", "text"]
+    assert [message["content"][i]["text"] for i in (0, 2)] == ["Let me look.", "Done."]
+    assert message["content"][1]["input"] == {"city": "Oslo"} and message["content"][1]["id"] == "toolu_1"
+    assert sum(data.get("delta", {}).get("type") == "input_json_delta" for _, data in events) == 2
+    assert message["stop_reason"] == "tool_use"
