@@ -406,9 +406,10 @@ class SpecDecoder:
         for them to finish (docs/design.md#fair-scheduling).
 
         ``cost_aware`` times the target (and draft) on a few pass shapes first (about 25 seconds
-        for the demo pair and a batch of 16 on a 2-core CPU) so that the batch's draft length follows measured
-        costs and falls to plain decoding where speculation stops paying; without it every
-        speculative request drafts its own k each step.
+        for the demo pair and a batch of 16 on a 2-core CPU; the target's one-sequence passes are
+        kept in its cost store, so a later engine on this machine times only the batched shapes)
+        so that the batch's draft length follows measured costs and falls to plain decoding where
+        speculation stops paying; without it every speculative request drafts its own k each step.
         """
         if self.kv_dtype != "auto":
             raise InvalidRequestError('The batch engine\'s KV pool stores the model dtype only; drop kv_dtype="int8".')
@@ -419,7 +420,8 @@ class SpecDecoder:
         verify_costs = draft_costs = None
         if cost_aware:
             verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.config.k_max, live=self.costs.live,
-                                                         longest_draft=auto_suffix_depth(self.config.k_max))
+                                                         longest_draft=auto_suffix_depth(self.config.k_max),
+                                                         store=self.engine.cost_store)
         return BatchEngine(
             target, draft, self.eos_token_ids,
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
@@ -427,6 +429,7 @@ class SpecDecoder:
             ngram_max=self.config.ngram_max, ngram_min=self.config.ngram_min, draft_confidence=self.config.draft_confidence,
             sync_timing=self.engine.sync_timing, suffix_cache=self.suffix_cache, prefix_cache=self.config.prefix_cache,
             scheduling=scheduling, heads=self._head_drafters(), skip_layers=self.config.skip_layers,
+            k_policy=self.config.k_policy,
         )
 
     def _head_drafters(self) -> dict[str, HeadsDrafter]:
@@ -475,6 +478,7 @@ class SpecDecoder:
         suffix_group: str | None = DEFAULT_GROUP,
         cache_salt: str | None = None,
         n: int = 1,
+        k_policy: str | None = None,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once with the batch engine (methods none, ngram, draft,
         suffix, auto: suffix and auto draft from this decoder's earlier responses, and each other's).
@@ -490,6 +494,10 @@ class SpecDecoder:
         ``i`` of prompt ``p``). The samples of a prompt share its prompt's K/V (computed once) and
         decode in one batch; sample ``i`` is seeded with ``seed + i`` (``SamplingParams.for_choice``),
         so sample 0 equals the request with n = 1 and each can be reproduced alone.
+
+        ``k`` and ``k_policy`` as in ``generate``: a ``k`` alone is a fixed draft length for
+        the chain methods (draft, ngram, layerskip), and with neither the decoder's apply
+        (``DecoderConfig``; its default in a batch is ``cost``: the batch's own choice, up to k).
         """
         params_list = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
         if len(params_list) != len(prompts):
@@ -498,7 +506,10 @@ class SpecDecoder:
             raise InvalidRequestError(f"n (samples per prompt) must be in 1..{MAX_CHOICES}, got {n!r}.")
         method = method or (self.config.method if self.config.method in registry.BATCH_METHODS
                             else registry.DRAFT.name if self.draft else registry.NONE.name)
-        k = k if k is not None or method == registry.NONE.name else self.config.draft_k
+        if k is not None or k_policy is not None:
+            k, k_policy = self.config.call_k(k, k_policy)
+        k, k_policy = (k if k is not None or method == registry.NONE.name else self.config.draft_k,
+                       k_policy or self.config.k_policy)
         # Offline, first-token latency does not matter: the engine built for the call keeps each
         # seat until its request ends (no time slices), which is the cheapest order.
         engine = engine or self.batch_engine(max_batch=max(1, min(len(prompts) * n, DEFAULT_MAX_BATCH)),
@@ -512,4 +523,4 @@ class SpecDecoder:
         samples = [(ids, request_params.for_choice(i), grammar)
                    for ids, request_params, grammar in zip(prompt_ids, params_list, grammars, strict=True)
                    for i in range(n)]
-        return run_samples(engine, self.tokenizer, samples, n, method, k, suffix_group, cache_salt)
+        return run_samples(engine, self.tokenizer, samples, n, method, k, suffix_group, cache_salt, k_policy)

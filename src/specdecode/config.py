@@ -369,15 +369,18 @@ class DecoderConfig:
     one), and every command builds it from one shared group of flags (``cli/args.py:
     add_decoder_arguments``, then ``from_args``). It is validated once, here; loading
     (``specdecode/loading.py``) returns a resolved copy: the backend it chose, the demo models
-    it filled in, the layers layer skip skips and the k policy the backend defaults to.
+    it filled in, the layers layer skip skips and, on llama.cpp, the k policy.
 
     ``k`` is the draft length: the tokens a step drafts under the fixed policy, the first
     length the threshold policy tries, and the cost policy's guess before it has measured
     anything (``draft_k``: ``k``, or ``DEFAULT_K`` where none was given). ``k="auto"`` stands for
     the cost policy (or ``k_policy="threshold"``), and is stored as that policy with ``k`` None.
     ``k_policy``: a given ``k`` alone means ``fixed``; with neither given it stays None, the
-    backend's default, which loading resolves: ``fixed`` on torch, ``cost`` on llama.cpp, whose
-    compute-bound CPU passes make a fixed k lose to plain decoding (docs/design.md#backends).
+    default, which loading resolves to ``cost`` on llama.cpp, whose compute-bound CPU passes
+    make a fixed k lose to plain decoding (docs/design.md#backends). Left None (torch), the
+    single-request engine drafts a fixed k and the batch engine chooses k for the batch as a
+    whole (``cost``, up to k); a policy given is honoured by both (the batch engine gives the
+    chain methods' rows of ``fixed`` or ``threshold`` their own k: ``engine/batch_rows.py``).
     """
 
     target: str | None = None  # a demo name, a .gguf file, an HF folder or hub id (None: the demo target)
@@ -526,11 +529,13 @@ def check_acceptance(acceptance: str, method: str) -> None:
         )
 
 
-def check_k_policy(k_policy: str, k_max: int) -> None:
+def check_k_policy(k_policy: str, k_max: int) -> str:
+    """``k_policy``, checked (with ``k_max``)."""
     if k_policy not in K_POLICY_CHOICES:
         raise InvalidRequestError(f"k policy must be one of {', '.join(K_POLICY_CHOICES)}, got {k_policy!r}.")
     if not 1 <= k_max <= MAX_K_MAX:
         raise InvalidRequestError(f"k_max={k_max} is out of range: use 1..{MAX_K_MAX}.")
+    return k_policy
 
 
 def check_ngram_sizes(ngram_max: int, ngram_min: int) -> None:

@@ -79,7 +79,6 @@ def load_models(config: DecoderConfig, show_progress: bool = True) -> LoadedMode
         target_model = load_llamacpp_model(target, exact=exact, show_progress=show_progress)
         draft_model = load_llamacpp_model(draft, exact=exact, show_progress=show_progress) if uses_draft else None
         return LoadedModels(target_model, draft_model, resolved)
-    resolved = replace(resolved, k_policy=resolved.k_policy or "fixed")
     target_model = load_model(target, torch_dtype, torch_device, show_progress=show_progress, quant=config.target_quant)
     if config.skip_layers or config.layerskip_config or spec.needs == registry.NEEDS_SKIP_LAYERS:
         chosen = resolve_skip_layers(target, target_model.config.num_layers, config.skip_layers or None,

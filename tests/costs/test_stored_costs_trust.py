@@ -280,3 +280,35 @@ def test_a_re_timed_table_is_told_once_whatever_the_method(tiny_qwen2_dir: Path,
     first = quiet.generate("def quicksort(arr):", SamplingParams(max_new_tokens=4), method="none").stats.note
     assert "pass costs were 30x off" in first and first.endswith("re-timed")
     assert quiet.generate("def quicksort(arr):", SamplingParams(max_new_tokens=4), method="none").stats.note == ""
+
+
+def test_a_batch_engine_keeps_its_one_sequence_passes_in_the_targets_store(
+        tiny_qwen2_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cost-aware batch engine times the target's one-sequence passes once per machine: they
+    go into the target's verify table (the single path's too), and a later decoder's engine
+    reads them there and times only the batched shapes (as a server started again would)."""
+    from specdecode import SpecDecoder
+    from specdecode.backends.torch_batch import PagedBatchModel
+
+    timed: list[list[tuple[int, int]]] = []
+
+    def fake_pass_seconds(self, shapes, repeats):  # noqa: ANN001, ANN202 - PagedBatchModel.pass_seconds
+        timed.append(list(shapes))
+        return {(batch, width): 0.01 * batch * width for batch, width in shapes}
+
+    monkeypatch.setattr(PagedBatchModel, "pass_seconds", fake_pass_seconds)
+    monkeypatch.setattr(specdecode.costs.store, "one_row_probe", lambda *_: (lambda: 0.01))
+
+    def load() -> SpecDecoder:
+        return SpecDecoder.from_pretrained(str(tiny_qwen2_dir), method="ngram", dtype="fp32", device="cpu",
+                                           show_progress=False)
+
+    first = load()
+    first.batch_engine(max_batch=4)
+    single_rows = {rows for batch, rows in timed[0] if batch == 1}
+    assert single_rows and {1, 2, 4, 8}.issubset(single_rows)
+    store = first.engine.cost_store
+    assert store is not None and set(store.stored(VERIFY_TABLE)) >= single_rows
+    timed.clear()
+    load().batch_engine(max_batch=4)
+    assert timed and all(batch > 1 for batch, _ in timed[0])  # the batched shapes only

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specdecode.backends.base import BatchModel
 from specdecode.backends.device import host_to_device
 from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVCache, stack_padded
@@ -135,3 +136,11 @@ class PagedBatchModel:
             tokens = torch.zeros((batch, width), dtype=torch.long, device=model.device)
             measured[(batch, width)] = best_seconds(lambda t=tokens, p=positions, v=view: model(t, p, v, v), model.device, repeats)
         return measured
+
+
+def as_batch_model(model: Transformer | BatchModel, kv_cache_tokens: int, block_size: int) -> BatchModel:
+    """A batch engine's model: our ``Transformer`` over a fresh paged pool of ``kv_cache_tokens``
+    slots, or a backend's ``BatchModel`` (llama.cpp), which comes with its own pool, as given."""
+    if isinstance(model, Transformer):
+        return PagedBatchModel.with_pool(model, kv_cache_tokens, block_size)
+    return model

@@ -29,7 +29,7 @@ batched passes cost relative to it, and every shape that runs keeps its own live
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -125,6 +125,9 @@ class BatchRow:
     # Its drafts run the target itself with layers skipped (layerskip): one such pass over the
     # batch's layer-skip rows costs this fraction of a target pass over them (kept / all layers).
     self_pass_fraction: float = 0.0
+    # It drafts ``cap`` tokens whatever the batch's k (its request's k policy is fixed or
+    # threshold: engine/batch_rows.row_schedule); the choice prices it, never changes it.
+    fixed: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -237,7 +240,7 @@ class BatchK:
         draft model where it is tried (``model_try``). ``acceptance`` replaces a fixed row's or
         a draft model's estimate (a probe's optimism), never a lookup's scores."""
         if isinstance(row, BatchRow):
-            return RowPick(row, 0, self._rate(row, batch_size, acceptance), min(k, row.cap))
+            return RowPick(row, 0, self._rate(row, batch_size, acceptance), row.cap if row.fixed else min(k, row.cap))
         if self.model_try:
             for index, option in enumerate(row.options):
                 if option.uses_draft_model and min(k, option.cap) > 0:
@@ -280,33 +283,44 @@ class BatchK:
               acceptance: float | None = None) -> tuple[int, bool]:
         """(k, whether ``RowChoices`` rows may pick the draft model) with the highest expected
         rate; ``acceptance`` replaces every estimate but lookups' (``_pick``)."""
-        assert self.verify is not None
-        plain_rows = batch_size - len(speculative)
         ways = (False, True) if any(isinstance(row, RowChoices) and row.has_model for row in speculative) else (True,)
         # Speculate only for a clear predicted gain: the cost model's error on a busy CPU is
         # about this size, and a marginal gain is lost to read-aheads and probes.
+        # k = 0 is the baseline (every row plain but those of a fixed k policy, which draft
+        # anyway); another k must beat it by the margin.
         best, best_model = 0, True
-        best_rate = batch_size / self.verify.seconds(batch_size, 1) * (1 + SPECULATION_MARGIN)
+        best_rate = self._rate_at(0, speculative, batch_size, True, acceptance) * (1 + SPECULATION_MARGIN)
         # A lookup may offer more than k_max tokens (an auto row's suffix chain): k goes as far
         # as the longest offer; every other row drafts at most its own cap.
         longest = max([self.k_max, *(option.cap for row in speculative if isinstance(row, RowChoices)
                                      for option in row.options)])
         for k in range(1, longest + 1):
             for model_allowed in ways:
-                picks = [self._pick(row, k, batch_size, model_allowed, acceptance) for row in speculative]
-                tokens = plain_rows + sum(expected_tokens(p.acceptance, p.k) for p in picks)
-                seconds = self.verify.pass_seconds([1] * plain_rows + [1 + p.k for p in picks])
-                model_rows = [p.option for p in picks if p.option is not None and p.option.uses_draft_model]
-                if model_rows:
-                    assert self.draft is not None
-                    seconds += k * self.draft.seconds(len(model_rows), 1) + self._read_ahead(model_rows)
-                skipping = [p.option.self_pass_fraction for p in picks
-                            if p.option is not None and p.option.self_pass_fraction > 0 and p.k > 0]
-                if skipping:  # k passes of the target's kept layers over those rows
-                    seconds += k * max(skipping) * self.verify.seconds(len(skipping), 1)
-                if tokens / seconds > best_rate * (1 + 1e-9):
-                    best, best_model, best_rate = k, model_allowed, tokens / seconds
+                rate = self._rate_at(k, speculative, batch_size, model_allowed, acceptance)
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_model, best_rate = k, model_allowed, rate
         return best, best_model
+
+    def _rate_at(self, k: int, speculative: Sequence[BatchRow | RowChoices], batch_size: int, model_allowed: bool,
+                 acceptance: float | None) -> float:
+        """The batch's expected tokens per second at ``k`` (``_best``)."""
+        assert self.verify is not None
+        picks = [self._pick(row, k, batch_size, model_allowed, acceptance) for row in speculative]
+        plain_rows = batch_size - len(speculative)
+        tokens = plain_rows + sum(expected_tokens(p.acceptance, p.k) for p in picks)
+        seconds = self.verify.pass_seconds([1] * plain_rows + [1 + p.k for p in picks])
+        # The draft model runs one pass per token of its longest draft over the rows it drafts for.
+        model_picks = [p for p in picks if p.option is not None and p.option.uses_draft_model and p.k > 0]
+        if model_picks:
+            assert self.draft is not None
+            model_rows = [p.option for p in model_picks if p.option is not None]
+            seconds += (max(p.k for p in model_picks) * self.draft.seconds(len(model_rows), 1)
+                        + self._read_ahead(model_rows))
+        skipping = [p for p in picks if p.option is not None and p.option.self_pass_fraction > 0 and p.k > 0]
+        if skipping:  # a pass of the target's kept layers over those rows per token of the longest
+            fraction = max(p.option.self_pass_fraction for p in skipping if p.option is not None)
+            seconds += max(p.k for p in skipping) * fraction * self.verify.seconds(len(skipping), 1)
+        return tokens / seconds
 
     def observe(
         self, widths: Sequence[int], drafted: int, verify_seconds: float | None,
@@ -331,14 +345,19 @@ class BatchK:
 
 
 def time_batch_costs(
-    model: BatchModel, row_counts: Sequence[int], shapes: Sequence[tuple[int, int]], live: bool, repeats: int
+    model: BatchModel, row_counts: Sequence[int], shapes: Sequence[tuple[int, int]], live: bool, repeats: int,
+    stored: Mapping[int, float] | None = None,
 ) -> PassCosts:
     """A ``PassCosts`` for ``model`` from its own passes: one sequence over each of ``row_counts``
-    tokens (the prior) and the batched ``shapes``, timed on scratch sequences of its pool's kind."""
-    timed = model.pass_seconds([(1, rows) for rows in row_counts] + list(shapes), repeats)
+    tokens (the prior; those in ``stored``, an earlier run's table, are not timed again) and the
+    batched ``shapes``, timed on scratch sequences of its pool's kind."""
+    stored = stored or {}
+    wanted = [(1, rows) for rows in row_counts if rows not in stored] + list(shapes)
+    timed = model.pass_seconds(wanted, repeats) if wanted else {}
+    prior = {rows: stored[rows] if rows in stored else timed[(1, rows)] for rows in row_counts}
     # A backend that merges a prompt into the verify rows runs flat batches (backends/base.py).
-    return PassCosts({rows: timed[(1, rows)] for rows in row_counts}, live=live,
-                     shapes={shape: timed[shape] for shape in shapes} or None, flat=model.merges_prefill)
+    return PassCosts(prior, live=live, shapes={shape: timed[shape] for shape in shapes} or None,
+                     flat=model.merges_prefill)
 
 
 def model_can_pay(verify: PassCosts | None, draft: PassCosts | None, k_max: int) -> bool:

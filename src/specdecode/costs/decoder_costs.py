@@ -152,16 +152,24 @@ class DecoderCosts:
 
 def batch_pass_costs(
     target: BatchModel, draft: BatchModel | None, max_batch: int, k_max: int, live: bool, longest_draft: int = 0,
+    store: CostStore | None = None,
 ) -> tuple[PassCosts, PassCosts | None]:
     """(target, draft) pass costs for a batch engine of ``max_batch`` rows drafting up to
     ``k_max`` (one row's lookup up to ``longest_draft``): one sequence over 1..64 rows, and the
-    batched shapes it will run often."""
+    batched shapes it will run often. ``store``: the target's cost store, whose verify table
+    (a pass over r rows, the single path's too) gives the one-sequence passes an earlier run
+    timed and keeps the ones timed now, so that a server or script started again on this
+    machine does not time them again (the few batched shapes are timed each time)."""
     most_rows = max(max_batch * (k_max + 1), longest_draft + 1)
     rows = sorted({1, 2, 4, 8, 16, 32, 64, most_rows} & set(range(1, min(most_rows, BATCH_PROBE_MAX_ROWS) + 1)))
     # Batched shapes the engine will run often: plain steps and short drafts, at a middling and
     # the largest batch.
     shapes = sorted({(b, t) for b in {min(4, max_batch), max_batch} if b > 1 for t in (1, 3)})
-    verify_costs = time_batch_costs(target, rows, shapes, live, VERIFY_COST_REPEATS)
+    stored = store.get(VERIFY_TABLE) if store is not None else {}
+    verify_costs = time_batch_costs(target, rows, shapes, live, VERIFY_COST_REPEATS, stored)
+    fresh = {row: verify_costs.points[row] for row in rows if row not in stored}
+    if store is not None and fresh:
+        store.put(VERIFY_TABLE, fresh)
     if draft is None:
         return verify_costs, None
     draft_rows = [r for r in rows if r <= 2 * max_batch] or [1]

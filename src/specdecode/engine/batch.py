@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from specdecode.backends.base import BatchModel, SequencePool
-from specdecode.backends.torch_batch import PagedBatchModel
+from specdecode.backends.torch_batch import PagedBatchModel, as_batch_model
 from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SamplingParams, SchedulerConfig
 from specdecode.costs.batch_k import BatchK, PassCosts, model_can_pay
 from specdecode.costs.k_policy import AcceptanceEstimate
@@ -100,20 +100,20 @@ class BatchEngine:
         scheduling: SchedulerConfig | None = None,
         heads: Mapping[str, HeadsDrafter] | None = None,
         skip_layers: Sequence[int] | None = None,
+        k_policy: str | None = None,
     ) -> None:
         """``heads``: Medusa and EAGLE drafters by method (each row gets a ``fresh`` one);
-        ``skip_layers``: the layers layerskip rows' drafts skip. Both need a torch target."""
+        ``skip_layers``: the layers layerskip rows' drafts skip. Both need a torch target.
+        ``k_policy``: requests' k policy where they name none (None: cost, the batch's choice)."""
         if policy not in BATCH_POLICIES:
             raise InvalidRequestError(f"policy must be one of {', '.join(BATCH_POLICIES)}, got {policy!r}.")
+        self.k_policy = k_policy or "cost"  # checked with each request's (batch_rows.row_schedule)
         if kv_cache_tokens < block_size:
             raise InvalidRequestError(f"kv_cache_tokens must be at least one block ({block_size}), got {kv_cache_tokens}.")
         self.eos_token_ids, self.policy, self.k_max = frozenset(eos_token_ids), policy, k_max
-        # A torch model gets a paged pool of kv_cache_tokens slots; a backend's BatchModel (llama.cpp)
-        # comes with its own pool.
-        self.target = _batch_model(target, kv_cache_tokens, block_size)
-        self.drafter: BatchDraftModel | None = None
-        if draft is not None:
-            self.drafter = BatchDraftModel(_batch_model(draft, kv_cache_tokens, block_size), self.target.vocab_size)
+        self.target = as_batch_model(target, kv_cache_tokens, block_size)
+        self.drafter: BatchDraftModel | None = (
+            None if draft is None else BatchDraftModel(as_batch_model(draft, kv_cache_tokens, block_size), self.target.vocab_size))
         # Prefix caching (kv/paged.py, backends/llamacpp_batch.py): the pools keep what finished
         # requests computed, and a new request starts after its longest cached prefix.
         self.target_cache.prefix_cache = prefix_cache
@@ -170,6 +170,7 @@ class BatchEngine:
         grammar: CompiledGrammar | None = None,
         fork_of: str | None = None,
         arrived: float | None = None,
+        k_policy: str | None = None,
     ) -> str:
         """Queue a request; it joins the batch at a coming step. Returns its id. ``stats`` (a
         fresh ``GenerationStats``) is filled as it decodes; one is made when not given. Method
@@ -184,7 +185,10 @@ class BatchEngine:
 
         ``arrived``: the ``time.perf_counter()`` time the request arrived (default: now), from
         which its ``first_token_seconds`` and ``total_seconds`` count: a worker thread passes
-        the time it was submitted, so the wait for the step running then counts too."""
+        the time it was submitted, so the wait for the step running then counts too.
+
+        ``k_policy`` (None: the engine's): ``cost`` drafts what the batch's choice says, up to
+        k; ``fixed`` and ``threshold`` give a chain row (draft, ngram, layerskip) its own k."""
         k = self.check_request(len(prompt_ids), params, method, k)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -195,7 +199,8 @@ class BatchEngine:
             raise InvalidRequestError(f"Request {request_id!r} can fork only a request with its prompt and cache_salt; "
                                       f"{fork_of!r} has another.")
         drafters = row_drafters(method, k, self.k_max, suffix_group, self.suffix_cache, self.ngram_sizes,
-                                self.model_can_pay, self.trees, self.heads, self.chooser.verify)
+                                self.model_can_pay, self.trees, self.heads, self.chooser.verify,
+                                k_policy or self.k_policy)
         request = BatchRequest.start(request_id, prompt_ids, params, method, k, drafters, grammar,
                                      self.target.vocab_size, self.device, stats or GenerationStats(),
                                      time.perf_counter() if arrived is None else arrived)
@@ -443,8 +448,3 @@ class BatchEngine:
                 generated.setdefault(output.request_id, []).extend(output.new_tokens)
         return generated
 
-
-def _batch_model(model: Transformer | BatchModel, kv_cache_tokens: int, block_size: int) -> BatchModel:
-    if isinstance(model, Transformer):
-        return PagedBatchModel.with_pool(model, kv_cache_tokens, block_size)
-    return model

@@ -32,8 +32,10 @@ def may_draft(request: BatchRequest) -> bool:
 
 
 def max_draft(request: BatchRequest) -> int:
-    # A step emits at most k + 1 tokens: never draft past max_new_tokens.
-    return max(0, min(request.k, request.remaining - 1))
+    # A step emits at most k + 1 tokens: never draft past max_new_tokens. A row with its own
+    # schedule (a fixed or threshold k policy) drafts what it says this step.
+    k = request.schedule.next_k() if request.schedule is not None else request.k
+    return max(0, min(k, request.remaining - 1))
 
 
 def drafts_with_model(seq: ScheduledSequence) -> bool:
@@ -59,7 +61,8 @@ def plan_row(seq: ScheduledSequence, drafter: BatchDraftModel | None, draft_conf
     row = BatchRow(request.acceptance.rate, max_draft(request), seq.uses_draft, backlog,
                    observed=request.acceptance.trials >= MIN_OBSERVED_TRIALS, remaining=request.remaining,
                    stops_early=seq.uses_draft and draft_confidence > 0,
-                   self_pass_fraction=skip_fraction if request.skips_layers else 0.0)
+                   self_pass_fraction=skip_fraction if request.skips_layers else 0.0,
+                   fixed=request.schedule is not None)
     if request.sources is not None:
         return request.sources.choices(request.remaining, row if seq.uses_draft else None)
     return row
@@ -98,8 +101,8 @@ def choose_sources(drafting: list[ScheduledSequence], plans: list[BatchRow | Row
             pick = chooser.pick(plan, k, batch_size) if k > 0 else None
             request.sources.choose(pick.index if pick is not None else None)
             wanted[seq.seq_id] = pick.k if pick is not None else 0
-        else:
-            wanted[seq.seq_id] = min(k, max_draft(request))
+        else:  # a row of a fixed or threshold k policy drafts its own cap, whatever k is
+            wanted[seq.seq_id] = plan.cap if plan.fixed else min(k, max_draft(request))
     return wanted
 
 

@@ -10,7 +10,7 @@ import torch
 
 from specdecode.backends.device import host_to_device
 from specdecode.config import SamplingParams
-from specdecode.costs.k_policy import AcceptanceEstimate
+from specdecode.costs.k_policy import AcceptanceEstimate, KSchedule
 from specdecode.drafters.auto_row import AutoRow
 from specdecode.drafters.base import DraftProposal, TreeDrafter
 from specdecode.drafters.ngram import NgramDrafter
@@ -58,6 +58,7 @@ class BatchRequest:
     grammar: GrammarState | None = None  # structured output: the matcher over committed tokens
     heads: TreeDrafter | None = None  # its own Medusa or EAGLE drafter (engine/batch_rows.py)
     skips_layers: bool = False  # the target drafts for it with layers skipped
+    schedule: KSchedule | None = None  # its own draft length (fixed or threshold k policy); None: the batch's
     # The last verify pass's logprobs of this row's emitted tokens (SamplingParams.logprobs),
     # kept by the commit that follows it.
     step_logprobs: list[TokenLogprob] | None = None
@@ -91,7 +92,7 @@ class BatchRequest:
             generator=None if processor.greedy else make_generator(params.seed, device),
             tokens=list(prompt_ids), committed=committed, stats=stats, started=started,
             ngram=drafters.host, sources=drafters.sources, tree_nodes=drafters.tree_nodes, grammar=state,
-            heads=drafters.heads, skips_layers=drafters.skips_layers,
+            heads=drafters.heads, skips_layers=drafters.skips_layers, schedule=drafters.schedule,
         )
         stats.method, stats.prompt_tokens = method, prompt_len
         if drafters.sources is not None:
@@ -123,6 +124,8 @@ class BatchRequest:
             stats.record_forced_step(proposal.num_tokens, accepted_len)
             return
         stats.record_step(proposal.depth, accepted_len)  # a tree: its depth, the most it could accept
+        if self.schedule is not None and proposal.num_tokens:
+            self.schedule.observe(proposal.num_tokens, accepted_len, draft_seconds, draft_passes, None)
         if proposal.tree is not None:
             stats.tree_nodes_proposed += proposal.num_tokens
         if self.sources is not None:

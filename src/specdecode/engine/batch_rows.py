@@ -19,7 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from specdecode.config import check_k_policy
 from specdecode.costs.batch_k import PassCosts
+from specdecode.costs.k_policy import FixedK, KSchedule, ThresholdK
 from specdecode.drafters import registry
 from specdecode.drafters.auto_row import AutoRow
 from specdecode.drafters.base import HeadsDrafter, TreeDrafter
@@ -41,6 +43,9 @@ class RowDrafters:
     tree_nodes: int = 0  # the most nodes its token trees draft, root excluded (0: it drafts chains)
     heads: TreeDrafter | None = None  # its own Medusa or EAGLE drafter, fed the target's features
     skips_layers: bool = False  # the target drafts for it with layers skipped
+    # Its own draft length, every step, where the request's k policy is fixed or threshold
+    # (``row_schedule``); None: the batch's cost-aware choice (``costs/batch_k.py``).
+    schedule: KSchedule | None = None
 
 
 def check_method(method: str, has_draft: bool, skips_layers: bool, heads: Mapping[str, HeadsDrafter]) -> None:
@@ -63,6 +68,17 @@ def uses_draft(method: str, model_can_pay: bool) -> bool:
     return method == "draft" or (method == "auto" and model_can_pay)
 
 
+def row_schedule(method: str, k_policy: str, k: int, k_max: int) -> KSchedule | None:
+    """A row's own draft-length schedule under ``k_policy`` (config.K_POLICY_CHOICES), as the
+    single path's ``DecoderCosts.schedule``: ``fixed`` drafts its k every step, ``threshold``
+    moves it with the row's acceptance; ``cost`` (None) leaves it to the batch's choice. Only
+    for the methods with a stateless chain drafter (the draft model, prompt lookup, layer
+    skip): suffix decoding, trees and auto choose their own drafts, as on the single path."""
+    if registry.BY_NAME[method].planner != registry.PLAN_CHAIN or check_k_policy(k_policy, k_max) == "cost":
+        return None
+    return FixedK(k) if k_policy == "fixed" else ThresholdK(k=min(k, k_max), k_max=k_max)
+
+
 def auto_suffix_depth(k_max: int) -> int:
     """How deep an auto row's suffix chain may draft: past k_max, as ``--method suffix --k auto``
     (``drafters/planner.suffix_depth``): a model-free draft pays no pass per token."""
@@ -80,6 +96,7 @@ def row_drafters(
     trees: bool,
     heads: Mapping[str, HeadsDrafter],
     verify_costs: PassCosts | None = None,
+    k_policy: str = "cost",
 ) -> RowDrafters:
     """The drafters of a row of ``method`` (one of ``BATCH_METHODS``, checked by the engine) with
     draft length cap ``k``: a lookup drafts up to ``k``, or in auto up to ``k_max`` (the draft
@@ -87,9 +104,10 @@ def row_drafters(
     token trees (``BatchModel.supports_trees``); a suffix row then drafts trees ``k`` deep.
     ``heads``: the engine's Medusa and EAGLE drafters by method, of which a row gets a fresh one.
     ``verify_costs``: the target's pass costs as now priced (None: not timed), at which an auto
-    row's suffix chain chooses its length, as on the single path (``drafters/planner.plan_auto``)."""
+    row's suffix chain chooses its length, as on the single path (``drafters/planner.plan_auto``).
+    ``k_policy``: how a chain row's draft length is chosen (``row_schedule``)."""
     if method == "ngram":
-        return RowDrafters(NgramDrafter(*ngram_sizes), None, False)
+        return RowDrafters(NgramDrafter(*ngram_sizes), None, False, schedule=row_schedule(method, k_policy, k, k_max))
     if method == "suffix":
         proposer = SuffixProposer(suffix_cache, suffix_group, depth=max(k, 1))
         if trees:
@@ -103,9 +121,9 @@ def row_drafters(
         row = AutoRow(NgramDrafter(*ngram_sizes), suffix, ngram_cap=k_max)
         return RowDrafters(row, row, uses_draft(method, model_can_pay))
     if method == registry.LAYERSKIP.name:
-        return RowDrafters(None, None, False, skips_layers=True)
+        return RowDrafters(None, None, False, skips_layers=True, schedule=row_schedule(method, k_policy, k, k_max))
     if method in heads:
         drafter = heads[method].fresh()
         return RowDrafters(None, None, False, tree_nodes=drafter.max_tree_nodes - 1, heads=drafter)
-    return RowDrafters(None, None, uses_draft(method, model_can_pay))
+    return RowDrafters(None, None, uses_draft(method, model_can_pay), schedule=row_schedule(method, k_policy, k, k_max))
 

@@ -27,16 +27,18 @@ def run_samples(
     k: int | None,
     suffix_group: str | None,
     cache_salt: str | None,
+    k_policy: str | None = None,
 ) -> list[GenerationResult]:
     """Decode every (prompt ids, params, grammar) sample, ``n`` consecutive samples per prompt,
-    with ``method`` and draft length cap ``k``; the results in the samples' order."""
+    with ``method``, draft length (cap) ``k`` and ``k_policy`` (None: the engine's); the results
+    in the samples' order."""
     decoders = [IncrementalDecoder(tokenizer, params.stop) for _, params, _ in samples]
     stats = [GenerationStats() for _ in samples]
     ids_to_index: dict[str, int] = {}
     first_of_prompt: str | None = None  # a prompt's later samples start from its first one's K/V
     for index, ((ids, params, grammar), sample_stats) in enumerate(zip(samples, stats, strict=True)):
         request_id = engine.add_request(ids, params, method, k, stats=sample_stats, suffix_group=suffix_group,
-                                        cache_salt=cache_salt, grammar=grammar,
+                                        cache_salt=cache_salt, grammar=grammar, k_policy=k_policy,
                                         fork_of=None if index % n == 0 else first_of_prompt)
         if index % n == 0:
             first_of_prompt = request_id

@@ -1,0 +1,112 @@
+"""One k (issue 45 item 3): the batch engine honours a request's k policy as the single path
+does. Under ``fixed`` a chain row (draft, ngram, layerskip) drafts its k every step, under
+``threshold`` its k moves with its acceptance, and under ``cost`` (the batch's default) the
+batch's choice decides, up to k; greedy output is plain decoding's under every policy."""
+
+from pathlib import Path
+
+import pytest
+from helpers import PROMPTS, decoder
+
+from specdecode import SamplingParams, SpecDecoder
+from specdecode.costs.batch_k import PROBE_K, BatchK, BatchRow, PassCosts
+from specdecode.engine.batch import BatchEngine
+from specdecode.engine.metrics import GenerationStats
+from specdecode.errors import InvalidRequestError
+
+
+def steep() -> PassCosts:
+    """Verify rows as dear as whole passes, and a draft pass as dear as a target pass: the batch's
+    own choice is always plain decoding."""
+    return PassCosts({1: 1.0, 2: 2.0, 64: 64.0})
+
+
+@pytest.fixture(scope="module")
+def dec(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> SpecDecoder:
+    return decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+
+
+def engine(dec: SpecDecoder, **kwargs) -> BatchEngine:
+    options = {"max_batch": 4, "kv_cache_tokens": 512, "block_size": 4, "verify_costs": steep(),
+               "draft_costs": steep()} | kwargs
+    return BatchEngine(dec.target.model, dec.draft.model, dec.eos_token_ids, **options)
+
+
+def run(dec: SpecDecoder, eng: BatchEngine, rows: list[tuple[str, str, int, str | None]], max_new: int = 20,
+        ) -> tuple[list[list[int]], list[GenerationStats]]:
+    """(prompt, method, k, k_policy) rows decoded together: their tokens and stats."""
+    stats = [GenerationStats() for _ in rows]
+    ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=max_new, ignore_eos=True), m, k,
+                           stats=s, k_policy=policy) for (p, m, k, policy), s in zip(rows, stats, strict=True)]
+    outputs = eng.run()
+    return [outputs[i] for i in ids], stats
+
+
+def plain(dec: SpecDecoder, prompt: str, max_new: int = 20) -> list[int]:
+    return dec.generate(prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True), method="none").token_ids
+
+
+def drafted_every_step(stats: GenerationStats, k: int) -> bool:
+    """Every step drafted k tokens but the first (a request's first token comes from a plain
+    step) and the last two, where fewer than k + 1 tokens may be left to generate."""
+    return len(stats.proposed_at_position) == k and stats.proposed_at_position[k - 1] >= stats.verify_steps - 3
+
+
+def only_probes(stats: GenerationStats) -> bool:
+    """The batch's own choice kept the row plain but for its tries of a priced-out draft model
+    (``BatchK.reprobe``: PROBE_K tokens, twice where the first read the row's backlog)."""
+    return stats.draft_tokens_proposed <= 2 * PROBE_K
+
+
+def test_a_fixed_row_drafts_its_k_beside_a_cost_row_that_decodes_plainly(dec: SpecDecoder) -> None:
+    """Costs say speculation never pays: the cost row decodes plainly, the fixed rows beside it
+    draft their k every step anyway, and every output is plain decoding's."""
+    rows = [(PROMPTS[0], "draft", 3, "fixed"), (PROMPTS[1], "draft", 3, "cost"), (PROMPTS[2], "ngram", 2, "fixed")]
+    outputs, stats = run(dec, engine(dec), rows)
+    assert outputs == [plain(dec, p) for p, *_ in rows]
+    assert drafted_every_step(stats[0], 3)
+    assert only_probes(stats[1])
+    assert stats[2].verify_steps > 0 and len(stats[2].proposed_at_position) <= 2
+
+
+def test_the_engines_policy_applies_where_a_request_names_none(dec: SpecDecoder) -> None:
+    outputs, stats = run(dec, engine(dec, k_policy="fixed"), [(PROMPTS[3], "draft", 4, None)])
+    assert outputs == [plain(dec, PROMPTS[3])] and drafted_every_step(stats[0], 4)
+    _, stats = run(dec, engine(dec), [(PROMPTS[3], "draft", 4, None)])
+    assert only_probes(stats[0])  # the default is cost: plain at these costs
+
+
+def test_a_threshold_row_raises_its_k_while_drafts_are_accepted(dec: SpecDecoder) -> None:
+    """The close draft model agrees with the target most of the time: a threshold row starting
+    at k = 1 drafts further as it goes (ThresholdK: k + 1 above 80% acceptance)."""
+    outputs, stats = run(dec, engine(dec, k_max=6), [(PROMPTS[0], "draft", 1, "threshold")], max_new=40)
+    assert outputs == [plain(dec, PROMPTS[0], 40)]
+    assert len(stats[0].proposed_at_position) > 1
+
+
+def test_an_unknown_policy_is_refused(dec: SpecDecoder) -> None:
+    eng = engine(dec)
+    with pytest.raises(InvalidRequestError, match="k policy"):
+        eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=4), "draft", 3, k_policy="greedy")
+
+
+def test_generate_batch_reads_k_as_generate_does(dec: SpecDecoder) -> None:
+    """A k given alone is a fixed draft length in generate_batch too; the engine built for the
+    call then drafts it every step whatever its costs say."""
+    eng = engine(dec)
+    result = dec.generate_batch([PROMPTS[4]], SamplingParams(max_new_tokens=20, ignore_eos=True), method="draft",
+                                k=2, engine=eng)[0]
+    assert result.token_ids == plain(dec, PROMPTS[4]) and drafted_every_step(result.stats, 2)
+    result = dec.generate_batch([PROMPTS[4]], SamplingParams(max_new_tokens=20, ignore_eos=True), method="draft",
+                                engine=eng)[0]
+    assert only_probes(result.stats)
+
+
+def test_the_chooser_prices_a_fixed_row_at_its_cap_at_every_k() -> None:
+    """A fixed row drafts its cap whatever k the batch takes, so k = 0 (the baseline) prices it
+    drafting too: a doubtful cost row beside it still decodes plainly."""
+    fixed = BatchRow(0.9, 5, uses_draft_model=False, fixed=True)
+    doubtful = BatchRow(0.1, 5, uses_draft_model=False)
+    chooser = BatchK(8, steep())
+    assert chooser.choose([fixed, doubtful], 2) == 0
+    assert chooser.pick(fixed, 0, 2).k == 5 and chooser.pick(doubtful, 0, 2).k == 0
