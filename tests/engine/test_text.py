@@ -75,6 +75,16 @@ def test_a_stop_string_across_windows_is_cut_and_never_half_shown(tokenizer) -> 
     assert inc.stopped and (streamed + inc.flush()).rstrip() == "alpha beta gamma"
 
 
+def test_of_several_stop_strings_in_one_step_the_first_in_the_text_ends_it(tokenizer) -> None:
+    """A speculative step adds several tokens at once: when two stop strings arrive together, the
+    text ends at the earlier one, whatever the order of the list, and ``stop_string`` names it."""
+    ids = tokenizer.encode(STOP_TEXT, add_special_tokens=False)
+    for stops in (("delta", "beta"), ("beta", "delta")):
+        inc = IncrementalDecoder(tokenizer, stops)
+        streamed = inc.add(ids) + inc.flush()
+        assert inc.stopped and inc.stop_string == "beta" and streamed.rstrip() == "alpha"
+
+
 def test_a_step_costs_the_same_late_in_a_long_output(tiny_tokenizer_dir: Path) -> None:
     """The decoder reads a window, not the output: count the tokens it decodes per step."""
     from transformers import AutoTokenizer

@@ -139,6 +139,20 @@ def test_stop_sequences_and_max_tokens_stop_reasons(served) -> None:
                               extra_body=GREEDY)
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == text[:text.find(stop)]
+    # Several stop sequences: the one that matched is named (the first in the text, whatever its place in the list).
+    later = next(text[i:i + 2] for i in range(text.find(stop) + 2, len(text) - 2) if text[i:i + 2].strip()
+                 and text[i:i + 2] not in text[:text.find(stop) + 1])
+    for stops in ([later, stop], [stop, later]):
+        for stream in (False, True):
+            if stream:
+                with sdk.messages.stream(model=MODEL, messages=ASK, max_tokens=30, stop_sequences=stops,
+                                         extra_body=GREEDY) as events:
+                    several = events.get_final_message()
+            else:
+                several = sdk.messages.create(model=MODEL, messages=ASK, max_tokens=30, stop_sequences=stops,
+                                              extra_body=GREEDY)
+            assert several.stop_reason == "stop_sequence" and several.stop_sequence == stop
+            assert several.content[0].text == text[:text.find(stop)]
     short = sdk.messages.create(model=MODEL, messages=ASK, max_tokens=3, extra_body=GREEDY)
     assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3 and text.startswith(short.content[0].text)
 
@@ -298,7 +312,7 @@ def test_the_events_of_text_a_streamed_call_and_text_again() -> None:
                                  stats=GenerationStats(stop_reason="eos"))
 
     async def run() -> tuple[list[tuple[str, dict]], dict]:
-        events = [event async for event in message_events(chunks(), generation, MODEL, ())]
+        events = [event async for event in message_events(chunks(), generation, MODEL)]
 
         async def replay():
             for event in events:

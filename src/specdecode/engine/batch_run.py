@@ -49,7 +49,7 @@ def run_samples(
             decoders[index].add(output.new_tokens)
             if decoders[index].stopped and not output.finished:
                 engine.abort(output.request_id)
-                stats[index].stop_reason = "stop_string"
+                stats[index].stop_reason, stats[index].stop_string = "stop_string", decoders[index].stop_string
     for decoder in decoders:
         decoder.flush()
     return [GenerationResult(d.text, list(d.token_ids), s) for d, s in zip(decoders, stats, strict=True)]

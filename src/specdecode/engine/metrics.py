@@ -53,6 +53,8 @@ class GenerationStats:
     # other, or of verify for token trees; engine/grammar.py).
     mask_seconds: float = 0.0
     stop_reason: str = ""
+    # stop_reason "stop_string": which of the request's stop strings ended it (Anthropic's stop_sequence).
+    stop_string: str | None = None
     # method auto: steps drafted by each source ("ngram", "draft") or decoded plainly ("none")
     steps_by_source: dict[str, int] = field(default_factory=dict)
     # Why the request decoded plainly although it asked for speculation (measured costs), or "".

@@ -96,5 +96,5 @@ class GenerationStream:
             if self._decoder.stopped:
                 # Set after the close: until then a batch worker's steps (and its abort) may still
                 # write the request's stop reason.
-                self.stats.stop_reason = "stop_string"
+                self.stats.stop_reason, self.stats.stop_string = "stop_string", self._decoder.stop_string
             self.result = GenerationResult(self._decoder.text, list(self._decoder.token_ids), self.stats)

@@ -92,6 +92,7 @@ class IncrementalDecoder:
         self.text = ""  # full text so far, stop-truncated when stopped
         self.emitted = 0
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text, once stopped
         self._whole = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self._context = 0  # the window's first token: context, whose own text is not new
         self._read = 0  # tokens whose text is in _read_text: the output is whole there
@@ -122,13 +123,13 @@ class IncrementalDecoder:
         safe_end = len(self.text)
         if self.text.endswith("\ufffd"):
             safe_end = len(self.text.rstrip("\ufffd"))
-        for stop in self.stop:
-            found = self.text.find(stop, max(0, self.emitted - len(stop)))
-            if found != -1:
-                self.text = self.text[:found]
-                self.stopped = True
-                safe_end = found
-                break
+        # The stop string that appears first in the text (a step may bring several), and which.
+        hits = [(found, i) for i, stop in enumerate(self.stop)
+                if (found := self.text.find(stop, max(0, self.emitted - len(stop)))) != -1]
+        if hits:
+            found, which = min(hits)
+            self.text, self.stopped, self.stop_string = self.text[:found], True, self.stop[which]
+            safe_end = found
         if not self.stopped:
             for stop in self.stop:
                 for size in range(min(len(stop) - 1, safe_end), 0, -1):

@@ -187,8 +187,8 @@ def _payloads(event: str) -> list[dict[str, Any]]:
             if line.startswith("data: ") and line != "data: [DONE]"]
 
 
-async def message_events(events: AsyncIterator[str], generation: Any, model: str,
-                         stops: tuple[str, ...]) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+async def message_events(events: AsyncIterator[str], generation: Any,
+                         model: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """A chat completion's event stream (one choice, usage on its last chunk) as Anthropic's
     events, ``(name, data)``; a failure ends them with an ``error`` event."""
     prompt_tokens = len(generation.request.prompt)  # token ids: ServerState.prepare tokenized it
@@ -232,8 +232,7 @@ async def message_events(events: AsyncIterator[str], generation: Any, model: str
     reason = STOP_REASONS.get(stats.stop_reason if stats is not None else "", "end_turn")
     if called and reason != "max_tokens":
         reason = "tool_use"
-    # Which string stopped it is not kept by the engine: named only when there was one to match.
-    stop_sequence = stops[0] if reason == "stop_sequence" and len(stops) == 1 else None
+    stop_sequence = stats.stop_string if reason == "stop_sequence" and stats is not None else None
     usage = (last or {}).get("usage") or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
@@ -328,7 +327,7 @@ def add_messages_routes(app: Any, state: ServerState, respond: Respond) -> None:
             except APIError:
                 state.metrics.count("rejected")  # as ServerState.prepare counts the chat route's
                 raise
-            asked.update(stream=body.get("stream") is True, stops=tuple(chat.get("stop", ())))
+            asked.update(stream=body.get("stream") is True)
             return json.dumps(dict(chat, stream=True)).encode()
 
         request = with_bearer(request)
@@ -339,7 +338,7 @@ def add_messages_routes(app: Any, state: ServerState, respond: Respond) -> None:
         if not isinstance(reply, StreamingResponse):
             return reply  # the client left while its request waited (499)
         generation = reply.generations[0]
-        events = message_events(reply.body_iterator, generation, state.model_name, asked["stops"])
+        events = message_events(reply.body_iterator, generation, state.model_name)
         if asked["stream"]:
             reply.body_iterator = (_sse(name, data) async for name, data in events)
             return reply
