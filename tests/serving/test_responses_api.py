@@ -3,16 +3,20 @@ openai-agents ``Agent``: the greedy text equals chat completions' for the same c
 streamed (the Responses events in order, numbered) and not; a function call round trip; a
 ``previous_response_id`` continuation equals sending the whole conversation; ``store: false``,
 another API key and a deleted response are 404s; ``text.format`` json_schema output validates;
-the store's bounds (serving/responses_store.py) on their own."""
+``input_items`` lists a response's input (earlier turns' included) in OpenAI's pages, per key;
+``include`` logprobs equal the chat route's, streamed and not; ``truncation: "auto"`` leaves out
+the fewest oldest messages that make the prompt fit; ``conversation`` and other ``include``
+values are 400s naming them; the store's bounds (serving/responses_store.py) on their own."""
 
 import asyncio
 import json
+from urllib.parse import quote
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import MESSAGES, MODEL, client, schema_fuzz
+from server_helpers import MESSAGES, MODEL, client, openai_error, schema_fuzz
 
 from specdecode.serving.responses_store import ResponseStore, response_tenant
 
@@ -157,6 +161,163 @@ def test_bad_requests_say_what_to_change(served) -> None:
                                                                                "image_url": "x"}]}])
 
 
+def test_input_items_lists_a_responses_input_in_pages(served) -> None:
+    """The items in OpenAI's item shapes, each with an id (an echoed output item keeps its own);
+    a continuation's list holds the earlier turn's input and output first; newest first unless
+    asc; the SDK's pages (limit, after) add up to the whole list."""
+    base, _ = served
+    api = client(base, api_key="items-key")
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]}]
+    first = api.responses.create(model=MODEL, input=items, max_output_tokens=4, temperature=0)
+    second = api.responses.create(model=MODEL, input="And tomorrow?", previous_response_id=first.id,
+                                  max_output_tokens=4, temperature=0)
+    listed = list(api.responses.input_items.list(second.id, order="asc"))
+    assert [(item.type, getattr(item, "role", None)) for item in listed] == [
+        ("message", "developer"), ("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert listed[1].content[0].text == ASK and listed[3].content[0].text == "And tomorrow?"
+    assert listed[2].id == first.output[0].id and listed[2].content[0].text == first.output_text
+    ids = [item.id for item in listed]
+    assert len(set(ids)) == len(ids) and all(ids)
+    assert [item.id for item in api.responses.input_items.list(second.id)] == ids[::-1]  # desc by default
+    assert [item.id for item in api.responses.input_items.list(second.id, order="asc", limit=3)] == ids  # 2 pages
+    page = httpx.get(f"{base}/v1/responses/{second.id}/input_items", params={"order": "asc", "limit": 3,
+                                                                             "after": ids[0]},
+                     headers={"authorization": "Bearer items-key"}).json()
+    assert page["object"] == "list" and [item["id"] for item in page["data"]] == ids[1:4]
+    assert (page["first_id"], page["last_id"], page["has_more"]) == (ids[1], ids[3], False)
+    # A function call round trip lists its call and its output.
+    call = api.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice="required", max_output_tokens=100,
+                                temperature=0)
+    call_id = call.output[0].call_id
+    answer = api.responses.create(model=MODEL, previous_response_id=call.id, max_output_tokens=4, temperature=0,
+                                  input=[{"type": "function_call_output", "call_id": call_id, "output": "sunny"}])
+    kinds = [(item.type, getattr(item, "call_id", None)) for item in api.responses.input_items.list(answer.id,
+                                                                                                   order="asc")]
+    assert kinds == [("message", None), ("function_call", call_id), ("function_call_output", call_id)]
+
+
+def test_input_items_errors_are_openai_errors(served) -> None:
+    base, _ = served
+    owner, other = client(base, api_key="owner-items"), client(base, api_key="other-items")
+    kept = owner.responses.create(model=MODEL, input=ASK, max_output_tokens=4, temperature=0)
+    unstored = owner.responses.create(model=MODEL, input=ASK, max_output_tokens=4, temperature=0, store=False)
+    for api, response_id in ((other, kept.id), (owner, unstored.id), (owner, "resp_never")):
+        with pytest.raises(openai.NotFoundError, match="No stored response"):
+            api.responses.input_items.list(response_id)
+    url = f"{base}/v1/responses/{kept.id}/input_items"
+    headers = {"authorization": "Bearer owner-items"}
+    for params, param in (({"limit": 0}, "limit"), ({"limit": "many"}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "msg_unknown"}, "after"), ({"include": "file_search_call.results"}, "include")):
+        reply = httpx.get(url, params=params, headers=headers)
+        assert reply.status_code == 400 and openai_error(reply.json()), reply.text
+        assert reply.json()["error"]["param"] == param
+
+
+def test_include_logprobs_equal_the_chat_routes(served) -> None:
+    """include message.output_text.logprobs with top_logprobs: the output_text part's logprobs are
+    the chat completion's for the same conversation; streamed, the deltas' and the done event's
+    say the same; without include there are none."""
+    base, _ = served
+    api = client(base)
+    include = ["message.output_text.logprobs"]
+    reply = api.responses.create(model=MODEL, input=ASK, max_output_tokens=MAX_TOKENS, temperature=0,
+                                 include=include, top_logprobs=2)
+    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], temperature=0,
+                                       max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2)
+    expected = [(entry.token, entry.logprob, [(top.token, top.logprob) for top in entry.top_logprobs])
+                for entry in chat.choices[0].logprobs.content]
+    logprobs = reply.output[0].content[0].logprobs
+    assert [(entry.token, entry.logprob, [(top.token, top.logprob) for top in entry.top_logprobs])
+            for entry in logprobs] == expected
+    assert len(expected) > 0 and all(len(tops) == 2 for _, _, tops in expected)
+    with api.responses.stream(model=MODEL, input=ASK, max_output_tokens=MAX_TOKENS, temperature=0, include=include,
+                              top_logprobs=2) as stream:
+        events = list(stream)
+    deltas = [entry for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
+    done = next(event for event in events if event.type == "response.output_text.done")
+    assert [(entry.token, entry.logprob) for entry in done.logprobs] == [(token, lp) for token, lp, _ in expected]
+    assert [(entry.token, entry.logprob) for entry in deltas] == [(token, lp) for token, lp, _ in expected][:len(deltas)]
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [(entry.token, entry.logprob) for entry in final] == [(token, lp) for token, lp, _ in expected]
+    plain = api.responses.create(model=MODEL, input=ASK, max_output_tokens=MAX_TOKENS, temperature=0, top_logprobs=2)
+    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs == 2
+
+
+def test_unserved_include_values_and_conversation_are_400s(served) -> None:
+    base, _ = served
+    api = client(base)
+    with pytest.raises(openai.BadRequestError, match="file_search_call.results") as caught:
+        api.responses.create(model=MODEL, input=ASK, include=["file_search_call.results"])
+    assert caught.value.body["param"] == "include"
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        api.responses.create(model=MODEL, input=ASK, include=["message.output_text.logprobs"], top_logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="'conversation'") as caught:
+        api.responses.create(model=MODEL, input=ASK, conversation="conv_123")
+    assert caught.value.body["param"] == "conversation"
+    with pytest.raises(openai.BadRequestError, match="truncation"):
+        api.responses.create(model=MODEL, input=ASK, extra_body={"truncation": "middle"})
+    # Encrypted reasoning, which Codex-style clients always ask for, is served (vacuously).
+    reply = api.responses.create(model=MODEL, input=ASK, max_output_tokens=4, include=["reasoning.encrypted_content"])
+    assert reply.output_text
+
+
+TURNS = 24  # alternating user and assistant messages: more than the tiny model's 512 positions
+TURN_TEXT = "Tell me about the weather in Paris and Lyon today, and tomorrow. "
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_truncation_auto_leaves_out_the_fewest_oldest_messages(served, stream: bool) -> None:
+    """A conversation past the context: with truncation disabled a 400 that names the way out;
+    with auto the answer is the chat completion's of the instructions and the newest messages,
+    and one message more would not have fitted."""
+    base, _ = served
+    api = client(base)
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i}: {TURN_TEXT * 2}"}
+             for i in range(TURNS + 1)]
+    ask = {"model": MODEL, "input": turns, "instructions": "Be brief.", "max_output_tokens": MAX_TOKENS,
+           "temperature": 0}
+    with pytest.raises(openai.BadRequestError, match="truncation") as caught:
+        api.responses.create(**ask)
+    assert caught.value.body["param"] == "input" and "max_tokens" not in caught.value.body["message"].replace(
+        "max_output_tokens", "")
+    if stream:
+        with api.responses.stream(**ask, truncation="auto") as events:
+            reply = events.get_final_response()
+    else:
+        reply = api.responses.create(**ask, truncation="auto")
+    dropped = reply.model_extra["specdecode"]["truncated_messages"]
+    assert 0 < dropped < len(turns) and reply.truncation == "auto"
+    system = [{"role": "system", "content": "Be brief."}]
+    assert reply.output_text == chat_text(base, system + turns[dropped:])
+    with pytest.raises(openai.BadRequestError):
+        chat_text(base, system + turns[dropped - 1:])
+    # input_items still lists the whole input: truncation shapes the prompt, not the record.
+    assert len(list(api.responses.input_items.list(reply.id, limit=100))) == len(turns)
+
+
+def test_truncation_auto_keeps_a_calls_output_with_its_call(served) -> None:
+    """Turns of a question, a function_call and its output, past the context: the kept messages
+    never start at a tool's output, and the answer is the chat completion's of them."""
+    base, _ = served
+    items, messages = [], []
+    for i in range(TURNS // 3 + 1):
+        call_id, output = f"call_{i}", f"{i}: {TURN_TEXT * 2}"
+        items += [{"role": "user", "content": f"{i}: {TURN_TEXT}"},
+                  {"type": "function_call", "call_id": call_id, "name": "weather", "arguments": '{"city": "Lyon"}'},
+                  {"type": "function_call_output", "call_id": call_id, "output": output}]
+        messages += [{"role": "user", "content": f"{i}: {TURN_TEXT}"},
+                     {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type": "function", "function": {
+                         "name": "weather", "arguments": '{"city": "Lyon"}'}}]},
+                     {"role": "tool", "tool_call_id": call_id, "content": output}]
+    reply = client(base).responses.create(model=MODEL, input=items, tools=TOOLS, tool_choice="none",
+                                          max_output_tokens=MAX_TOKENS, temperature=0, truncation="auto")
+    dropped = reply.model_extra["specdecode"]["truncated_messages"]
+    assert 0 < dropped < len(messages) and messages[dropped]["role"] != "tool"
+    chat_tools = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER, "strict": True}}]
+    assert reply.output_text == chat_text(base, messages[dropped:], tools=chat_tools, tool_choice="none")
+
+
 def test_an_agents_sdk_agent_runs_to_a_final_output(served) -> None:
     """openai-agents on its default model (the Responses API) with a function tool."""
     agents = pytest.importorskip("agents")
@@ -259,6 +420,44 @@ def test_schema_fuzz_gets_no_5xx(served, mode: str) -> None:
     if mode == "positive":
         assert statuses.count(200) >= len(statuses) // 3, statuses
     print(f"fuzz {mode} /v1/responses: {len(statuses)} requests, statuses {sorted(set(statuses))}")
+
+
+ITEMS_FUZZ_EXAMPLES = 40  # per generation mode; each a GET, no decoding
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_input_items_query_fuzz_gets_no_5xx(served, mode: str) -> None:
+    """Queries generated from /openapi.json's parameters of GET /v1/responses/{id}/input_items
+    (schema_fuzz POSTs bodies; this route has a query), on a stored response's id half the time:
+    each answer a 200 list or a 4xx with the OpenAI error body."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    base, _ = served
+    kept = client(base).responses.create(model=MODEL, input=ASK, max_output_tokens=4, temperature=0)
+    operation = schemathesis.openapi.from_url(base + "/openapi.json")["/v1/responses/{response_id}/input_items"]["GET"]
+    statuses = []
+
+    @given(operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)), st.booleans())
+    @settings(max_examples=ITEMS_FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    def send(case, stored: bool) -> None:
+        response_id = kept.id if stored else str((case.path_parameters or {}).get("response_id", ""))
+        reply = httpx.get(f"{base}/v1/responses/{quote(response_id, safe='')}/input_items", params=case.query,
+                          headers={"authorization": "Bearer unused"}, timeout=FUZZ_REQUEST_SECONDS)
+        assert reply.status_code < 500, (case.query, reply.text)
+        if reply.status_code >= 400:
+            assert openai_error(reply.json()), reply.text
+        else:
+            assert reply.json()["object"] == "list", reply.text
+        statuses.append(reply.status_code)
+
+    send()
+    if mode == "positive":
+        assert 200 in statuses, statuses
+    print(f"fuzz {mode} input_items: {len(statuses)} requests, statuses {sorted(set(statuses))}")
 
 
 def test_the_events_of_text_a_streamed_call_and_text_again() -> None:

@@ -10,177 +10,73 @@ sampling fields as they are. It then decodes like any chat request (speculation,
 caching, grammars, tenancy, limits, metrics and errors are that route's); only the reply is
 reshaped, to a Response object (``response_body``) or, streamed, to the Responses event sequence
 (``response_events``). As OpenAI does, ``instructions`` are not carried to the next response.
+``include: ["message.output_text.logprobs"]`` asks the chat route for its logprobs, which become
+the ``output_text`` parts' (and the text deltas'); ``truncation: "auto"`` leaves the oldest
+messages out until the prompt fits (``serving/responses_truncation.py``). The input's reading is
+``serving/responses_input.py``.
 
-A response is stored unless the request says ``store: false``; one that was not stored, was
-deleted, was evicted or belongs to another API key is a 404 to ``previous_response_id`` and to
-``GET``/``DELETE``.
+A response is stored unless the request says ``store: false``, with its input items (the stored
+ones of ``previous_response_id``, its output, then this input) for
+``GET /v1/responses/{id}/input_items``; one that was not stored, was deleted, was evicted or
+belongs to another API key is a 404 to ``previous_response_id`` and to ``GET``/``DELETE``.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the endpoint's signature
 # (``request: Request``, imported inside ``add_responses_routes``) at definition time.
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from specdecode.serving.api_errors import APIError
 from specdecode.serving.responses import sse
-from specdecode.serving.responses_store import ResponseStore, response_tenant
+from specdecode.serving.responses_input import (
+    ITEMS_QUERY,
+    REQUEST_SCHEMA,
+    SAMPLING_FIELDS,
+    TRUNCATIONS,
+    chat_tools,
+    input_items,
+    input_messages,
+    items_page,
+    logprobs_wanted,
+    new_id,
+    response_format,
+)
+from specdecode.serving.responses_store import ResponseStore, StoredResponse, response_tenant
+from specdecode.serving.responses_truncation import truncate
 from specdecode.serving.state import ServerState
-from specdecode.serving.tools import NAME_PATTERN
 from specdecode.serving.utility_routes import load_body
 
-# Fields passed to the chat request as they are (ours and vLLM's extensions included).
-SAMPLING_FIELDS = ("model", "temperature", "top_p", "top_k", "seed", "method", "k", "cache_salt", "parallel_tool_calls")
-TEXT_PART_TYPES = ("input_text", "output_text", "text")
-ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-SKIPPED_ITEMS = ("reasoning",)  # items a client may echo back that carry nothing for our models
+
+@dataclass(slots=True)
+class Turn:
+    """A Responses request read: the chat body that decodes it, the conversation it continues
+    (earlier turns and this input, without the instructions: what the store keeps) and its input
+    items (the earlier ones too: what ``input_items`` lists)."""
+
+    chat: dict[str, Any]
+    conversation: list[dict[str, Any]]
+    items: list[dict[str, Any]]
 
 
-_TEXT_PARTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
-    "type": "object", "required": ["type", "text"],
-    "properties": {"type": {"enum": list(TEXT_PART_TYPES)}, "text": {"type": "string"}}}}]}
-_ITEM = {"anyOf": [
-    {"type": "object", "required": ["role", "content"], "properties": {
-        "type": {"const": "message"}, "role": {"enum": list(ROLES)}, "content": _TEXT_PARTS}},
-    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
-        "type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
-        "arguments": {"type": "string"}}},
-    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
-        "type": {"const": "function_call_output"}, "call_id": {"type": "string"}, "output": _TEXT_PARTS}},
-]}
-# The OpenAPI schema of the body (``/openapi.json``; the schema fuzz test generates from it).
-REQUEST_SCHEMA: dict[str, Any] = {"type": "object", "required": ["input"], "properties": {
-    "model": {"type": "string"}, "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": _ITEM}]},
-    "instructions": {"type": "string"}, "previous_response_id": {"type": "string"}, "store": {"type": "boolean"},
-    "max_output_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0,
-                                                                             "maximum": 2},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "stream": {"type": "boolean"},
-    "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
-        "type": {"const": "function"}, "name": {"type": "string", "pattern": NAME_PATTERN.pattern},
-        "description": {"type": "string"}, "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}},
-    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, {
-        "type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"},
-                                                                       "name": {"type": "string"}}}]},
-    "text": {"type": "object", "properties": {"format": {"type": "object", "required": ["type"], "properties": {
-        "type": {"enum": ["text", "json_object", "json_schema"]}, "name": {"type": "string"},
-        "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
-}}
-
-
-def _text_of(content: Any, where: str) -> str:
-    """A message's content (a string or a list of text parts) as one string."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where}.content must be a string or a list of input_text parts.", "input")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise APIError(400, f"{where}.content[{j}] is {kind!r:.40}; this server takes text parts only "
-                                "(input_text, output_text).", "input")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def input_messages(items: Any) -> list[dict[str, Any]]:
-    """``input`` as chat messages: consecutive ``function_call`` items become one assistant
-    message's ``tool_calls``, each ``function_call_output`` a ``tool`` message."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    if not isinstance(items, list):
-        raise APIError(400, "'input' must be a string or a list of input items.", "input")
-    messages: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise APIError(400, f"{where} must be an object.", "input")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
-            if role is None:
-                raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}.", "input")
-            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
-        elif kind == "function_call":
-            if not all(isinstance(item.get(key, ""), str) for key in ("name", "call_id", "arguments")) \
-                    or "name" not in item or "call_id" not in item:
-                raise APIError(400, f"{where} (function_call) needs a string 'name', 'call_id' and 'arguments'.",
-                               "input")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            if not isinstance(item.get("call_id"), str) or output is None:
-                raise APIError(400, f"{where} (function_call_output) needs a string 'call_id' and an 'output'.",
-                               "input")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(output, where)})
-        elif kind not in SKIPPED_ITEMS:
-            raise APIError(400, f"{where} has type {kind!r:.40}; this server takes message, function_call and "
-                                "function_call_output items.", "input")
-    return messages
-
-
-def chat_tools(tools: Any, choice: Any) -> dict[str, Any]:
-    """Responses ``tools`` (``{type: function, name, parameters, strict}``) and ``tool_choice``
-    in the chat shapes."""
-    out: dict[str, Any] = {}
-    if tools:
-        if not isinstance(tools, list):
-            raise APIError(400, "'tools' must be a list of function tools.", "tools")
-        converted = []
-        for i, tool in enumerate(tools):
-            if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-                kind = tool.get("type") if isinstance(tool, dict) else None
-                raise APIError(400, f"tools[{i}] is of type {kind!r:.40}; this server runs function tools only "
-                                    "({\"type\": \"function\", \"name\": ..., \"parameters\": {...}}).", "tools")
-            function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
-            converted.append({"type": "function", "function": function})
-        out["tools"] = converted
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                                "\"name\": ...}.", "tool_choice")
-        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-    elif choice is not None and (tools or choice != "none"):
-        out["tool_choice"] = choice
-    return out
-
-
-def response_format(text: Any) -> dict[str, Any] | None:
-    """``text.format`` as chat's ``response_format`` (None: plain text)."""
-    if text is None:
-        return None
-    fmt = text.get("format") if isinstance(text, dict) else None
-    if fmt is None:
-        return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
-        return {"type": "json_schema", "json_schema": schema}
-    raise APIError(400, "'text.format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                        "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}}.", "text.format")
-
-
-def to_chat(body: dict[str, Any], store: ResponseStore, tenant: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A Responses body as the chat body that decodes it, and the conversation it continues
-    (earlier turns and this input, without the instructions)."""
+def to_chat(body: dict[str, Any], store: ResponseStore, tenant: str) -> Turn:
+    """A Responses body as the chat body that decodes it, with what the response continues."""
     if body.get("background"):
         raise APIError(400, "This server does not run responses in the background; leave 'background' out.",
                        "background")
+    if body.get("conversation") is not None:
+        raise APIError(400, "'conversation' (OpenAI's Conversations API) is not served here; continue a conversation "
+                            "with 'previous_response_id', or send it whole as 'input'.", "conversation")
     if "input" not in body:
         raise APIError(400, "'input' is required: a string or a list of input items.", "input")
+    if body.get("truncation", "disabled") not in TRUNCATIONS:
+        raise APIError(400, f"'truncation' must be 'disabled' (a prompt past the context is a 400) or 'auto' (the "
+                            f"oldest input items left out until it fits), got {body['truncation']!r:.40}.", "truncation")
+    top_logprobs = logprobs_wanted(body)
     conversation: list[dict[str, Any]] = []
+    items: list[dict[str, Any]] = []
     previous = body.get("previous_response_id")
     if previous is not None:
         if not isinstance(previous, str):
@@ -193,9 +89,11 @@ def to_chat(body: dict[str, Any], store: ResponseStore, tenant: str) -> tuple[di
                                 "the whole conversation as 'input' instead.", "previous_response_id",
                            "response_not_found")
         conversation = [dict(message) for message in stored.conversation]
+        items = [*stored.input_items, *stored.body["output"]]
     conversation += input_messages(body["input"])
     if not conversation:
         raise APIError(400, "'input' holds no messages: give a string or at least one message item.", "input")
+    items += input_items(body["input"], {item["id"] for item in items})
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise APIError(400, "'instructions' must be a string.", "instructions")
@@ -208,14 +106,12 @@ def to_chat(body: dict[str, Any], store: ResponseStore, tenant: str) -> tuple[di
         chat["response_format"] = fmt
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
+    if top_logprobs is not None:
+        chat["logprobs"], chat["top_logprobs"] = True, top_logprobs
     if body.get("stream"):
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
-    return chat, conversation
-
-
-def _new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex[:24]
+    return Turn(chat, conversation, items)
 
 
 def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -228,8 +124,12 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
             "output_tokens_details": {"reasoning_tokens": 0}}
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+def message_item(item_id: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An output message item; ``logprobs``: its tokens' (the chat route's entries, whose shape
+    is the Responses one: token, logprob, bytes, top_logprobs)."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    content = [part] if status == "completed" else []
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
@@ -242,8 +142,10 @@ class ResponseShell:
     """The fields of a Response that come from its request, and the end of one response: its
     body, its conversation for the store."""
 
-    def __init__(self, body: dict[str, Any], model: str, conversation: list[dict[str, Any]]) -> None:
-        self.id, self.created_at, self.conversation = _new_id("resp_"), int(time.time()), conversation
+    def __init__(self, body: dict[str, Any], model: str, conversation: list[dict[str, Any]],
+                 truncated: int | None = None) -> None:
+        self.id, self.created_at, self.conversation = new_id("resp_"), int(time.time()), conversation
+        self.truncated = truncated  # with truncation "auto": the messages it left out of the prompt
         text = body.get("text") if isinstance(body.get("text"), dict) else {}
         self.fields = {
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
@@ -251,7 +153,7 @@ class ResponseShell:
             "top_p": body.get("top_p"), "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "store": body.get("store", True) is not False,
             "text": {"format": text.get("format") or {"type": "text"}}, "metadata": body.get("metadata"),
-            "truncation": "disabled", "error": None, "incomplete_details": None, "user": body.get("user"),
+            "truncation": body.get("truncation", "disabled"), "top_logprobs": body.get("top_logprobs"), "error": None, "incomplete_details": None, "user": body.get("user"),
         }
         self.model = model
 
@@ -263,6 +165,8 @@ class ResponseShell:
             out["status"], out["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
         if metrics is not None:
             out["specdecode"] = metrics
+        if self.truncated is not None:
+            out["specdecode"] = {**(metrics or {}), "truncated_messages": self.truncated}
         return out
 
     def finished(self, text: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -277,8 +181,9 @@ def response_body(reply: dict[str, Any], shell: ResponseShell) -> tuple[dict[str
     """A whole chat reply as a Response, and the conversation to store with it."""
     choice = reply["choices"][0]
     text, calls = choice["message"].get("content"), choice["message"].get("tool_calls") or []
-    output = [message_item(_new_id("msg_"), text)] if text else []
-    output += [call_item(_new_id("fc_"), call) for call in calls]
+    logprobs = (choice.get("logprobs") or {}).get("content")
+    output = [message_item(new_id("msg_"), text, logprobs=logprobs)] if text else []
+    output += [call_item(new_id("fc_"), call) for call in calls]
     body = shell.body("completed", output, reply.get("usage"), choice.get("finish_reason"), reply.get("specdecode"))
     return body, shell.finished(text, calls)
 
@@ -298,7 +203,10 @@ class _Events:
 async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
                           done: Callable[[dict[str, Any], list[dict[str, Any]]], None]) -> AsyncIterator[str]:
     """A chat completion's event stream (one choice; usage in a last chunk of no choices) as the
-    Responses event sequence; ``done`` gets the completed Response and its conversation."""
+    Responses event sequence; ``done`` gets the completed Response and its conversation. Logprobs
+    (asked for with ``include``) go on the text delta of the chunk that brought them; those of a
+    chunk with no text (the last one's, of tokens whose text was cut) join the message's own
+    list, on ``output_text.done`` and its item."""
     event = _Events()
     yield event("response.created", response=shell.body("in_progress", []))
     yield event("response.in_progress", response=shell.body("in_progress", []))
@@ -307,13 +215,17 @@ async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
     item_start = 0  # where the open message item's text begins in ``text`` (content after a call is a new item)
     finish, usage, metrics = None, None, None
     open_call: tuple[str, int, dict[str, Any]] | None = None  # the call whose arguments are streaming
+    item_logprobs: list[dict[str, Any]] = []  # the open message's
+    pending: list[dict[str, Any]] = []  # logprobs come since the last text delta
 
     def text_done() -> list[str]:
-        index, item = len(output), message_item(message_id, text[item_start:])
+        item_logprobs.extend(pending)
+        pending.clear()
+        index, item = len(output), message_item(message_id, text[item_start:], logprobs=list(item_logprobs))
         part = item["content"][0]
         output.append(item)
         return [event("response.output_text.done", item_id=message_id, output_index=index, content_index=0, text=part["text"],
-                      logprobs=[]),
+                      logprobs=part["logprobs"]),
                 event("response.content_part.done", item_id=message_id, output_index=index, content_index=0, part=part),
                 event("response.output_item.done", output_index=index, item=item)]
 
@@ -347,11 +259,13 @@ async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
             usage, metrics = chunk["usage"], chunk.get("specdecode")
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            pending.extend((choice.get("logprobs") or {}).get("content") or [])
             if delta.get("content"):
                 if message_id is None or open_call is not None or any(item["id"] == message_id for item in output):
                     for done_event in close():
                         yield done_event
-                    message_id, item_start = _new_id("msg_"), len(text)
+                    message_id, item_start = new_id("msg_"), len(text)
+                    item_logprobs.clear()
                     yield event("response.output_item.added", output_index=len(output),
                                 item=message_item(message_id, "", "in_progress"))
                     yield event("response.content_part.added", item_id=message_id, output_index=len(output),
@@ -359,7 +273,9 @@ async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
                                                        "logprobs": []})
                 text += delta["content"]
                 yield event("response.output_text.delta", item_id=message_id, output_index=len(output),
-                            content_index=0, delta=delta["content"], logprobs=[])
+                            content_index=0, delta=delta["content"], logprobs=list(pending))
+                item_logprobs.extend(pending)
+                pending.clear()
             for piece in delta.get("tool_calls") or []:  # a call's first piece has its id (ToolStream)
                 if "id" in piece:
                     for done_event in close():
@@ -367,7 +283,7 @@ async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
                     call = {"id": piece["id"], "type": "function",
                             "function": {"name": piece["function"]["name"], "arguments": ""}}
                     calls.append(call)
-                    open_call = (_new_id("fc_"), len(output), call)
+                    open_call = (new_id("fc_"), len(output), call)
                     yield event("response.output_item.added", output_index=len(output),
                                 item=call_item(open_call[0], call, "in_progress"))
                 arguments = piece["function"].get("arguments") or ""
@@ -386,11 +302,15 @@ async def response_events(chunks: AsyncIterator[str], shell: ResponseShell,
     yield event("response.completed", response=body)
 
 
+# Words of the chat route's refusals of a prompt too long to decode (engine and api messages).
+LENGTH_WORDS = ("context", "KV slots")
+
 Respond = Callable[..., Awaitable[Any]]  # server.py's respond(request, chat, translate=...)
 
 
 def add_responses_routes(app: Any, state: ServerState, respond: Respond, store: ResponseStore | None = None) -> None:
-    """Register ``POST /v1/responses`` and ``GET``/``DELETE /v1/responses/{id}`` on ``app``."""
+    """Register ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` and
+    ``GET /v1/responses/{id}/input_items`` on ``app``."""
     from fastapi import Request
     from fastapi.responses import StreamingResponse
 
@@ -409,18 +329,23 @@ def add_responses_routes(app: Any, state: ServerState, respond: Respond, store: 
         def translate(raw: bytes) -> bytes:
             try:
                 body = load_body(raw, state)
-                chat, conversation = to_chat(body, store, tenant)
+                turn = to_chat(body, store, tenant)
+                truncated = truncate(state, turn.chat) if body.get("truncation") == "auto" else None
             except APIError:
                 state.metrics.count("rejected")  # as ServerState.prepare counts the chat route's
                 raise
-            held["body"], held["shell"] = body, ResponseShell(body, state.model_name, conversation)
-            return json.dumps(chat).encode()
+            held["body"], held["items"] = body, turn.items
+            held["shell"] = ResponseShell(body, state.model_name, turn.conversation, truncated)
+            return json.dumps(turn.chat).encode()
 
         def keep(body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
             if held["body"].get("store", True) is not False:
-                store.put(tenant, body, conversation)
+                store.put(tenant, body, conversation, held["items"])
 
-        reply = await respond(request, True, translate=translate)
+        try:
+            reply = await respond(request, True, translate=translate)
+        except APIError as err:
+            raise _in_responses_words(err, held.get("body")) from None
         if isinstance(reply, dict):
             body, conversation = response_body(reply, held["shell"])
             keep(body, conversation)
@@ -429,19 +354,39 @@ def add_responses_routes(app: Any, state: ServerState, respond: Respond, store: 
             reply.body_iterator = response_events(reply.body_iterator, held["shell"], keep)
         return reply
 
-    def stored(request: Request, response_id: str) -> dict[str, Any]:
+    def stored(request: Request, response_id: str) -> StoredResponse:
         found = store.get(response_tenant(request.headers.get("authorization")), response_id)
         if found is None:
             raise APIError(404, f"No stored response {response_id!r:.80} for this API key (created with store: false, "
                                 "deleted, evicted, or never existed).", "response_id", "response_not_found")
-        return found.body
+        return found
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> Any:
-        return stored(request, response_id)
+        return stored(request, response_id).body
+
+    @app.get("/v1/responses/{response_id}/input_items", openapi_extra={"parameters": ITEMS_QUERY})
+    async def list_input_items(request: Request, response_id: str) -> Any:
+        items = stored(request, response_id).input_items
+        query = request.query_params
+        include = query.getlist("include") + query.getlist("include[]")  # either way a client spells a list
+        return items_page(items, query.get("order"), query.get("limit"), query.get("after"), include)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Any:
         if not store.delete(response_tenant(request.headers.get("authorization")), response_id):
             stored(request, response_id)  # the 404
         return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _in_responses_words(err: APIError, body: dict[str, Any] | None) -> APIError:
+    """The chat route's refusal of its ``messages`` in the Responses fields (``input``,
+    ``max_output_tokens``); for a prompt past the context (or the KV pool) with the way out that
+    ``truncation`` gives. Other errors as they are."""
+    if err.status != 400 or err.param != "messages" or body is None:
+        return err
+    message = err.message.replace("max_tokens", "max_output_tokens")
+    too_long = err.code == "context_length_exceeded" or any(word in message for word in LENGTH_WORDS)
+    if too_long and body.get("truncation", "disabled") == "disabled":
+        message += " Or send truncation: \"auto\" to leave the oldest input items out until it fits."
+    return APIError(400, message, "input", "context_length_exceeded" if too_long else err.code)

@@ -1,9 +1,10 @@
 """The stored responses of ``/v1/responses``, for ``previous_response_id`` and
 ``GET``/``DELETE /v1/responses/{id}``: bounded, and kept apart per tenant.
 
-A stored response is its Response body and the conversation it ended (chat-completions messages:
+A stored response is its Response body, the conversation it ended (chat-completions messages:
 the earlier turns, its input, its output as an assistant message), so that a next request naming
-it continues from those messages. OpenAI keeps responses for 30 days; a server in one process
+it continues from those messages, and its input items (the earlier turns' input and output
+items, then its input, each with an id) for ``GET /v1/responses/{id}/input_items``. OpenAI keeps responses for 30 days; a server in one process
 keeps them in memory, so the store is bounded three ways, each by least-recent use (a read counts
 as a use): ``max_per_tenant`` responses and ``max_tenant_bytes`` per tenant, and
 ``max_total_bytes`` over all tenants. A response larger than a tenant's whole budget is not kept.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.serving.suffix_share import tenant_key
@@ -38,7 +39,8 @@ def response_tenant(authorization: str | None) -> str:
 class StoredResponse:
     body: dict[str, Any]  # the Response object as returned
     conversation: list[dict[str, Any]]  # chat messages up to and including this response's output
-    size: int  # bytes of both as JSON: what the byte bounds count
+    size: int  # bytes of all three as JSON: what the byte bounds count
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # in OpenAI's item shapes, oldest first
 
 
 class ResponseStore:
@@ -62,17 +64,19 @@ class ResponseStore:
     def tenant_bytes(self, tenant: str) -> int:
         return self._tenant_bytes.get(tenant, 0)
 
-    def put(self, tenant: str, body: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
-        """Keep ``body`` (its ``id`` the key) and its conversation; False when it alone is over
-        a tenant's byte budget (it is then not kept)."""
-        size = len(json.dumps(body, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
+    def put(self, tenant: str, body: dict[str, Any], conversation: list[dict[str, Any]],
+            input_items: list[dict[str, Any]] | None = None) -> bool:
+        """Keep ``body`` (its ``id`` the key), its conversation and its input items; False when
+        it alone is over a tenant's byte budget (it is then not kept)."""
+        input_items = input_items or []
+        size = sum(len(json.dumps(part, ensure_ascii=False)) for part in (body, conversation, input_items))
         if size > min(self.max_tenant_bytes, self.max_total_bytes):
             return False
         response_id = body["id"]
         with self._lock:
             self._remove(tenant, response_id)
             entries = self._tenants.setdefault(tenant, OrderedDict())
-            entries[response_id] = StoredResponse(body, conversation, size)
+            entries[response_id] = StoredResponse(body, conversation, size, input_items)
             self._order[(tenant, response_id)] = None
             self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + size
             self.total_bytes += size
