@@ -257,6 +257,10 @@ def test_unserved_include_values_and_conversation_are_400s(served) -> None:
     assert caught.value.body["param"] == "conversation"
     with pytest.raises(openai.BadRequestError, match="truncation"):
         api.responses.create(model=MODEL, input=ASK, extra_body={"truncation": "middle"})
+    # null is the default, as OpenAI takes it.
+    plain = httpx.post(f"{base}/v1/responses", json={"model": MODEL, "input": ASK, "max_output_tokens": 4,
+                                                     "truncation": None, "include": None}, timeout=60)
+    assert plain.status_code == 200 and plain.json()["truncation"] == "disabled", plain.text
     # Encrypted reasoning, which Codex-style clients always ask for, is served (vacuously).
     reply = api.responses.create(model=MODEL, input=ASK, max_output_tokens=4, include=["reasoning.encrypted_content"])
     assert reply.output_text

@@ -71,7 +71,7 @@ def to_chat(body: dict[str, Any], store: ResponseStore, tenant: str) -> Turn:
                             "with 'previous_response_id', or send it whole as 'input'.", "conversation")
     if "input" not in body:
         raise APIError(400, "'input' is required: a string or a list of input items.", "input")
-    if body.get("truncation", "disabled") not in TRUNCATIONS:
+    if body.get("truncation") is not None and body["truncation"] not in TRUNCATIONS:
         raise APIError(400, f"'truncation' must be 'disabled' (a prompt past the context is a 400) or 'auto' (the "
                             f"oldest input items left out until it fits), got {body['truncation']!r:.40}.", "truncation")
     top_logprobs = logprobs_wanted(body)
@@ -153,7 +153,8 @@ class ResponseShell:
             "top_p": body.get("top_p"), "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "store": body.get("store", True) is not False,
             "text": {"format": text.get("format") or {"type": "text"}}, "metadata": body.get("metadata"),
-            "truncation": body.get("truncation", "disabled"), "top_logprobs": body.get("top_logprobs"), "error": None, "incomplete_details": None, "user": body.get("user"),
+            "truncation": body.get("truncation") or "disabled", "top_logprobs": body.get("top_logprobs"),
+            "error": None, "incomplete_details": None, "user": body.get("user"),
         }
         self.model = model
 
@@ -387,6 +388,6 @@ def _in_responses_words(err: APIError, body: dict[str, Any] | None) -> APIError:
         return err
     message = err.message.replace("max_tokens", "max_output_tokens")
     too_long = err.code == "context_length_exceeded" or any(word in message for word in LENGTH_WORDS)
-    if too_long and body.get("truncation", "disabled") == "disabled":
+    if too_long and body.get("truncation") != "auto":
         message += " Or send truncation: \"auto\" to leave the oldest input items out until it fits."
     return APIError(400, message, "input", "context_length_exceeded" if too_long else err.code)
