@@ -1,6 +1,7 @@
 """Which rows of the batch draft this step, how many tokens each may, and their proposals:
 prompt lookup per row on the host, the draft model for all its rows together, the target with
-layers skipped for all its rows together, trained heads per row. A row that picks
+layers skipped for all its rows together, EAGLE heads for all their rows together (one head
+pass per tree level), Medusa heads per row (one pass each). A row that picks
 its source every step (method auto, ``drafters/auto_row.py``) offers its options here and is
 told its choice once the batch's k is known (``choose_sources``)."""
 
@@ -15,9 +16,11 @@ from specdecode.costs.batch_k import BatchK, BatchRow, RowChoices
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import BatchDraftModel, DraftRow
 from specdecode.drafters.batch_layer_skip import BatchLayerSkip
+from specdecode.drafters.eagle import EagleDrafter, propose_together
 from specdecode.engine.batch_request import BatchRequest
 from specdecode.engine.grammar import GrammarState, first_forbidden
 from specdecode.engine.scheduler import ScheduledSequence
+from specdecode.engine.tree import TokenTree
 
 # Below this many tried draft positions a row's estimate is too thin to stop drafting on (one
 # rejected first token would read as 40% acceptance): the chooser treats it as unobserved.
@@ -158,6 +161,8 @@ def propose(
     proposals = [DraftProposal(tokens=empty, probs=None) for _ in running]
     model_rows, model_index = [], []
     skip_rows, skip_index = [], []
+    eagle_rows: list[tuple[EagleDrafter, torch.Tensor, int]] = []
+    eagle_index = []
     for index, seq in enumerate(running):
         request: BatchRequest = seq.state
         if seq.seq_id in forced:
@@ -176,11 +181,12 @@ def propose(
             skip_rows.append(DraftRow(seq.seq_id, request.committed[:length], k, request.processor, request.generator,
                                       draft_confidence))
             skip_index.append(index)
+        elif isinstance(request.heads, EagleDrafter):  # drafted with the step's other EAGLE rows, below
+            eagle_rows.append((request.heads, request.committed[:length], k))
+            eagle_index.append(index)
         elif request.heads is not None:  # a tree at most k deep from the features it was shown
-            tree = request.heads.propose_tree(request.committed[None, :length], k, request.processor, request.generator)
-            if tree.size > 1:
-                proposals[index] = DraftProposal(tokens=tree.tokens[None, 1:], probs=None,
-                                                 forward_passes=request.heads.last_forward_passes, tree=tree)
+            proposals[index] = tree_proposal(request.heads.propose_tree(
+                request.committed[None, :length], k, request.processor, request.generator), request.heads.last_forward_passes)
         elif request.tree_nodes:  # a token tree at most k deep (its root: the last committed token)
             tree = request.ngram.propose_tree(request.committed[None, :length], k, request.processor,  # type: ignore[union-attr]
                                               request.generator)
@@ -200,7 +206,20 @@ def propose(
         assert skipper is not None
         for index, proposal in zip(skip_index, skipper.propose(skip_rows)[0], strict=True):
             proposals[index] = proposal
+    # Trees at most k deep from the features each row was shown; a batch of EAGLE rows costs
+    # one row's head passes (drafters/batch_eagle.py).
+    for index, (drafter, _, _), tree in zip(eagle_index, eagle_rows, propose_together(eagle_rows), strict=True):
+        proposals[index] = tree_proposal(tree, drafter.last_forward_passes)
     return proposals, passes, len(model_rows)
+
+
+def tree_proposal(tree: TokenTree, forward_passes: int) -> DraftProposal:
+    """A heads row's proposal of ``tree`` (its nodes after the root); none where it is the root
+    alone (the row decodes plainly)."""
+    empty = tree.tokens[None, :0]  # (1, 0): no drafts
+    if tree.size == 1:
+        return DraftProposal(tokens=empty, probs=None)
+    return DraftProposal(tokens=tree.tokens[None, 1:], probs=None, forward_passes=forward_passes, tree=tree)
 
 
 def constrain_proposals(

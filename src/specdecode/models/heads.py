@@ -186,12 +186,18 @@ class EagleHead(DraftHeads):
         cache: KVCache | None = None,
         view: KVView | None = None,
         contiguous_start: int | None = None,
+        slots: torch.Tensor | None = None,  # (B, T) long: the cache slot of each row; None: ``positions``
     ) -> torch.Tensor:
-        """Predicted features f_{p+1}: (B, T, C). Without a cache the T rows attend causally."""
+        """Predicted features f_{p+1}: (B, T, C). Without a cache the T rows attend causally.
+
+        ``slots`` apart from ``positions``: the drafter lays pair p at slot p but rotates it as
+        position p + 1, and rows of several sequences (``drafters/batch_eagle.py``) write slots
+        that differ per row, so no one ``contiguous_start`` names them."""
         x = self.fc(torch.cat([token_embeds.to(self.fc.weight.dtype), features.to(self.fc.weight.dtype)], dim=-1))
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         layer = self.layer
-        x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, 0, cache, positions, view, contiguous_start)
+        written = slots if slots is not None else positions  # the attention writes the cache at these
+        x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, 0, cache, written, view, contiguous_start)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
