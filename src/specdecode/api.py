@@ -32,6 +32,7 @@ from specdecode.config import (
     SamplingParams,
     SchedulerConfig,
     check_acceptance,
+    check_engine,
 )
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
 from specdecode.costs.store import CostStore, cost_store_for
@@ -48,8 +49,9 @@ from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
 from specdecode.engine.batch_rows import auto_suffix_depth
 from specdecode.engine.batch_run import run_samples
-from specdecode.engine.grammar import GrammarCompiler
+from specdecode.engine.grammar import CompiledGrammar, GrammarCompiler
 from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.one_request import OneRequestEngine
 from specdecode.engine.plan import RequestPlan
 from specdecode.engine.probe import continuation_logits, logits_in_passes, next_draft_probs
 from specdecode.engine.sampling import LogitsProcessor, make_generator
@@ -125,6 +127,9 @@ class SpecDecoder:
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
             self.attach_heads(heads, config.tree_size)
+        # engine="batch": generate and stream decode on a batch engine with one seat, built on first use.
+        self.one_request = OneRequestEngine(lambda tokens: self.batch_engine(
+            max_batch=1, kv_cache_tokens=tokens, scheduling=SchedulerConfig(prefill_chunk=0, time_slice=0, spare_slots=1)))
 
     @property
     def suffix_cache(self) -> SuffixCache:
@@ -200,7 +205,11 @@ class SpecDecoder:
         f32 (exact to ~1e-5 against fp32 torch), any other dtype takes llama.cpp's f16 cache.
         ``compile=True`` compiles the torch backend's repeated passes per shape (CUDA graphs on a
         GPU; a mode name of ``torch.compile`` picks another mode); call ``warm_up()`` to compile
-        them before the first request ([docs/compile.md](docs/compile.md)).
+        them before the first request ([docs/compile.md](docs/compile.md)). ``engine="batch"``
+        makes ``generate`` and ``stream`` run on the batch engine holding one request
+        (``engine/one_request.py``), as the server does; "single" (the default) keeps the
+        single-request engine, the only one that runs ``kv_dtype="int8"``, ``compile`` and
+        typical acceptance.
         ``suffix_cache_tokens`` bounds the earlier responses method ``suffix`` (and ``auto``)
         keeps for drafting, over all groups (0: none; the least recently used go first).
         """
@@ -216,6 +225,7 @@ class SpecDecoder:
         """Drop the prefix cache's record (the K/V stay allocated): the next request prefills its
         whole prompt, as the first request after loading does."""
         self.engine.forget_prefix()
+        self.one_request.forget_prefix()
 
     @contextlib.contextmanager
     def trace_passes(self) -> Iterator[PassTrace]:
@@ -332,6 +342,9 @@ class SpecDecoder:
         prompt_ids = self.prompt_ids(prompt, chat)
         self.check_request(prompt_ids, params)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
+        if self.config.engine == "batch":
+            check_engine("batch", "auto", False, acceptance)  # this call's acceptance rule
+            return self._stream_batched(prompt_ids, params, request, cache_salt, grammar)
         plan = plan_request(self.resources, request)
         stats = GenerationStats(method=plan.method)
         if plan.steps_by_source is not None:
@@ -340,6 +353,15 @@ class SpecDecoder:
         stats.note = "; ".join(filter(None, [plan.note, *self.costs.take_notes()]))
         chunks = self.engine.decode(prompt_ids, params, plan, stats, acceptance=acceptance, cache_salt=cache_salt,
                                     grammar=grammar)
+        return GenerationStream(self._late_notes(chunks, stats), IncrementalDecoder(self.tokenizer, params.stop), stats)
+
+    def _stream_batched(self, prompt_ids: list[int], params: SamplingParams, request: PlanRequest,
+                        cache_salt: str | None, grammar: CompiledGrammar | None) -> GenerationStream:
+        """``stream`` on the batch engine holding one request (``engine="batch"``)."""
+        stats = GenerationStats(method=request.method)
+        k = None if request.method == registry.NONE.name else request.k
+        chunks = self.one_request.decode(prompt_ids, params, request.method, k, request.policy, stats,
+                                         request.suffix_group, cache_salt, grammar)
         return GenerationStream(self._late_notes(chunks, stats), IncrementalDecoder(self.tokenizer, params.stop), stats)
 
     def _late_notes(self, chunks: Iterator[list[int]], stats: GenerationStats) -> Iterator[list[int]]:

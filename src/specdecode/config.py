@@ -358,6 +358,7 @@ BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "llama.cpp")
 QUANTS: tuple[str, ...] = ("none", "int8", "int4")
 KV_DTYPES: tuple[str, ...] = ("auto", "int8")  # auto: the model's dtype
 COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+ENGINES: tuple[str, ...] = ("single", "batch")
 
 
 @dataclass(slots=True, frozen=True)
@@ -425,6 +426,9 @@ class DecoderConfig:
     draft_quant: str = "none"
     kv_dtype: str = "auto"
     compile: bool | str = False  # True, or a torch.compile mode (COMPILE_MODES)
+    # Which engine generate and stream decode on (ENGINES): the single-request engine, or the batch
+    # engine holding one request (engine/one_request.py); the server and generate_batch always batch.
+    engine: str = "single"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -466,6 +470,7 @@ class DecoderConfig:
             object.__setattr__(self, "compile", False)
         if not isinstance(self.compile, bool) and self.compile not in COMPILE_MODES:
             raise InvalidRequestError(f"compile must be True, False or one of {', '.join(COMPILE_MODES)}, got {self.compile!r}.")
+        check_engine(self.engine, self.kv_dtype, bool(self.compile), self.acceptance)
         for name in ("target", "draft", "heads", "layerskip_config"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -518,6 +523,19 @@ class DecoderConfig:
             policy = "fixed" if k is not None else self.policy
         check_k_policy(policy, self.k_max)
         return call_k, policy
+
+
+def check_engine(engine: str, kv_dtype: str, compile: bool, acceptance: str) -> None:
+    """The batch engine runs neither an int8 KV cache, compiled passes nor typical acceptance
+    (yet): those stay on the single-request engine."""
+    if engine not in ENGINES:
+        raise InvalidRequestError(f"engine={engine!r} is not one of: {', '.join(ENGINES)}.")
+    if engine != "batch":
+        return
+    for given, name in ((kv_dtype != "auto", 'kv_dtype="int8"'), (compile, "compile"),
+                        (acceptance != "lossless", 'acceptance="typical"')):
+        if given:
+            raise InvalidRequestError(f'{name} runs on the single-request engine only: drop it or use engine="single".')
 
 
 def check_acceptance(acceptance: str, method: str) -> None:

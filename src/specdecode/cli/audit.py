@@ -57,7 +57,7 @@ def add_audit_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the first draw's seed (draw i uses seed + i)")
     parser.add_argument("--chat", choices=("auto", "yes", "no"), default="auto",
                         help="greedy prompts in the chat template (auto: when the tokenizer has one)")
-    add_decoder_arguments(parser, exclude=frozenset({"method"}))
+    add_decoder_arguments(parser, exclude=frozenset({"method", "engine"}))
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object instead of tables")
     parser.add_argument("--out", help="also write the JSON report to this file")
     parser.add_argument("--quiet", action="store_true", help="no progress bars on stderr")

@@ -15,7 +15,7 @@ from specdecode.errors import InvalidRequestError
 # (draft:3@int8, none@llama.cpp, ngram:auto, none+nocache) or with its own flags (--medusa-heads,
 # --eagle-heads); and those bench has no flag for (a BenchConfig from Python takes them: its
 # decoder is a whole DecoderConfig). Every other decoder flag is bench's too.
-BENCH_UNFLAGGED = frozenset({"k_max", "acceptance", "suffix_cache_tokens", "retime_costs"})
+BENCH_UNFLAGGED = frozenset({"k_max", "acceptance", "suffix_cache_tokens", "retime_costs", "engine"})
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

@@ -41,7 +41,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
             "says otherwise."
         ),
     )
-    add_decoder_arguments(parser, method_help="the default method; a request may pass 'method' (default draft; "
+    add_decoder_arguments(parser, exclude=frozenset({"engine"}), method_help="the default method; a request may pass 'method' (default draft; "
                           "see `specdecode generate --help` for each)")
     parser.add_argument("--model-name",
                         help="the name clients pass as 'model' (default: the target's folder or file name, or its hub id)")

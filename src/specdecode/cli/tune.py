@@ -15,7 +15,7 @@ from specdecode.errors import InvalidRequestError
 # Decoder options tune-layerskip does not take: it runs the target alone, on torch, eagerly.
 TUNE_EXCLUDED = frozenset({
     "draft", "method", "k", "k_policy", "draft_confidence", "ngram_max", "ngram_min", "skip_layers", "layerskip_config",
-    "heads", "tree_size", "acceptance", "suffix_cache_tokens", "backend", "draft_quant", "compile",
+    "heads", "tree_size", "acceptance", "suffix_cache_tokens", "backend", "draft_quant", "compile", "engine",
 })
 
 

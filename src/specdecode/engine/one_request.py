@@ -1,0 +1,100 @@
+"""One request at a time on the batch engine: ``generate`` and ``stream`` under ``engine="batch"``.
+
+A batch of one, as nano-vllm's ``generate`` is a loop over ``step``: the request joins a batch
+engine with one seat, and the engine steps until it ends, each step's new tokens handed on as
+they come. The engine is built on first use and kept, so that its prefix cache carries a chat's
+turns and its pass costs are timed once (the one-sequence passes come from the target's cost
+store: ``costs/decoder_costs.batch_pass_costs``). A request that needs more KV slots than the
+engine's pool holds gets a larger engine in its place (the old one, its pool and its cached
+prefixes dropped first). Issue 45: the step towards one engine that owns the decode loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from specdecode.config import SamplingParams
+from specdecode.engine.batch import BatchEngine
+from specdecode.engine.grammar import CompiledGrammar
+from specdecode.engine.metrics import GenerationStats
+
+# The smallest pool the engine is built with, in tokens (a pool of 4096 holds most chats' turns
+# without a rebuild: 112 MiB of the demo target's KV); larger requests round up to a power of 2.
+MIN_POOL_TOKENS = 4096
+# KV slots a step may take past a request's last token: drafts (a chain of up to 32 with auto's
+# suffix source) or a token tree (up to MAX_TREE_SIZE nodes).
+STEP_SLOTS = 288
+
+# Builds a batch engine of one seat whose pool holds this many tokens.
+EngineFactory = Callable[[int], BatchEngine]
+
+
+def pool_tokens(needed: int) -> int:
+    """The pool size for a request that needs ``needed`` slots: a power of two, at least MIN_POOL_TOKENS."""
+    tokens = MIN_POOL_TOKENS
+    while tokens < needed:
+        tokens *= 2
+    return tokens
+
+
+class OneRequestEngine:
+    """A batch engine of one seat, kept between requests (the module docstring)."""
+
+    def __init__(self, build: EngineFactory) -> None:
+        self._build = build
+        self._engine: BatchEngine | None = None
+        self._pool_tokens = 0
+
+    @property
+    def engine(self) -> BatchEngine | None:
+        """The engine now kept (None before the first request and after ``forget_prefix``)."""
+        return self._engine
+
+    def engine_for(self, needed: int) -> BatchEngine:
+        """The kept engine, or a new one whose pool holds ``needed`` slots where it does not."""
+        if self._engine is None or needed > self._pool_tokens:
+            self._engine = None  # its pools go before the larger ones are allocated
+            tokens = pool_tokens(needed)
+            self._engine, self._pool_tokens = self._build(tokens), tokens
+        return self._engine
+
+    def forget_prefix(self) -> None:
+        """Drop the engine and the prefixes it caches: the next request prefills its whole
+        prompt, and builds the engine again (its pass costs read from the cost store)."""
+        self._engine = None
+
+    def decode(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        method: str,
+        k: int | None,
+        k_policy: str | None,
+        stats: GenerationStats,
+        suffix_group: str | None,
+        cache_salt: str | None,
+        grammar: CompiledGrammar | None,
+    ) -> Iterator[list[int]]:
+        """Yield the tokens each step commits, ``stats`` filled as the engine goes. Closing the
+        iterator early (a stop string, a client gone) aborts the request between steps."""
+        engine = self.engine_for(len(prompt_ids) + params.max_new_tokens + STEP_SLOTS)
+        request_id = engine.add_request(prompt_ids, params, method, k, stats=stats, suffix_group=suffix_group,
+                                        cache_salt=cache_salt, grammar=grammar, k_policy=k_policy)
+        finished = False
+        try:
+            while not finished:
+                try:
+                    outputs = engine.step()
+                except Exception:
+                    # An error no single request causes: the engine's state is unknown.
+                    self._engine, finished = None, True
+                    raise
+                for output in outputs:  # this request's alone: the engine has one seat
+                    finished = output.finished
+                    if output.error is not None:
+                        raise output.error
+                    if output.new_tokens:
+                        yield output.new_tokens
+        finally:
+            if not finished and self._engine is engine:
+                engine.abort(request_id)
