@@ -25,11 +25,11 @@ import torch
 from specdecode import SpecDecoder
 from specdecode.bench.oracle import CostTable
 from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+from specdecode.core.sampling import LogitsProcessor
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import AUTO_DEPTH, SuffixDrafter, SuffixProposer
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
-from specdecode.engine.sampling import LogitsProcessor
 
 
 def simulate_turn(prompt: list[int], y: list[int], costs: CostTable, cache: SuffixCache, sources: dict[str, int]) -> float:

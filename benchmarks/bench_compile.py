@@ -38,7 +38,7 @@ from specdecode.models import demo
 from specdecode.models.loader import load_model
 from specdecode.prompt_sets import load_prompts, select_prompts
 
-PROBE_CONTEXT = 64  # cached positions before a timed pass, as costs.timing's probe
+PROBE_CONTEXT = 64  # cached positions before a timed pass, as core.timing's probe
 
 
 def load_average() -> list[float]:

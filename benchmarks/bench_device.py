@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import make_tiny_tokenizer  # noqa: E402  (the tests' small tokenizer)
 
 from specdecode import SamplingParams, SpecDecoder  # noqa: E402
-from specdecode.costs.timing import time_passes  # noqa: E402
+from specdecode.backends.torch_backend import time_passes  # noqa: E402
 
 SHAPES = {  # name -> (hidden, layers, heads, kv heads, intermediate, vocab)
     "demo-target": (1536, 28, 12, 2, 8960, 151936),
@@ -83,7 +83,7 @@ def graph_pass(model) -> dict[str, object]:
     A measurement, not a feature: the pass is captured at one fixed position, as a decode loop
     built on graphs would capture one per shape. It says how much of a pass is launch overhead.
     """
-    from specdecode.costs.timing import COST_PROBE_CONTEXT
+    from specdecode.core.timing import COST_PROBE_CONTEXT
     from specdecode.kv.static import reusable_cache
 
     try:
@@ -123,7 +123,7 @@ def compiled_runs(eager: SpecDecoder, target_dir: Path, prompt: list[int], param
                   args: argparse.Namespace, eager_plain_s: float, device: torch.device) -> dict[str, object]:
     """Decoding with compiled passes on the models ``eager`` loaded, against eager decoding
     (``eager_plain_s``), and transformers with a static cache compiled the way its docs show."""
-    from specdecode.costs.timing import time_passes
+    from specdecode.backends.torch_backend import time_passes
 
     out: dict[str, object] = {}
     # The k + 1 verify shapes and the draft's two, not every k up to k_max: compiling costs device time.

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from specdecode.backends.device import resolve_dtype
+from specdecode.core.device import resolve_dtype
 from specdecode.kv.static import KVCache
 from specdecode.models import demo
 from specdecode.models.loader import gguf_source, load_weights, read_model_config, resolve_model_folder

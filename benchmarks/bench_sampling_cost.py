@@ -1,6 +1,6 @@
 """Milliseconds per decoded token, greedy and sampled, on the single-request path: what drawing
-from the target's distribution costs on top of the pass (engine/categorical.py, top-p in
-engine/sampling.py). Prints one JSON line; run it once per code version and compare.
+from the target's distribution costs on top of the pass (core/categorical.py, top-p in
+core/sampling.py). Prints one JSON line; run it once per code version and compare.
 
     python benchmarks/bench_sampling_cost.py --label new
     PYTHONPATH=/path/to/old/checkout/src python benchmarks/bench_sampling_cost.py --label old

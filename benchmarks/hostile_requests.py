@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from specdecode.backends.device import resident_bytes
+from specdecode.core.device import resident_bytes
 
 MODEL = "demo"
 START_TIMEOUT_SECONDS = 600

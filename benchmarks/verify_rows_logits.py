@@ -19,7 +19,7 @@ from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.models.demo import DEFAULT_TARGET, demo_model_path
 
 # Positions already in the cache: nearer a chat turn's context than the engine's own cost
-# probes (``costs.timing.COST_PROBE_CONTEXT``, 64).
+# probes (``core.timing.COST_PROBE_CONTEXT``, 64).
 CONTEXT = 256
 FILLER = 15  # an ordinary token id
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from specdecode import SamplingParams, SpecDecoder
+from specdecode.core.sampling import LogitsProcessor
+from specdecode.core.tree import TokenTree
 from specdecode.engine.metrics import GenerationStats
-from specdecode.engine.sampling import LogitsProcessor
-from specdecode.engine.tree import TokenTree
 from specdecode.engine.verify import TreeVerifyResult
 
 

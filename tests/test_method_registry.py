@@ -1,4 +1,4 @@
-"""One method registry (issue 45 item 2): a method is one entry in ``drafters/registry.py`` plus
+"""One method registry (issue 45 item 2): a method is one entry in ``core/registry.py`` plus
 its drafter, and nothing else in src/specdecode names it. These tests prove it by reading the
 source: every string constant that equals a method's name (docstrings aside) must sit in a place
 listed below, each with the reason it may. A new ``("none", "ngram", ...)`` tuple, a dict keyed
@@ -22,7 +22,7 @@ import pytest
 
 from specdecode.backends.select import LLAMACPP, TORCH, TORCH_ONLY_METHODS
 from specdecode.config import DRAFT_MODEL_METHODS, METHODS, TREE_METHODS
-from specdecode.drafters import registry
+from specdecode.core import registry
 from specdecode.drafters.planner import PLANNERS
 from specdecode.engine.batch_rows import BATCH_METHODS
 
@@ -33,7 +33,7 @@ LISTS_ONLY = frozenset({"none", "draft"})  # counted only in a list of methods
 
 # Where a method's name may appear: the registry, and each method's own drafter module.
 OWN_MODULES = {
-    "drafters/registry.py": "the registry itself",
+    "core/registry.py": "the registry itself",
     "drafters/auto.py": "auto's drafter: its sources are named after the methods they stand in for",
     "drafters/auto_row.py": "auto's batch row: the same source labels",
 }
@@ -126,7 +126,7 @@ def test_no_module_but_the_registry_names_a_method() -> None:
             continue
         stray += [f"{module}:{line}: {name!r}" for line, name in method_names_in(path.read_text())
                   if (module, name) not in ALLOWED]
-    assert not stray, ("method names outside drafters/registry.py (read them from the registry, or allow "
+    assert not stray, ("method names outside core/registry.py (read them from the registry, or allow "
                        "one in tests/test_method_registry.py with its reason):\n" + "\n".join(stray))
 
 

@@ -34,9 +34,10 @@ from specdecode.config import (
     check_acceptance,
     check_engine,
 )
+from specdecode.core import registry
+from specdecode.core.sampling import LogitsProcessor, make_generator
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
 from specdecode.costs.store import CostStore, cost_store_for
-from specdecode.drafters import registry
 from specdecode.drafters.base import Drafter, HeadsDrafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleDrafter
@@ -44,6 +45,7 @@ from specdecode.drafters.from_heads import tree_drafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter
 from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.plan import RequestPlan
 from specdecode.drafters.planner import DecoderResources, PlanRequest, plan_request
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
@@ -52,9 +54,7 @@ from specdecode.engine.batch_run import run_samples
 from specdecode.engine.grammar import CompiledGrammar, GrammarCompiler
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.one_request import OneRequestEngine
-from specdecode.engine.plan import RequestPlan
 from specdecode.engine.probe import continuation_logits, logits_in_passes, next_draft_probs
-from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.single import SpecEngine
 from specdecode.engine.stream import GenerationResult, GenerationStream
 from specdecode.engine.text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids

@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from specdecode.drafters import registry
+from specdecode.core import registry
+from specdecode.core.device import DEVICES
 from specdecode.errors import InvalidRequestError, UnsupportedModelError
 
 # model_type values whose HF checkpoints map onto our one Llama-family transformer.
@@ -318,7 +319,7 @@ class SamplingParams:
         return replace(self, seed=(self.seed + index) % SEED_MODULUS)
 
 
-# The methods are drafters/registry.py's entries; these are its views, by the names code imports.
+# The methods are core/registry.py's entries; these are its views, by the names code imports.
 METHODS: tuple[str, ...] = registry.METHODS
 TREE_METHODS: tuple[str, ...] = registry.HEAD_METHODS  # trained heads draft token trees
 # lossless: greedy equality / rejection sampling; typical: Medusa's lossy typical acceptance,
@@ -353,7 +354,6 @@ DEFAULT_GRAMMAR_CACHE_BYTES = 128 * 1024 * 1024
 
 # Choices of the loading options, validated here once (each is also the flag's choices).
 DTYPES: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32")
-DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # or "cuda:N"
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "llama.cpp")
 QUANTS: tuple[str, ...] = ("none", "int8", "int4")
 KV_DTYPES: tuple[str, ...] = ("auto", "int8")  # auto: the model's dtype

@@ -14,11 +14,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specdecode.backends.device import resolve_device, resolve_dtype
 from specdecode.backends.llamacpp_sequence import load_llamacpp_model
 from specdecode.backends.select import LLAMACPP, choose_backend
 from specdecode.config import DecoderConfig
-from specdecode.drafters import registry
+from specdecode.core import registry
+from specdecode.core.device import resolve_device, resolve_dtype
 from specdecode.drafters.layer_skip_file import resolve_skip_layers
 from specdecode.errors import InvalidRequestError
 from specdecode.models.heads import DraftHeads, load_heads

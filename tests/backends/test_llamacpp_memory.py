@@ -14,7 +14,7 @@ pytest.importorskip("llama_cpp")
 import tiny_models
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.backends.device import resident_bytes
+from specdecode.core.device import resident_bytes
 
 MIB = 1 << 20
 TRAINED_CONTEXT = 4096  # the model's context: what slots x context would give each slot

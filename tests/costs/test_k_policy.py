@@ -260,7 +260,7 @@ def test_measured_costs_are_stored_and_read_back_by_the_next_decoder(tiny_qwen2_
     again (costs/store.py); retime_costs=True times again; another model file is another key."""
     import specdecode.costs.store
     from specdecode import SpecDecoder
-    from specdecode.models.paths import CACHE_ENV_VAR
+    from specdecode.core.paths import CACHE_ENV_VAR
 
     monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
     # Read back as stored however busy the machine is between the loads: the first decoder's

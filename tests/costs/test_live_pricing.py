@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from specdecode.core.paths import CACHE_ENV_VAR
 from specdecode.costs.batch_k import PROBE_K, BatchK, BatchRow, PassCosts, RowChoices, model_can_pay
 from specdecode.costs.goodput import (
     MIN_JUDGED_STEPS,
@@ -33,7 +34,6 @@ from specdecode.costs.spot_check import CONTRADICTION_FACTOR
 from specdecode.costs.store import DRAFT_TABLE, CostStore
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.models.paths import CACHE_ENV_VAR
 
 # A bandwidth-bound target (seconds): extra verify rows nearly free.
 FLAT_VERIFY = [0.030 + 0.001 * r for r in range(9)]

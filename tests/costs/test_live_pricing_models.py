@@ -18,11 +18,11 @@ import specdecode.costs.store
 import specdecode.drafters.planner
 import specdecode.engine.single
 from specdecode import SamplingParams, SpecDecoder
+from specdecode.core.paths import CACHE_ENV_VAR
 from specdecode.costs.goodput import MIN_JUDGED_STEPS, REPROBE_FIRST_AFTER
 from specdecode.costs.k_policy import PROBE_K
 from specdecode.costs.live import CATCH_UP_PROBE_ROWS, WRITE_BACK_MOST_UP
 from specdecode.costs.store import DRAFT_TABLE, CostStore
-from specdecode.models.paths import CACHE_ENV_VAR
 
 TARGET_PASS = 0.030
 DRAFT_PASS, DRAFT_ROW = 0.003, 0.00005  # a draft pass, and each row it feeds

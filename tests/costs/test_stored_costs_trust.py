@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import specdecode.core.timing
 import specdecode.costs.store
-import specdecode.costs.timing
+from specdecode.core.paths import CACHE_ENV_VAR
+from specdecode.core.timing import BUSY_RETIMES, BUSY_SPREAD, Timing, best_seconds, busy_spread, is_settled
 from specdecode.costs.spot_check import CONTRADICTION_FACTOR, contradiction, out_of_order, outliers
 from specdecode.costs.store import DRAFT_TABLE, VERIFY_TABLE, CostStore
-from specdecode.costs.timing import BUSY_RETIMES, BUSY_SPREAD, Timing, best_seconds, busy_spread, is_settled
-from specdecode.models.paths import CACHE_ENV_VAR
 
 # The table issue 50 stored on a busy 2-core AMD machine (seconds), and the quiet machine's figures.
 BUSY_TARGET = {1: 0.088, 2: 0.12, 4: 0.18, 8: 0.771, 9: 3.37}
@@ -24,7 +24,7 @@ BUSY_DRAFT_PASS, QUIET_DRAFT_PASS = 2.70, 0.0226
 
 
 class FakeStopwatch:
-    """Stands in for ``Stopwatch`` in costs/timing.py: each timed region lasts the next of ``series``."""
+    """Stands in for ``Stopwatch`` in core/timing.py: each timed region lasts the next of ``series``."""
 
     series: Iterator[float] = iter(())
     regions = 0
@@ -48,7 +48,7 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> Callable[[list[float]], None]
         FakeStopwatch.series = itertools.cycle(series)
         FakeStopwatch.regions = 0
 
-    monkeypatch.setattr(specdecode.costs.timing, "Stopwatch", FakeStopwatch)
+    monkeypatch.setattr(specdecode.core.timing, "Stopwatch", FakeStopwatch)
     return use
 
 

@@ -8,8 +8,8 @@ import torch
 from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square, copyable_prompt, decoder, install_wrong_residual
 
 from specdecode import SamplingParams, cli
+from specdecode.core.sampling import LogitsProcessor
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.engine.sampling import LogitsProcessor
 from specdecode.errors import InvalidRequestError
 
 GREEDY = LogitsProcessor(temperature=0.0, top_k=0, top_p=1.0)

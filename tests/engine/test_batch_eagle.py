@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import PATTERN, PROMPTS
 
-import specdecode.engine.sampling
+import specdecode.core.sampling
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.drafters.eagle import EagleDrafter, propose_together
 from specdecode.engine.batch import BatchEngine
@@ -91,7 +91,7 @@ def test_eagle_rows_of_different_lengths_equal_plain_decoding(dec: SpecDecoder) 
 
 
 def test_a_failing_eagle_row_fails_alone(dec: SpecDecoder, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_probs = specdecode.engine.sampling.LogitsProcessor.probs
+    real_probs = specdecode.core.sampling.LogitsProcessor.probs
     calls = []
 
     def probs(self, logits):
@@ -101,7 +101,7 @@ def test_a_failing_eagle_row_fails_alone(dec: SpecDecoder, monkeypatch: pytest.M
                 raise RuntimeError("injected sampling failure")
         return real_probs(self, logits)
 
-    monkeypatch.setattr(specdecode.engine.sampling.LogitsProcessor, "probs", probs)
+    monkeypatch.setattr(specdecode.core.sampling.LogitsProcessor, "probs", probs)
     eng = engine(dec, max_batch=5)
     ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=n, ignore_eos=True), "eagle", k)
            for p, k, n in ROWS]

@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square_in_batches, decoder, install_wrong_residual, run_until_done
 
+import specdecode.core.sampling
 import specdecode.engine.batch
 import specdecode.engine.batch_verify
-import specdecode.engine.sampling
 from specdecode import SamplingParams
 from specdecode.costs.batch_k import BatchK, BatchRow, PassCosts
 from specdecode.engine.batch import BatchEngine
@@ -115,14 +115,14 @@ def test_a_request_whose_sampling_raises_fails_alone(dec, monkeypatch) -> None:
     step; the greedy requests sharing its steps get their single-request tokens, and a seeded
     sampled request gets the tokens it gets in the same batch without the failing one (its
     generator is rewound before each rerun of the step)."""
-    real_probs = specdecode.engine.sampling.LogitsProcessor.probs
+    real_probs = specdecode.core.sampling.LogitsProcessor.probs
 
     def probs(self, logits):
         if self.temperature == BROKEN_TEMPERATURE:
             raise RuntimeError("injected sampling failure")
         return real_probs(self, logits)
 
-    monkeypatch.setattr(specdecode.engine.sampling.LogitsProcessor, "probs", probs)
+    monkeypatch.setattr(specdecode.core.sampling.LogitsProcessor, "probs", probs)
     cases = mixed_cases()[:3]  # draft, ngram and none
     seeded = SamplingParams(temperature=0.9, top_k=5, max_new_tokens=16, seed=3)
 

@@ -34,9 +34,9 @@ from helpers import (
 import specdecode.engine.batch_verify
 from specdecode import SamplingParams
 from specdecode.backends.torch_batch import PagedBatchModel
+from specdecode.core.tree import TokenTree
 from specdecode.engine.batch import BatchEngine
 from specdecode.engine.metrics import GenerationStats
-from specdecode.engine.tree import TokenTree
 
 REPEATING = ["def add(a, b):\n    return a + b\n\n" * 3, "1, 2, 3, 1, 2, 3, 1, 2, 3,", "the cat and the cat and the"]
 TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 5]  # two branches at the root and at node 1, a chain under node 2

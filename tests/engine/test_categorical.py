@@ -1,4 +1,4 @@
-"""The two-level categorical sampler (engine/categorical.py) draws each row's tokens with their
+"""The two-level categorical sampler (core/categorical.py) draws each row's tokens with their
 probabilities: Pearson's chi-square against the exact distribution at p = 0.001 (27 cells), on rows that
 span several blocks, end inside a partial block and hold zero-probability tokens (never drawn);
 a wrong sampler (the block chosen uniformly) fails the same test."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import CHI2_CRITICAL_P001
 
-from specdecode.engine import categorical
-from specdecode.engine.categorical import BLOCK, _inverse_cdf, sample_categorical
+from specdecode.core import categorical
+from specdecode.core.categorical import BLOCK, _inverse_cdf, sample_categorical
 
 DRAWS = 20000
 VOCAB = 3 * BLOCK + 37  # a partial last block
@@ -97,7 +97,7 @@ def test_top_p_keeps_the_nucleus(scale: float, top_p: float, top_k: int, within_
     (float64 reference on 151,936-token rows of random logits; tokens whose mass above is
     within NEAR_TIE of top_p are not compared: float32 probabilities, here and in transformers'
     TopPLogitsWarper, put tokens 1e-5 from the cut on either side)."""
-    from specdecode.engine.sampling import NUCLEUS_FIRST_CANDIDATES, LogitsProcessor
+    from specdecode.core.sampling import NUCLEUS_FIRST_CANDIDATES, LogitsProcessor
 
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(3, 151936, generator=gen) * scale
@@ -136,7 +136,7 @@ def dense_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p:
 def test_a_small_top_k_is_worked_out_on_its_tokens_alone(top_k: int, top_p: float, min_p: float) -> None:
     """(B, T, V) rows, top-k of 40 or 8 (the sparse path) or 600 (dense): the same distribution
     as the whole-row computation."""
-    from specdecode.engine.sampling import LogitsProcessor
+    from specdecode.core.sampling import LogitsProcessor
 
     logits = torch.randn(2, 3, 151936, generator=torch.Generator().manual_seed(3)) * 3
     ours = LogitsProcessor(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p).probs(logits)
@@ -148,7 +148,7 @@ def test_a_small_top_k_is_worked_out_on_its_tokens_alone(top_k: int, top_p: floa
 def test_a_tie_at_the_kth_token_keeps_every_tied_token() -> None:
     """HF keeps every token tied with the k-th: the sparse path would keep only k, so a tie sends
     the row down the whole-row path."""
-    from specdecode.engine.sampling import LogitsProcessor
+    from specdecode.core.sampling import LogitsProcessor
 
     logits = torch.full((1, 2000), -5.0)
     logits[0, :3] = torch.tensor([4.0, 3.0, 2.0])
@@ -161,7 +161,7 @@ def test_a_tie_at_the_kth_token_keeps_every_tied_token() -> None:
 @pytest.mark.parametrize("shape", [(7,), (1, 151936), (2, 3, 1000), (3, 0, 5)])
 def test_argmax_last_is_torchs_argmax(shape: tuple[int, ...]) -> None:
     """The numpy path picks what ``torch.argmax`` picks: the first maximum, a NaN first, any shape."""
-    from specdecode.engine.categorical import argmax_last
+    from specdecode.core.categorical import argmax_last
 
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     assert torch.equal(argmax_last(x), x.argmax(-1))

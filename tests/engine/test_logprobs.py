@@ -1,4 +1,4 @@
-"""Logprobs (engine/logprobs.py): read off the verify rows, equal to plain decoding's.
+"""Logprobs (core/logprobs.py): read off the verify rows, equal to plain decoding's.
 
 - plain decoding's logprobs are the target's own log-softmax at each position (teacher-forced
   reference), with the top tokens sorted, most likely first;
@@ -17,8 +17,8 @@ import torch
 from helpers import PROMPTS, copyable_prompt, decoder, last_logits
 
 from specdecode import SamplingParams
-from specdecode.engine.logprobs import MIN_LOGPROB
-from specdecode.engine.sampling import LogitsProcessor
+from specdecode.core.logprobs import MIN_LOGPROB
+from specdecode.core.sampling import LogitsProcessor
 
 TOL = 1e-4
 

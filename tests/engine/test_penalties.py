@@ -1,4 +1,4 @@
-"""Penalties, logit bias and min-p (engine/penalties.py, engine/sampling.py) under speculation.
+"""Penalties, logit bias and min-p (engine/penalties.py, core/sampling.py) under speculation.
 
 - the verify rows are penalised as plain decoding would penalise each position: row i of a
   chain with the committed tokens plus drafts 0..i-1, node i of a tree with its path (checked
@@ -32,9 +32,9 @@ from helpers import (
 )
 
 from specdecode import SamplingParams
+from specdecode.core.sampling import LogitsProcessor
+from specdecode.core.tree import TokenTree
 from specdecode.engine.penalties import TokenPenalties
-from specdecode.engine.sampling import LogitsProcessor
-from specdecode.engine.tree import TokenTree
 from specdecode.errors import InvalidRequestError
 
 PENALTIES = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.5}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from specdecode import SamplingParams, SpecDecoder
-from specdecode.drafters import registry
+from specdecode.core import registry
 from specdecode.engine.batch import BATCH_METHODS
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)

@@ -41,8 +41,8 @@ from helpers import (
 
 from specdecode import SamplingParams
 from specdecode.config import StructuredOutput
+from specdecode.core.sampling import LogitsProcessor
 from specdecode.engine.grammar import apply_masks
-from specdecode.engine.sampling import LogitsProcessor
 from specdecode.errors import InvalidRequestError
 
 pytest.importorskip("xgrammar")

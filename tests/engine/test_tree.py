@@ -9,7 +9,7 @@ import torch
 from helpers import broken_rejection_tree_verify
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specdecode.engine.tree import TokenTree, tree_view
+from specdecode.core.tree import TokenTree
 from specdecode.engine.verify import (
     TreeVerifyResult,
     greedy_tree_verify,
@@ -17,6 +17,7 @@ from specdecode.engine.verify import (
     rejection_tree_verify,
     typical_tree_verify,
 )
+from specdecode.kv.static import tree_view
 
 T, F = True, False
 

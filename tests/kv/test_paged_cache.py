@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import decoder
 
-from specdecode.engine.tree import TokenTree, tree_view
+from specdecode.core.tree import TokenTree
 from specdecode.kv.paged import NULL_BLOCK, OutOfBlocks, PagedKVCache
-from specdecode.kv.static import KVCache
+from specdecode.kv.static import KVCache, tree_view
 
 
 def small_pool(num_blocks: int = 9, block_size: int = 4) -> PagedKVCache:
@@ -146,7 +146,7 @@ def test_fork_of_a_prefix_shares_its_blocks_and_copies_a_registered_one_before_w
 @pytest.mark.parametrize("window", [None, 3])
 def test_a_tree_row_sees_what_the_single_sequence_tree_view_sees(window: int | None) -> None:
     """A tree row of a paged pass (root at position 3, beside a plain row) gets the mask and
-    rotary positions of ``engine/tree.tree_view`` for the same tree, sliding window included."""
+    rotary positions of ``kv/static.tree_view`` for the same tree, sliding window included."""
     parents = [-1, 0, 0, 1, 1, 2, 3]  # depths 0, 1, 1, 2, 2, 2, 3
     tree = TokenTree(parents, torch.zeros(len(parents), dtype=torch.long), [False] * len(parents))
     pool = small_pool()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdecode.backends.device import cpu_supports_bf16
+from specdecode.core.device import cpu_supports_bf16
 from specdecode.errors import ModelLoadError, UnsupportedModelError
 from specdecode.kv.static import KVCache, causal_view
 from specdecode.models.loader import load_weights, read_model_config

@@ -21,8 +21,8 @@ from specdecode.bench.roofline import weight_bytes_per_forward
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.static import Int8KVCache, KVCache, causal_view
 from specdecode.models.loader import load_model
+from specdecode.models.quantize import quantize_model
 from specdecode.quant import native
-from specdecode.quant.apply import quantize_model
 from specdecode.quant.formats import dequantize_int4, dequantize_int8, int4_from_q4_k, quantize_int4, quantize_int8
 from specdecode.quant.linear import Int4Linear, Int8Linear
 

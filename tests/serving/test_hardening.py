@@ -12,8 +12,8 @@ import pytest
 from server_helpers import MESSAGES, MODEL, PROMPT, client, metric, sse_data, wait_for
 
 import specdecode.api
+import specdecode.core.sampling
 import specdecode.engine.batch
-import specdecode.engine.sampling
 import specdecode.loading
 import specdecode.models.loader
 from specdecode import SamplingParams
@@ -86,7 +86,7 @@ def test_a_request_whose_sampling_raises_fails_alone(served, monkeypatch) -> Non
     a 500 with an OpenAI body, the stream completes with its single-request output."""
     base, dec = served
     expected = dec.generate(PROMPT, SamplingParams(max_new_tokens=30), method="draft").text
-    real_probs = specdecode.engine.sampling.LogitsProcessor.probs
+    real_probs = specdecode.core.sampling.LogitsProcessor.probs
     failed_batches: list[int] = []
     sizes = slow_steps(monkeypatch, 0.02)
 
@@ -96,7 +96,7 @@ def test_a_request_whose_sampling_raises_fails_alone(served, monkeypatch) -> Non
             raise RuntimeError("injected sampling failure")
         return real_probs(self, logits)
 
-    monkeypatch.setattr(specdecode.engine.sampling.LogitsProcessor, "probs", probs)
+    monkeypatch.setattr(specdecode.core.sampling.LogitsProcessor, "probs", probs)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 30, "temperature": 0, "method": "draft", "stream": True}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()

@@ -22,7 +22,7 @@ from server_helpers import MODEL, PROMPT
 
 pytest.importorskip("xgrammar")
 
-from specdecode.backends.device import resident_bytes  # noqa: E402
+from specdecode.core.device import resident_bytes  # noqa: E402
 
 MEMORY_GUARD_BYTES = 2 * 1024**3  # growth of this process past which the run stops at once
 SELF_REQUIRED = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}

@@ -9,10 +9,10 @@ from helpers import CHI2_CRITICAL_P001, PATTERN, chi_square, train_pattern_heads
 
 import specdecode.training.features
 from specdecode import SamplingParams, SpecDecoder
+from specdecode.core.tree import TokenTree
 from specdecode.drafters.medusa import build_static_tree
+from specdecode.drafters.plan import RequestPlan
 from specdecode.engine.metrics import GenerationStats
-from specdecode.engine.plan import RequestPlan
-from specdecode.engine.tree import TokenTree
 from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.kv.static import Int8KVCache, KVCache
 from specdecode.models.heads import HeadConfig, load_heads, new_heads

@@ -15,7 +15,7 @@ import torch
 from specdecode.audit.chi_square import cell_vectors, critical_value, pearson_statistic, pooled_cells, simulated_power
 from specdecode.audit.near_tie import near_tie_threshold, verify_shapes
 from specdecode.config import TREE_METHODS, SamplingParams
-from specdecode.engine.sampling import LogitsProcessor
+from specdecode.core.sampling import LogitsProcessor
 
 if TYPE_CHECKING:
     from specdecode.api import SpecDecoder

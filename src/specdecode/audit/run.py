@@ -33,7 +33,7 @@ from specdecode.audit.config import DEFAULT_ALPHA, DEFAULT_DRAWS, DEFAULT_SAMPLE
 from specdecode.audit.distribution import GOOD_POWER, DistributionResult, distribution_check
 from specdecode.audit.near_tie import near_tie_rule, near_tie_threshold, verify_shapes
 from specdecode.config import SamplingParams
-from specdecode.drafters import registry
+from specdecode.core import registry
 from specdecode.errors import InvalidRequestError
 
 if TYPE_CHECKING:

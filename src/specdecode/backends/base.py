@@ -36,7 +36,7 @@ import torch
 from specdecode.config import BACKEND_CHOICES
 
 if TYPE_CHECKING:
-    from specdecode.engine.tree import TokenTree
+    from specdecode.core.tree import TokenTree
     from specdecode.kv.paged import PrefixCacheStats
 
 BACKENDS = BACKEND_CHOICES

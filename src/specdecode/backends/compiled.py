@@ -49,11 +49,11 @@ import torch
 
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import COMPILE_MODES, DRAFT_MODEL_METHODS, DecoderConfig
-from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
+from specdecode.core.paths import cache_dir
+from specdecode.core.timing import COST_PROBE_CONTEXT, best_seconds
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.static import KVCache, fixed_view
 from specdecode.models.llama import ModelOutput, Transformer
-from specdecode.models.paths import cache_dir
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
 # Every compiled cache holds at least this many slots, so that requests of different lengths

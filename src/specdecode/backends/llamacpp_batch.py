@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from specdecode.backends.llamacpp import LlamaCppModel, output_rows
-from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
-from specdecode.engine.prefix import common_prefix_length
+from specdecode.core.prefix import common_prefix_length
+from specdecode.core.timing import COST_PROBE_CONTEXT, best_seconds
 from specdecode.kv.paged import OutOfBlocks, PrefixCacheStats
 
 FILLER_TOKEN = 0  # what timing passes feed: their cost does not depend on the ids

@@ -58,10 +58,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from specdecode.backends.device import cpu_flags, cpu_model
 from specdecode.backends.llamacpp_binding import BackendUnavailableError, import_llama_cpp, physical_core_count
 from specdecode.backends.llamacpp_decode import TokenBatch
-from specdecode.models.paths import cache_dir
+from specdecode.core.device import cpu_flags, cpu_model
+from specdecode.core.paths import cache_dir
 
 # The environment variable that forces llama.cpp's extra (repacked) weight buffers on (1) or off (0).
 EXTRA_BUFTS_ENV = "SPECDECODE_LLAMACPP_REPACK"

@@ -22,7 +22,7 @@ import torch
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.backends.llamacpp_repack import repack_choice
 from specdecode.config import ModelConfig
-from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
+from specdecode.core.timing import COST_PROBE_CONTEXT, best_seconds
 from specdecode.errors import InvalidRequestError
 from specdecode.models.gguf_tokenizer import cached_tokenizer_folder
 from specdecode.models.loader import LoadedModel, gguf_source, load_tokenizer

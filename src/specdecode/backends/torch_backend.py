@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.costs.timing import time_passes
-from specdecode.engine.tree import TokenTree, tree_view
-from specdecode.kv.static import KVCache, reusable_cache
+from specdecode.core.timing import COST_PROBE_CONTEXT, VERIFY_COST_REPEATS, best_seconds
+from specdecode.core.tree import TokenTree
+from specdecode.kv.static import KVCache, reusable_cache, tree_view
 from specdecode.models.llama import ModelOutput, Transformer
 
 
@@ -73,3 +73,31 @@ class TorchSequence:
     def pass_seconds(self, row_counts: Sequence[int], repeats: int, logits_last: int | None = None) -> dict[int, float]:
         self.epoch += 1  # timed on a scratch cache; counted all the same, as the protocol says
         return time_passes(self.model, row_counts, self.kv_dtype, repeats, logits_last=logits_last)
+
+
+@torch.inference_mode()
+def time_passes(
+    model: Transformer,
+    row_counts: Sequence[int],
+    kv_dtype: str = "auto",
+    repeats: int = VERIFY_COST_REPEATS,
+    logits_last: int | None = None,
+    layers: Sequence[int] | None = None,
+) -> dict[int, float]:
+    """Seconds of one forward pass of ``model`` over each row count (best of ``repeats``).
+
+    Runs on a scratch cache of the kind decoding uses (int8 KV included). ``logits_last=1``
+    times a catch-up pass (logits for the last row only); ``layers`` a pass through those
+    layers only (layer skip).
+    """
+    cfg = model.config
+    max_rows = max(row_counts)
+    scratch = reusable_cache(None, cfg, COST_PROBE_CONTEXT + max_rows, model.dtype, model.device, kv_dtype)
+    tokens = torch.zeros((1, max_rows), dtype=torch.long, device=model.device)
+    measured: dict[int, float] = {}
+    for rows in row_counts:
+        measured[rows] = best_seconds(
+            lambda: model.extend(scratch, tokens[:, :rows], COST_PROBE_CONTEXT, logits_last=logits_last, layers=layers),
+            model.device, repeats,
+        )
+    return measured

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.backends.base import BatchModel
-from specdecode.backends.device import host_to_device
-from specdecode.costs.timing import COST_PROBE_CONTEXT, best_seconds
+from specdecode.core.device import host_to_device
+from specdecode.core.timing import COST_PROBE_CONTEXT, best_seconds
 from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVCache, stack_padded
 from specdecode.models.llama import ModelOutput, Transformer
 

@@ -80,7 +80,7 @@ class BenchLineup:
             assert self.llamacpp is not None and self.llamacpp.decoder is not None
             import torch
 
-            from specdecode.backends.device import resolve_dtype
+            from specdecode.core.device import resolve_dtype
 
             self.decoder = self.llamacpp.decoder
             self.device = torch.device("cpu")

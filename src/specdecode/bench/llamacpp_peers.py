@@ -254,11 +254,11 @@ def load_llamacpp_side(
     import torch
 
     from specdecode.api import SpecDecoder
-    from specdecode.backends.device import resolve_dtype
     from specdecode.backends.llamacpp import physical_core_count
     from specdecode.backends.select import LLAMACPP, llamacpp_installed
     from specdecode.bench.methods import LLAMACPP_BIN_METHODS, LLAMACPP_PEERS, uses_draft_model
     from specdecode.bench.roofline import gguf_weight_bytes_per_forward
+    from specdecode.core.device import resolve_dtype
     from specdecode.models import demo
 
     needs_binding = [name for name, label in labels.items() if label.base not in LLAMACPP_BIN_METHODS]

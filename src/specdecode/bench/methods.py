@@ -1,6 +1,6 @@
 """The methods a benchmark compares, behind one interface: run one turn, return its figures.
 
-specdecode's own methods are every entry of the method registry (``drafters/registry.py``: a
+specdecode's own methods are every entry of the method registry (``core/registry.py``: a
 new method registered there is benchmarked without changes here). The peers are Hugging Face
 transformers' ``generate`` on the same weights, dtype and device:
 
@@ -12,7 +12,7 @@ A specdecode method may name its draft length after a colon: ``draft:3``, ``draf
 (cost-aware k per step), ``draft:threshold`` (the threshold rule), ``ngram:auto``. It may
 name weight quantizations: ``none@int8`` is plain decoding of the
 int8 target, ``draft@int8/int4`` the draft method with an int8 target and an int4 draft
-(``quant.apply``). Its greedy output is checked against plain decoding of the same quantized
+(``models.quantize``). Its greedy output is checked against plain decoding of the same quantized
 target, and its speedup against ``none`` (the unquantized target). The same slot may name
 the backend instead: ``draft@llama.cpp`` runs the draft method on the llama.cpp backend (the
 GGUF files themselves, which carry their own quantization, so the two cannot combine); its
@@ -41,10 +41,10 @@ from typing import Any, Protocol
 import torch
 
 from specdecode.config import DRAFT_MODEL_METHODS, METHODS, SamplingParams
-from specdecode.drafters import registry
+from specdecode.core import registry
 from specdecode.engine.trace import PassTrace
 from specdecode.errors import InvalidRequestError
-from specdecode.quant.apply import QUANT_CHOICES
+from specdecode.models.quantize import QUANT_CHOICES
 
 HF_METHODS = ("hf", "hf-assisted", "hf-lookup")
 PLAIN_METHOD = registry.NONE.name  # specdecode's plain decoding: the baseline of its own methods

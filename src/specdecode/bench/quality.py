@@ -76,11 +76,11 @@ def measure_quality(
     """One row per quantization, the unquantized model ("none") first."""
     from tqdm.auto import tqdm
 
-    from specdecode.backends.device import resolve_device, resolve_dtype
     from specdecode.bench.roofline import weight_bytes_per_forward
+    from specdecode.core.device import resolve_device, resolve_dtype
     from specdecode.models import demo
     from specdecode.models.loader import load_model
-    from specdecode.quant.apply import check_quant
+    from specdecode.models.quantize import check_quant
 
     for quant in quants:
         check_quant(quant, "quants")

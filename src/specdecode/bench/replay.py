@@ -25,8 +25,8 @@ import torch
 
 from specdecode.backends.base import SequenceModel
 from specdecode.config import ModelConfig, RopeScaling
+from specdecode.core.tree import TokenTree
 from specdecode.engine.trace import BEGIN, COMMIT, EXTEND, KEEP, TARGET, TREE, PassEvent, PassTrace
-from specdecode.engine.tree import TokenTree
 from specdecode.models.llama import Transformer, rope_inverse_frequencies
 
 if TYPE_CHECKING:

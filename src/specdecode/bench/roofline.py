@@ -27,11 +27,11 @@ def weight_bytes_per_forward(config: ModelConfig, dtype: torch.dtype, quant: str
     """Bytes of weights one forward pass reads (the embedding table contributes one row,
     except that a tied LM head reads it whole).
 
-    With ``quant`` (``quant.apply``) the projections and the LM head count as stored: int8 one
+    With ``quant`` (``models.quantize``) the projections and the LM head count as stored: int8 one
     byte per weight plus an fp32 scale per output row, int4 half a byte plus a (scale, zero)
     pair in ``dtype`` per group of ``DEFAULT_INT4_GROUP``; norms and biases stay in ``dtype``.
     """
-    from specdecode.quant.apply import DEFAULT_INT4_GROUP
+    from specdecode.models.quantize import DEFAULT_INT4_GROUP
 
     element = torch.empty((), dtype=dtype).element_size()
     hidden, inter = config.hidden_size, config.intermediate_size

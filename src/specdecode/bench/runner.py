@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdecode.backends.device import cpu_model, dtype_name
 from specdecode.bench.config import DEFAULT_METHODS, BenchConfig
 from specdecode.bench.lineup import BenchLineup
 from specdecode.bench.methods import PLAIN_LLAMACPP_METHOD, PLAIN_METHOD, BenchMethod, SpecDecodeMethod, parse_method
@@ -29,6 +28,7 @@ from specdecode.bench.publish import SCHEMA, check_optional_dependencies, publis
 from specdecode.bench.report import summarize
 from specdecode.bench.roofline import measure_copy_bandwidth
 from specdecode.config import SamplingParams
+from specdecode.core.device import cpu_model, dtype_name
 from specdecode.engine.trace import PassTrace, save_traces
 from specdecode.errors import InvalidRequestError
 from specdecode.prompt_sets import BenchPrompt, load_prompts, select_prompts

@@ -22,7 +22,7 @@ from specdecode.config import (
     QUANTS,
     DecoderConfig,
 )
-from specdecode.drafters.registry import methods_help
+from specdecode.core.registry import methods_help
 from specdecode.errors import InvalidRequestError, reword_params
 
 EXIT_USER_ERROR = 2  # bad input: one line on stderr

@@ -91,9 +91,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     from specdecode import DecoderConfig, SpecDecoder
     from specdecode import audit as a
-    from specdecode.backends.device import dtype_name, resolve_device, resolve_dtype
     from specdecode.config import DEFAULT_K
-    from specdecode.drafters import registry
+    from specdecode.core import registry
+    from specdecode.core.device import dtype_name, resolve_device, resolve_dtype
     from specdecode.drafters.layer_skip_file import builtin_choice
     from specdecode.errors import InvalidRequestError
     from specdecode.models import demo

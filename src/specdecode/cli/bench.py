@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
 from specdecode.cli.args import EXIT_INTERRUPTED, add_decoder_arguments, comma_list
 from specdecode.cli.train import add_bench_heads_arguments
 from specdecode.cli.train import positive_int as _positive_int
+from specdecode.core.device import DEVICE_CHOICES, DTYPE_CHOICES
 from specdecode.errors import InvalidRequestError
 
 # Decoder options a bench run sets per method (bench/config.py: SET_PER_METHOD), in its labels

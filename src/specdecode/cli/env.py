@@ -28,7 +28,6 @@ def cmd_env(args: argparse.Namespace) -> int:
     import torch
 
     from specdecode import __version__
-    from specdecode.backends.device import cpu_flags, cpu_model
     from specdecode.backends.llamacpp_binding import BackendUnavailableError, import_llama_cpp, physical_core_count
     from specdecode.backends.llamacpp_repack import (
         AMX_FLAG,
@@ -37,6 +36,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         repack_choice,
         verdict_path,
     )
+    from specdecode.core.device import cpu_flags, cpu_model
 
     flags = cpu_flags()
     print(f"specdecode {__version__}, Python {platform.python_version()}, torch {torch.__version__}, "

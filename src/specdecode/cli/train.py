@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
+from specdecode.core.device import DEVICE_CHOICES, DTYPE_CHOICES
 
 
 def _int_at_least(text: str, least: int) -> int:
@@ -77,7 +77,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from specdecode.backends.device import resolve_device, resolve_dtype
+    from specdecode.core.device import resolve_device, resolve_dtype
     from specdecode.models import demo
     from specdecode.training.heads import TrainConfig, train_for_target
 

@@ -7,9 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from specdecode.backends.device import DEVICE_CHOICES, DTYPE_CHOICES
 from specdecode.cli.args import add_decoder_arguments, comma_list, read_prompt_lines, use_chat
 from specdecode.cli.train import positive_int as _positive_int
+from specdecode.core.device import DEVICE_CHOICES, DTYPE_CHOICES
 from specdecode.errors import InvalidRequestError
 
 # Decoder options tune-layerskip does not take: it runs the target alone, on torch, eagerly.

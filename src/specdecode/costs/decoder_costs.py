@@ -14,19 +14,38 @@ rarer tries across requests).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from specdecode.core.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 from specdecode.costs.batch_k import PassCosts, time_batch_costs
 from specdecode.costs.goodput import Reprobe
 from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, speculation_can_pay
 from specdecode.costs.live import CATCH_UP_PROBE_ROWS, LivePricing, LiveTable
 from specdecode.costs.store import DRAFT_TABLE, VERIFY_TABLE, CostStore
-from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 
 if TYPE_CHECKING:
-    from specdecode.backends.base import BatchModel
-    from specdecode.drafters.draft_model import DraftModelDrafter
-    from specdecode.engine.single import SpecEngine
+    import torch
+
+    from specdecode.backends.base import BatchModel, SequenceModel
+
+
+# The engine and the drafters sit above the costs: what the costs read of them is named here.
+class VerifyingEngine(Protocol):
+    """The engine whose target passes are timed (engine/single.py's ``SpecEngine``)."""
+
+    sync_timing: bool  # its stopwatches synchronise: step timings are right on a GPU too
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def verify_costs(self, max_rows: int) -> list[float]: ...  # seconds over 1..max_rows rows
+
+
+class ModelDrafter(Protocol):
+    """A drafter with a model of its own (drafters/draft_model.py's ``DraftModelDrafter``)."""
+
+    model: SequenceModel  # the draft model's sequence
+
 
 BATCH_PROBE_MAX_ROWS = 64  # the largest pass timed for the batch engine's costs; larger ones extrapolate
 
@@ -34,7 +53,7 @@ BATCH_PROBE_MAX_ROWS = 64  # the largest pass timed for the batch engine's costs
 class DecoderCosts:
     """The costs a decoder's policies read, each timed on first use and kept."""
 
-    def __init__(self, engine: SpecEngine, draft: DraftModelDrafter | None, draft_store: CostStore | None = None) -> None:
+    def __init__(self, engine: VerifyingEngine, draft: ModelDrafter | None, draft_store: CostStore | None = None) -> None:
         self.engine = engine
         self.draft = draft
         self.draft_store = draft_store  # the draft model's timings from an earlier run (costs/store.py)

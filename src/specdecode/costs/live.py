@@ -33,10 +33,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specdecode.core.timing import is_settled
 from specdecode.costs.goodput import Reprobe
 from specdecode.costs.k_policy import blend, interpolate
 from specdecode.costs.spot_check import CONTRADICTION_FACTOR, contradiction, format_seconds
-from specdecode.costs.timing import is_settled
 
 if TYPE_CHECKING:
     from specdecode.costs.store import CostStore

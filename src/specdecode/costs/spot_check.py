@@ -15,14 +15,14 @@ A table that fails either is re-timed as its users need it, and the user reads o
 
 from __future__ import annotations
 
-from specdecode.costs.timing import NOISE_FLOOR_SECONDS
+from specdecode.core.timing import NOISE_FLOOR_SECONDS
 
 # How far a stored figure may be from this machine's now before the table is re-timed: wide
 # enough that a quiet machine's run-to-run differences (~20%; 51 against 56 ms for the demo
 # target's one-row pass) never trip it, narrow enough to catch issue 50's tables (30-120x off).
 CONTRADICTION_FACTOR = 2.0
 # Repeats of the spot check's one-row pass (after a warm-up): enough for its spread to say
-# whether the machine is busy now (costs/timing.py), few enough to run at every load.
+# whether the machine is busy now (core/timing.py), few enough to run at every load.
 SPOT_CHECK_REPEATS = 3
 # How far out of order two costs may be. A pass over more rows reads the same weights and
 # computes more, so it costs at least about as much as one over fewer rows: ggml's kernels change

@@ -11,7 +11,7 @@ afresh. ``retime_costs=True`` (``--retime-costs``) times again and overwrites th
 A stored table is a prior, not a verdict (issue 50). The first read of each table checks it
 (``costs/spot_check.py``: its costs in order, and this machine's one-row pass timed now within 2x
 of the stored one); a table that fails is dropped, so its users time it afresh and store the new
-figures. A timing whose repeats never agreed (``costs/timing.py``) is used for the run but not
+figures. A timing whose repeats never agreed (``core/timing.py``) is used for the run but not
 stored. The passes of a run correct the table as it runs and are written back to it, bounded
 (``costs/live.py``). Each such event leaves one line in ``CostStore.notes`` for the user.
 """
@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdecode.backends.device import cpu_model
 from specdecode.backends.llamacpp import llama_cpp_version, use_extra_buffer_types
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
 from specdecode.backends.torch_backend import TorchSequence
+from specdecode.core.device import cpu_model
+from specdecode.core.paths import cache_dir
+from specdecode.core.timing import Timing, best_seconds, is_settled
 from specdecode.costs.spot_check import (
     SPOT_CHECK_REPEATS,
     contradicted_note,
@@ -42,8 +44,6 @@ from specdecode.costs.spot_check import (
     out_of_order_why,
     outliers,
 )
-from specdecode.costs.timing import Timing, best_seconds, is_settled
-from specdecode.models.paths import cache_dir
 
 if TYPE_CHECKING:
     from specdecode.backends.base import SequenceModel

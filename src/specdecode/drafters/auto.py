@@ -61,7 +61,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.backends.base import SequenceModel
-from specdecode.backends.device import host_to_device
+from specdecode.core.device import host_to_device
+from specdecode.core.sampling import LogitsProcessor
 from specdecode.costs.goodput import GoodputEstimate, Reprobe, SourceCheck, plain_goodput
 from specdecode.costs.k_policy import (
     MAX_PROBE_AFTER,
@@ -77,7 +78,6 @@ from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter
-from specdecode.engine.sampling import LogitsProcessor
 
 CATCH_UP_HORIZON = 64  # most future tokens a draft catch-up is spread over
 CATCH_UP_FREE_TOKENS = 2  # a normal draft pass feeds the one or two newly committed tokens

@@ -23,8 +23,8 @@ from typing import Protocol
 import torch
 
 from specdecode.backends.base import SequenceModel
-from specdecode.engine.sampling import LogitsProcessor
-from specdecode.engine.tree import TokenTree
+from specdecode.core.sampling import LogitsProcessor
+from specdecode.core.tree import TokenTree
 
 
 @dataclass(slots=True)

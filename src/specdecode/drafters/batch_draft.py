@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.backends.base import BatchModel, SequencePool
+from specdecode.core.sampling import LogitsProcessor, draw
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import draft_confidence, to_target_vocab
-from specdecode.engine.sampling import LogitsProcessor, draw
 
 CATCH_UP_WIDTH = 2  # unseen tokens after a verify step: the bonus token, plus the last draft if all were accepted
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdecode.backends.device import host_to_device
-from specdecode.engine.tree import NO_PARENT, TokenTree
+from specdecode.core.device import host_to_device
+from specdecode.core.tree import NO_PARENT, TokenTree
 from specdecode.kv.static import KVCache, KVView
 from specdecode.models.heads import EagleHead
 

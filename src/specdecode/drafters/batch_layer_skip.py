@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.backends.torch_batch import PagedBatchModel
+from specdecode.core.sampling import draw
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import DraftRow
 from specdecode.drafters.draft_model import draft_confidence
 from specdecode.drafters.layer_skip_file import check_skip_layers
-from specdecode.engine.sampling import draw
 
 
 class BatchLayerSkip:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from specdecode.backends.base import SequenceModel
+from specdecode.core.prefix import common_prefix_length
+from specdecode.core.sampling import LogitsProcessor, draw
 from specdecode.drafters.base import DraftProposal
-from specdecode.engine.prefix import common_prefix_length
-from specdecode.engine.sampling import LogitsProcessor, draw
 
 
 class DraftModelDrafter:

@@ -34,9 +34,9 @@ from torch import nn
 
 from specdecode.backends.base import SequenceModel
 from specdecode.config import MAX_TREE_SIZE
+from specdecode.core.sampling import LogitsProcessor
+from specdecode.core.tree import TokenTree
 from specdecode.drafters.batch_eagle import BatchEagle, EagleRow, HeadState
-from specdecode.engine.sampling import LogitsProcessor
-from specdecode.engine.tree import TokenTree
 from specdecode.errors import InvalidRequestError
 from specdecode.models.heads import EagleHead
 

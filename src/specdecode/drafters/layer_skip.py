@@ -23,10 +23,10 @@ import torch
 
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.torch_backend import TorchSequence
+from specdecode.core.sampling import LogitsProcessor, draw
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import doubts
 from specdecode.drafters.layer_skip_file import check_skip_layers
-from specdecode.engine.sampling import LogitsProcessor, draw
 from specdecode.kv.static import KVCache
 from specdecode.models.llama import Transformer
 

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.backends.base import SequenceModel
-from specdecode.engine.sampling import LogitsProcessor
-from specdecode.engine.tree import NO_PARENT, TokenTree
+from specdecode.core.sampling import LogitsProcessor
+from specdecode.core.tree import NO_PARENT, TokenTree
 from specdecode.errors import InvalidRequestError
 from specdecode.models.heads import MedusaHeads
 

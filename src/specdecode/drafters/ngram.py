@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from specdecode.backends.base import SequenceModel
-from specdecode.backends.device import host_to_device
 from specdecode.config import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, check_ngram_sizes
+from specdecode.core.device import host_to_device
+from specdecode.core.sampling import LogitsProcessor
 from specdecode.drafters.base import DraftProposal
-from specdecode.engine.sampling import LogitsProcessor
 from specdecode.errors import InvalidRequestError
 
 

@@ -1,7 +1,7 @@
 """The per-request planner: which drafter a request decodes with, and its draft length.
 
 ``PLANNERS`` maps each method to the function that plans it (by its registry entry's planner
-kind, ``drafters/registry.py``), over ``DecoderResources``: the
+kind, ``core/registry.py``), over ``DecoderResources``: the
 decoder's config, its stateless drafters (prompt lookup, the draft model, layer skip,
 Medusa/EAGLE heads; shared by every request as they are), and the shared parts that per-request
 drafters are built over (suffix decoding's cache of earlier responses, auto's lookup memory,
@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 from specdecode.backends.select import TORCH
 from specdecode.config import DecoderConfig
+from specdecode.core import registry
 from specdecode.costs.decoder_costs import DecoderCosts
-from specdecode.drafters import registry
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.plan import PLAIN, RequestPlan
 from specdecode.drafters.suffix import AUTO_DEPTH, SuffixDrafter, SuffixProposer, suffix_drafter
 from specdecode.drafters.suffix_cache import SuffixCache
-from specdecode.engine.plan import PLAIN, RequestPlan
 
 
 @dataclass(slots=True, frozen=True)

@@ -36,7 +36,9 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.backends.base import SequenceModel
-from specdecode.backends.device import host_to_device
+from specdecode.core.device import host_to_device
+from specdecode.core.sampling import LogitsProcessor
+from specdecode.core.tree import NO_PARENT, TokenTree
 from specdecode.costs.k_policy import interpolate
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.suffix_cache import (
@@ -48,8 +50,6 @@ from specdecode.drafters.suffix_cache import (
     match_bucket,
 )
 from specdecode.drafters.suffix_tree import Draft, SuffixTree
-from specdecode.engine.sampling import LogitsProcessor
-from specdecode.engine.tree import NO_PARENT, TokenTree
 from specdecode.errors import InvalidRequestError
 
 MIN_PROB = 0.1  # with a fixed k: the least calibrated path probability a drafted node may have

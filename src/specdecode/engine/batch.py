@@ -39,6 +39,7 @@ import torch
 from specdecode.backends.base import BatchModel, SequencePool
 from specdecode.backends.torch_batch import PagedBatchModel, as_batch_model
 from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, SamplingParams, SchedulerConfig
+from specdecode.core.timing import Stopwatch
 from specdecode.costs.batch_k import BatchK, PassCosts, model_can_pay
 from specdecode.costs.k_policy import AcceptanceEstimate
 from specdecode.drafters.base import DraftProposal, HeadsDrafter
@@ -59,7 +60,7 @@ from specdecode.engine.batch_proposals import (
 from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
 from specdecode.engine.batch_rows import BATCH_METHODS, check_method, row_drafters, uses_draft
 from specdecode.engine.grammar import CompiledGrammar
-from specdecode.engine.metrics import GenerationStats, Stopwatch
+from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.scheduler import ScheduledSequence, Scheduler
 from specdecode.engine.stopping import cut_at_stop
 from specdecode.errors import InvalidRequestError

@@ -10,12 +10,12 @@ import torch
 
 from specdecode.backends.base import BatchModel
 from specdecode.backends.torch_batch import PagedBatchModel
+from specdecode.core.logprobs import unpack
 from specdecode.drafters.base import DraftProposal
 from specdecode.engine.batch_proposals import constrain_proposals
 from specdecode.engine.batch_request import BatchRequest
 from specdecode.engine.batch_verify import logprob_rows, penalise_rows, tree_logprobs, verify_rows, verify_trees
 from specdecode.engine.grammar import apply_row_masks
-from specdecode.engine.logprobs import unpack
 from specdecode.engine.scheduler import ScheduledSequence
 from specdecode.engine.verify import PAD_TOKEN, greedy_tree_read
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.backends.device import host_to_device
+from specdecode.core.device import host_to_device
+from specdecode.core.tree import TokenTree
 from specdecode.costs.batch_k import BatchK, BatchRow, RowChoices
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import BatchDraftModel, DraftRow
@@ -20,7 +21,6 @@ from specdecode.drafters.eagle import EagleDrafter, propose_together
 from specdecode.engine.batch_request import BatchRequest
 from specdecode.engine.grammar import GrammarState, first_forbidden
 from specdecode.engine.scheduler import ScheduledSequence
-from specdecode.engine.tree import TokenTree
 
 # Below this many tried draft positions a row's estimate is too thin to stop drafting on (one
 # rejected first token would read as 40% acceptance): the chooser treats it as unobserved.

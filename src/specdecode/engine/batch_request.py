@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.backends.device import host_to_device
 from specdecode.config import SamplingParams
+from specdecode.core.device import host_to_device
+from specdecode.core.logprobs import TokenLogprob
+from specdecode.core.sampling import LogitsProcessor, make_generator
 from specdecode.costs.k_policy import AcceptanceEstimate, KSchedule
 from specdecode.drafters.auto_row import AutoRow
 from specdecode.drafters.base import DraftProposal, TreeDrafter
@@ -17,10 +19,8 @@ from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter, SuffixTreeDrafter
 from specdecode.engine.batch_rows import RowDrafters
 from specdecode.engine.grammar import CompiledGrammar, GrammarState
-from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.penalties import TokenPenalties, wants_penalties
-from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.scheduler import ScheduledSequence
 
 

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from specdecode.config import check_k_policy
+from specdecode.core import registry
 from specdecode.costs.batch_k import PassCosts
 from specdecode.costs.k_policy import FixedK, KSchedule, ThresholdK
-from specdecode.drafters import registry
 from specdecode.drafters.auto_row import AutoRow
 from specdecode.drafters.base import HeadsDrafter, TreeDrafter
 from specdecode.drafters.ngram import NgramDrafter

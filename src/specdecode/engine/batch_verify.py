@@ -10,11 +10,11 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.backends.device import host_to_device
+from specdecode.core.device import host_to_device
+from specdecode.core.logprobs import TokenLogprob, pack, unpack
+from specdecode.core.sampling import LogitsProcessor
 from specdecode.drafters.base import DraftProposal
-from specdecode.engine.logprobs import TokenLogprob, pack, unpack
 from specdecode.engine.penalties import TokenPenalties
-from specdecode.engine.sampling import LogitsProcessor
 from specdecode.engine.verify import (
     PAD_TOKEN,
     TreeVerifyResult,
@@ -125,7 +125,7 @@ def logprob_rows(
     emitted: torch.Tensor,  # (B, k_max + 1) long: what verify_rows returned
     proposals: Sequence[DraftProposal],
     processors: Sequence[LogitsProcessor],
-) -> dict[int, torch.Tensor]:  # b -> (k_max + 1, 2 + 2 n) float32 (engine/logprobs.py's pack)
+) -> dict[int, torch.Tensor]:  # b -> (k_max + 1, 2 + 2 n) float32 (core/logprobs.py's pack)
     """The packed logprobs of each chain row that asked for them (a tree row's come once its path
     is read: ``tree_logprobs``); rows past a row's drafts + 1 are padding (never unpacked: its
     emitted count bounds them)."""

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdecode.backends.device import resident_bytes
+from specdecode.core.device import resident_bytes
 from specdecode.errors import InvalidRequestError
 
 CHILD_SCRIPT = Path(__file__).with_name("grammar_child.py")

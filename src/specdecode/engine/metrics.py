@@ -9,13 +9,10 @@ accepted (so it can only fall with i).
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
-from specdecode.engine.logprobs import TokenLogprob
+from specdecode.core.logprobs import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -59,7 +56,7 @@ class GenerationStats:
     steps_by_source: dict[str, int] = field(default_factory=dict)
     # Why the request decoded plainly although it asked for speculation (measured costs), or "".
     note: str = ""
-    # SamplingParams.logprobs set: each committed token's log-probability (engine/logprobs.py),
+    # SamplingParams.logprobs set: each committed token's log-probability (core/logprobs.py),
     # filled by the engine as tokens commit; not a metric, so not in to_dict.
     token_logprobs: list[TokenLogprob] | None = None
 
@@ -161,29 +158,3 @@ class GenerationStats:
             + (f" grammar={self.mask_seconds:.3f}s" if self.mask_seconds else "")
         )
         return "\n".join(parts)
-
-
-class Stopwatch:
-    """Wall time of a code region.
-
-    On an asynchronous device (CUDA) the time of queued kernels lands in whichever region
-    next waits for them, unless ``sync`` is set: then the region synchronises on entry and
-    exit (precise split, two extra syncs per region). On the CPU every op is synchronous.
-    """
-
-    def __init__(self, device: torch.device, sync: bool = False) -> None:
-        self.sync = sync and device.type == "cuda"
-        self._start = 0.0
-        self.elapsed = 0.0
-
-    def __enter__(self) -> Stopwatch:
-        if self.sync:
-            torch.cuda.synchronize()
-        self._start = time.perf_counter()
-        self.elapsed = 0.0
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.sync:
-            torch.cuda.synchronize()
-        self.elapsed = time.perf_counter() - self._start

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.backends.device import host_to_device
 from specdecode.config import SamplingParams
-from specdecode.engine.tree import TokenTree
+from specdecode.core.device import host_to_device
+from specdecode.core.tree import TokenTree
 
 
 def wants_penalties(params: SamplingParams) -> bool:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specdecode.core.prefix import common_prefix_length
+
 
 @dataclass(slots=True, frozen=True)
 class CachedPrefix:
@@ -37,15 +39,6 @@ class PrefixMatch:
 
 
 NO_MATCH = PrefixMatch(0, 0)
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    length = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        length += 1
-    return length
 
 
 def match_prefix(cached: CachedPrefix | None, prompt_ids: Sequence[int], salt: str | None, epoch: int) -> PrefixMatch:

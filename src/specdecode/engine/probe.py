@@ -16,8 +16,8 @@ from specdecode.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from specdecode.backends.base import SequenceModel
+    from specdecode.core.sampling import LogitsProcessor
     from specdecode.drafters.base import Drafter
-    from specdecode.engine.sampling import LogitsProcessor
 
 
 @torch.inference_mode()

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.backends.base import SequencePool
-from specdecode.engine.prefix import common_prefix_length
+from specdecode.core.prefix import common_prefix_length
 from specdecode.errors import InvalidRequestError
 from specdecode.kv.paged import OutOfBlocks
 

@@ -22,24 +22,24 @@ import torch
 
 from specdecode.backends.base import SequenceModel
 from specdecode.backends.compiled import CompileLog
-from specdecode.backends.device import host_to_device
 from specdecode.backends.openmp import release_thread_team
 from specdecode.config import ACCEPTANCE_RULES, TREE_METHODS, SamplingParams
+from specdecode.core.device import host_to_device
+from specdecode.core.logprobs import TokenLogprob, pack, unpack
+from specdecode.core.sampling import LogitsProcessor, make_generator
+from specdecode.core.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS, Stopwatch
+from specdecode.core.tree import TokenTree
 from specdecode.costs.k_policy import interpolate
 from specdecode.costs.store import VERIFY_TABLE, CostStore
-from specdecode.costs.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 from specdecode.drafters.base import Drafter, TreeDrafter
+from specdecode.drafters.plan import RequestPlan
 from specdecode.engine.batch_verify import tree_logprobs
 from specdecode.engine.grammar import CompiledGrammar, GrammarState, apply_masks, first_forbidden
-from specdecode.engine.logprobs import TokenLogprob, pack, unpack
-from specdecode.engine.metrics import GenerationStats, Stopwatch
+from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.penalties import TokenPenalties, wants_penalties
-from specdecode.engine.plan import RequestPlan
 from specdecode.engine.prefix import NO_MATCH, CachedPrefix, match_prefix
-from specdecode.engine.sampling import LogitsProcessor, make_generator
 from specdecode.engine.stopping import cut_at_stop
 from specdecode.engine.stream import StepTokens
-from specdecode.engine.tree import TokenTree
 from specdecode.engine.verify import (
     PAD_TOKEN,
     greedy_tree_verify,
@@ -128,7 +128,7 @@ class SpecEngine:
     ) -> Iterator[list[int]]:
         """Yield the newly committed tokens after each step; fill ``stats`` as it goes.
 
-        ``plan`` (``engine/plan.py``) holds the drafter and the draft length: a chain step drafts
+        ``plan`` (``drafters/plan.py``) holds the drafter and the draft length: a chain step drafts
         up to ``plan.k`` tokens, or its schedule's choice for the step (never more); no drafter
         is plain autoregressive decoding. A drafter may propose fewer tokens than asked, even
         none: that step decodes plainly. A tree plan proposes a token tree each step instead

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.engine.logprobs import TokenLogprob
+from specdecode.core.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.text import IncrementalDecoder
 
@@ -35,7 +35,7 @@ class GenerationResult:
     @property
     def logprobs(self) -> list[TokenLogprob] | None:
         """Each new token's log-probability and the most likely ones there (``SamplingParams.logprobs``
-        set; engine/logprobs.py), or None."""
+        set; core/logprobs.py), or None."""
         recorded = self.stats.token_logprobs
         return None if recorded is None else recorded[: len(self.token_ids)]
 

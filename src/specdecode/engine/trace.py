@@ -27,7 +27,7 @@ import torch
 
 if TYPE_CHECKING:
     from specdecode.backends.base import PassOutput, SequenceModel
-    from specdecode.engine.tree import TokenTree
+    from specdecode.core.tree import TokenTree
 
 TRACE_SCHEMA = 1
 TARGET, DRAFT = "target", "draft"

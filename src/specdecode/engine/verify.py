@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.backends.device import host_to_device
-from specdecode.engine.categorical import argmax_last, sample_categorical
-from specdecode.engine.tree import ROOT, TokenTree
+from specdecode.core.categorical import argmax_last, sample_categorical
+from specdecode.core.device import host_to_device
+from specdecode.core.tree import ROOT, TokenTree
 
 PAD_TOKEN = -1
 

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.backends.device import host_to_device
 from specdecode.config import ModelConfig
+from specdecode.core.device import host_to_device
+from specdecode.core.tree_mask import ancestor_rows, tree_depths
 from specdecode.kv.static import KVView
-from specdecode.kv.tree_mask import ancestor_rows, tree_depths
 
 NULL_BLOCK = 0  # never allocated: the write target and read source of padding
 DEFAULT_BLOCK_SIZE = 16
@@ -326,11 +326,11 @@ class PagedKVCache:
         the row's last position, writes into the null block and its output is to be ignored.
         Row b sees its own slots up to each query's position (and the sliding window).
 
-        ``trees[b]`` (a token tree's parents, ``engine/tree.py``; None: a plain row) makes row b
+        ``trees[b]`` (a token tree's parents, ``core/tree.py``; None: a plain row) makes row b
         a tree whose root is its first token: node i is written at ``host_positions[b][i]`` as
         usual (the nodes of one pass lie contiguously after the committed ones) but rotated as
         position root + depth(i), and it sees the slots before the root and, among the tree's,
-        its own ancestors only (``kv/tree_mask.py``). ``keep_path`` then keeps one path.
+        its own ancestors only (``core/tree_mask.py``). ``keep_path`` then keeps one path.
         """
         width = max(len(row) for row in host_positions)
         kv_len = max(row[-1] for row in host_positions) + 1

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.backends.device import host_to_device
 from specdecode.config import KV_DTYPES, ModelConfig
+from specdecode.core.device import host_to_device
+from specdecode.core.tree import TokenTree
 from specdecode.errors import InvalidRequestError
 
 INT8_MAX = 127
@@ -293,3 +294,21 @@ def fixed_view(
     if sliding_window is not None:
         mask &= key_pos[None, None, :] > query_pos - sliding_window
     return KVView(kv_len=width, mask=mask[:, None])  # (B, 1, T, width)
+
+
+def tree_view(tree: TokenTree, start: int, device: torch.device | str, sliding_window: int | None = None) -> KVView:
+    """Attention of one verify pass that writes the tree's nodes into slots [start, start + N).
+
+    Every node sees the committed slots [0, start) and, among the tree's slots, itself and its
+    ancestors. With a sliding window a node at position p also sees only keys at positions
+    > p - window, where committed slot s has position s and tree slot start + j has position
+    start + depth(j) (slots and positions differ inside the tree).
+    """
+    size = tree.size
+    committed = torch.ones((size, start), dtype=torch.bool, device=device)
+    mask = torch.cat([committed, tree.ancestor_mask(device)], dim=1)  # (N, start + N)
+    if sliding_window is not None:
+        query_pos = tree.positions(start, device)[0]  # (N,)
+        key_pos = torch.cat([torch.arange(start, device=device), query_pos])  # (start + N,)
+        mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    return KVView(kv_len=start + size, mask=mask[None, None])  # (1, 1, N, start + N)

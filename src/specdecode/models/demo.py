@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from specdecode.core.paths import cache_dir
 from specdecode.errors import DemoModelsNotInstalledError, ModelLoadError
-from specdecode.models.paths import cache_dir
 
 _COPY_CHUNK_BYTES = 8 * 1024 * 1024
 _INSTALL_HINT = (

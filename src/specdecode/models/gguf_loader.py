@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from specdecode.core.paths import cache_dir
 from specdecode.errors import ModelLoadError, UnsupportedModelError
 from specdecode.models.gguf_metadata import (
     _DTYPE_NAMES,
@@ -44,7 +45,6 @@ from specdecode.models.gguf_metadata import (
     open_gguf,
 )
 from specdecode.models.gguf_tokenizer import write_hf_tokenizer
-from specdecode.models.paths import cache_dir
 
 # Bump when the converter's output changes, so folders converted by an older version are redone.
 CONVERTER_VERSION = 1

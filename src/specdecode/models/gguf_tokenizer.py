@@ -241,8 +241,8 @@ def cached_tokenizer_folder(gguf_path: Path, show_progress: bool = True) -> Path
     import sys
     import tempfile
 
+    from specdecode.core.paths import cache_dir
     from specdecode.models.gguf_metadata import open_gguf
-    from specdecode.models.paths import cache_dir
 
     resolved = Path(gguf_path).expanduser().resolve()
     if not resolved.is_file():

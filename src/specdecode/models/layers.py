@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.backends.device import cpu_supports_bf16
+from specdecode.core.device import cpu_supports_bf16
 
 # Expected rows per call for oneDNN's reorder heuristics: decoding feeds 1 to ~9 rows.
 PACK_BATCH_HINT = 1

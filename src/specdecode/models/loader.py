@@ -133,7 +133,7 @@ def load_weights(
     """Build the transformer on the meta device and fill it from safetensors, checking every name.
 
     ``quant`` (none, int8, int4) replaces the projections by weight-only quantized ones; int4
-    takes Q4_K blocks from ``gguf_path`` exactly where it can (see ``quant.apply``). ``pack``
+    takes Q4_K blocks from ``gguf_path`` exactly where it can (see ``models.quantize``). ``pack``
     prepacks the remaining bf16 projections for the CPU's matmul kernels where that is faster.
     """
     with torch.device("meta"):
@@ -179,7 +179,7 @@ def load_weights(
     model.inv_freq = _real_inv_freq(cfg, device)
     model = model.eval().requires_grad_(False)
     if quant != "none":
-        from specdecode.quant.apply import quantize_model
+        from specdecode.models.quantize import quantize_model
 
         summary = quantize_model(model, quant, gguf_path=gguf_path)
         if show_progress:

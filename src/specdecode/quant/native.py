@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from specdecode.backends.device import cpuinfo_line
-from specdecode.models.paths import cache_dir
+from specdecode.core.device import cpuinfo_line
+from specdecode.core.paths import cache_dir
 
 MAX_ROWS = 8  # the kernel's compiled row counts; callers split larger inputs
 ACTIVATION_BLOCK = 128  # XBLOCK in the C++ source

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from specdecode.engine.logprobs import TokenLogprob
+from specdecode.core.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
 from specdecode.errors import SpecDecodeError
 from specdecode.serving.protocol import APIError, ParsedRequest, client_message

@@ -6,7 +6,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from specdecode.backends.device import resident_bytes
+from specdecode.core.device import resident_bytes
 from specdecode.drafters.suffix_cache import SuffixCache
 from specdecode.engine.metrics import GenerationStats
 from specdecode.serving.worker import BatchWorker

@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from specdecode.engine.logprobs import TokenLogprob
+from specdecode.core.logprobs import TokenLogprob
 from specdecode.engine.metrics import GenerationStats
 from specdecode.serving.tools import ToolRequest, ToolStream, split_tool_calls
 

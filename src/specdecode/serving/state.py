@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdecode.api import SpecDecoder
-from specdecode.drafters import registry
+from specdecode.core import registry
 from specdecode.errors import SpecDecodeError
 from specdecode.serving.api_errors import APIError, client_message
 from specdecode.serving.guard import GuardOptions, RetryLater

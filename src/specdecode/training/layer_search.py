@@ -31,14 +31,13 @@ from typing import Any
 
 import torch
 
-from specdecode.backends.torch_backend import TorchSequence
+from specdecode.backends.torch_backend import TorchSequence, time_passes
 from specdecode.config import SamplingParams
 from specdecode.costs.k_policy import CostAwareK, best_plan
-from specdecode.costs.timing import time_passes
 from specdecode.drafters.layer_skip import LayerSkipDrafter
 from specdecode.drafters.layer_skip_file import LayerSkipChoice
+from specdecode.drafters.plan import PLAIN, RequestPlan
 from specdecode.engine.metrics import GenerationStats
-from specdecode.engine.plan import PLAIN, RequestPlan
 from specdecode.engine.single import SpecEngine
 from specdecode.errors import InvalidRequestError
 from specdecode.models.llama import Transformer

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.backends.device import host_to_device
-from specdecode.kv.static import KVView
-from specdecode.kv.tree_mask import ancestor_rows, tree_depths
+from specdecode.core.device import host_to_device
+from specdecode.core.tree_mask import ancestor_rows, tree_depths
 
 ROOT = 0
 NO_PARENT = -1
@@ -108,21 +107,3 @@ class TokenTree:
     def ancestor_mask(self, device: torch.device | str) -> torch.Tensor:
         """(N, N) bool: [i, j] True when j == i or j is an ancestor of i."""
         return host_to_device(ancestor_rows(self.parents), torch.bool, device)
-
-
-def tree_view(tree: TokenTree, start: int, device: torch.device | str, sliding_window: int | None = None) -> KVView:
-    """Attention of one verify pass that writes the tree's nodes into slots [start, start + N).
-
-    Every node sees the committed slots [0, start) and, among the tree's slots, itself and its
-    ancestors. With a sliding window a node at position p also sees only keys at positions
-    > p - window, where committed slot s has position s and tree slot start + j has position
-    start + depth(j) (slots and positions differ inside the tree).
-    """
-    size = tree.size
-    committed = torch.ones((size, start), dtype=torch.bool, device=device)
-    mask = torch.cat([committed, tree.ancestor_mask(device)], dim=1)  # (N, start + N)
-    if sliding_window is not None:
-        query_pos = tree.positions(start, device)[0]  # (N,)
-        key_pos = torch.cat([torch.arange(start, device=device), query_pos])  # (start + N,)
-        mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
-    return KVView(kv_len=start + size, mask=mask[None, None])  # (1, 1, N, start + N)

@@ -1,8 +1,8 @@
 """The shape of a token tree as attention sees it: each node's depth and its ancestors.
 
-A token tree (``engine/tree.py``) is given by its parents list: ``parents[0] == -1`` (the root)
+A token tree (``core/tree.py``) is given by its parents list: ``parents[0] == -1`` (the root)
 and ``0 <= parents[i] < i``. These host functions are what both the single-sequence tree pass
-(``engine/tree.tree_view``) and the paged batch pass (``kv/paged.PagedKVCache.view``) build their
+(``kv/static.tree_view``) and the paged batch pass (``kv/paged.PagedKVCache.view``) build their
 masks and rotary positions from; they live below both so the cache need not import the engine.
 """
 

@@ -12,17 +12,55 @@ request's grammar as the draft walks it, so the draft proposes only tokens the g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from specdecode.config import SamplingParams
-from specdecode.engine.categorical import argmax_last, sample_categorical
-from specdecode.engine.logprobs import log_distribution
+from specdecode.core.categorical import argmax_last, sample_categorical
+from specdecode.core.logprobs import log_distribution
+from specdecode.core.tree import TokenTree
 
-if TYPE_CHECKING:
-    from specdecode.engine.grammar import GrammarState
-    from specdecode.engine.penalties import TokenPenalties
+
+# The engine (grammar, penalties) and config sit above this package: what the processor reads of
+# them is named here by what it calls.
+class SamplingSettings(Protocol):
+    """What ``from_params`` reads of a request's sampling parameters (config.SamplingParams)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    logprobs: int | None
+    logprobs_mode: str
+
+
+class DraftWalk(Protocol):
+    """Per-request state a draft walks token by token and then forgets (``draw``)."""
+
+    def begin_draft(self) -> None: ...
+
+    def push_draft(self, token: torch.Tensor) -> None: ...  # (1,) long
+
+    def end_draft(self) -> None: ...
+
+
+class DraftGrammar(DraftWalk, Protocol):
+    """A request's grammar (engine/grammar.py's ``GrammarState``) as a draft walks it."""
+
+    def mask_draft(self, logits: torch.Tensor) -> torch.Tensor: ...  # (1, V) -> (1, V)
+
+
+class DraftPenalties(DraftWalk, Protocol):
+    """A request's penalties and logit bias (engine/penalties.py's ``TokenPenalties``): a draft
+    walks them, and the engines penalise their verify rows through the processor."""
+
+    def draft_row(self, logits: torch.Tensor) -> torch.Tensor: ...  # (1, V') -> (1, V') float32
+
+    def advance(self, tokens: torch.Tensor) -> None: ...  # (n,) long, on the device
+
+    def chain_rows(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor: ...  # (k + 1, V)
+
+    def tree_rows(self, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor: ...  # (N, V)
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,17 +69,17 @@ class LogitsProcessor:
     top_k: int
     top_p: float
     # The request's grammar (structured outputs), walked by drafts in ``draw``; None: no grammar.
-    grammar: GrammarState | None = None
+    grammar: DraftGrammar | None = None
     min_p: float = 0.0
     # The request's penalties and logit bias, walked by drafts in ``draw``; None: none.
-    penalties: TokenPenalties | None = None
-    # Report each token's log-probability and the ``logprobs`` most likely (engine/logprobs.py).
+    penalties: DraftPenalties | None = None
+    # Report each token's log-probability and the ``logprobs`` most likely (core/logprobs.py).
     logprobs: int | None = None
     logprobs_mode: str = "raw"
 
     @classmethod
-    def from_params(cls, params: SamplingParams, grammar: GrammarState | None = None,
-                    penalties: TokenPenalties | None = None) -> LogitsProcessor:
+    def from_params(cls, params: SamplingSettings, grammar: DraftGrammar | None = None,
+                    penalties: DraftPenalties | None = None) -> LogitsProcessor:
         return cls(params.temperature, params.top_k, params.top_p, grammar, params.min_p, penalties,
                    params.logprobs, params.logprobs_mode)
 
@@ -145,7 +183,7 @@ def nucleus_of_sorted(
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs (N, V) -> (N,) long (engine/categorical.py: torch.multinomial's
+    """One token per row of probs (N, V) -> (N,) long (core/categorical.py: torch.multinomial's
     distribution at a fifteenth of its cost over a 150k vocabulary)."""
     return sample_categorical(probs, generator)
 
@@ -157,7 +195,7 @@ def draw(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A drafter's next token (N,) and the distribution q (N, V) it was drawn from; greedy: the
     argmax and None (a deterministic draft). Under a grammar (N == 1) the row is masked by the
-    draft's place in it and the token moves that place on (``GrammarState.begin_draft``); with
+    draft's place in it and the token moves that place on (``DraftGrammar.begin_draft``); with
     penalties the row is penalised by the committed tokens and the walk's drafts so far."""
     grammar, penalties = processor.grammar, processor.penalties
     if penalties is not None:

@@ -8,9 +8,9 @@ from functools import cache
 
 import torch
 
-from specdecode.config import DEVICES
 from specdecode.errors import InvalidRequestError
 
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # or "cuda:N"
 DEVICE_CHOICES = DEVICES
 DTYPE_CHOICES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -11,13 +11,11 @@ its entry (``registry.LAYERSKIP.name``), not a string; tests/test_method_registr
 method name written anywhere else.
 
 Where it lives, and why it is plain data: ``config.py`` validates ``DecoderConfig.method``
-against the registry, and the drafters import ``config``. So this module imports nothing from
-specdecode (not the drafters, not the backends, whose ``base`` imports config): config imports
-it without a module cycle. At package level config -> drafters -> config remains; with nothing
-imported here, the module can move as is to the bottom package of issue 45 item 4 once that
-exists. The plan functions themselves, which build
-drafters, stay in ``drafters/planner.py``, keyed by an entry's ``planner`` kind; the backend
-names are ``backends/base.py``'s, written out here (the registry test checks they agree).
+against the registry, and nearly every package imports ``config``. So the registry sits on the
+ground floor (``core/``, below config) and imports nothing of specdecode. The plan functions
+themselves, which build drafters, stay in ``drafters/planner.py``, keyed by an entry's
+``planner`` kind; the backend names are ``backends/base.py``'s, written out here (the registry
+test checks they agree).
 
 Adding a method: its drafter module under ``drafters/``, its entry below (a planner kind that
 exists, or a plan function added to ``planner.py`` beside its kind), and its section in

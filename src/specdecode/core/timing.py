@@ -16,13 +16,10 @@ never settles the cost store keeps it out of the stored table (``costs/store.py`
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import torch
-
-from specdecode.engine.metrics import Stopwatch
-from specdecode.kv.static import reusable_cache
-from specdecode.models.llama import Transformer
 
 VERIFY_COST_REPEATS = 2
 # Row counts a single-sequence verify cost table times (the rest interpolated): dense where a
@@ -107,29 +104,27 @@ def best_seconds(run: Callable[[], object], device: torch.device, repeats: int) 
     return Timing(best, settled=False, spread=spread)
 
 
-@torch.inference_mode()
-def time_passes(
-    model: Transformer,
-    row_counts: Sequence[int],
-    kv_dtype: str = "auto",
-    repeats: int = VERIFY_COST_REPEATS,
-    logits_last: int | None = None,
-    layers: Sequence[int] | None = None,
-) -> dict[int, float]:
-    """Seconds of one forward pass of ``model`` over each row count (best of ``repeats``).
+class Stopwatch:
+    """Wall time of a code region.
 
-    Runs on a scratch cache of the kind decoding uses (int8 KV included). ``logits_last=1``
-    times a catch-up pass (logits for the last row only); ``layers`` a pass through those
-    layers only (layer skip).
+    On an asynchronous device (CUDA) the time of queued kernels lands in whichever region
+    next waits for them, unless ``sync`` is set: then the region synchronises on entry and
+    exit (precise split, two extra syncs per region). On the CPU every op is synchronous.
     """
-    cfg = model.config
-    max_rows = max(row_counts)
-    scratch = reusable_cache(None, cfg, COST_PROBE_CONTEXT + max_rows, model.dtype, model.device, kv_dtype)
-    tokens = torch.zeros((1, max_rows), dtype=torch.long, device=model.device)
-    measured: dict[int, float] = {}
-    for rows in row_counts:
-        measured[rows] = best_seconds(
-            lambda: model.extend(scratch, tokens[:, :rows], COST_PROBE_CONTEXT, logits_last=logits_last, layers=layers),
-            model.device, repeats,
-        )
-    return measured
+
+    def __init__(self, device: torch.device, sync: bool = False) -> None:
+        self.sync = sync and device.type == "cuda"
+        self._start = 0.0
+        self.elapsed = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        if self.sync:
+            torch.cuda.synchronize()
+        self._start = time.perf_counter()
+        self.elapsed = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+        self.elapsed = time.perf_counter() - self._start
