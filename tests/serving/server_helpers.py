@@ -144,3 +144,26 @@ def schema_fuzz(base: str, path: str, mode: str, examples: int, *, prepare: Call
     settings(max_examples=examples, deadline=None, derandomize=True, database=None,
              suppress_health_check=list(HealthCheck))(run)()
     return statuses
+
+
+# A streamed chat completion's deltas: text, a function call in pieces, text again (the case a
+# protocol's translation must split into three items or blocks, arguments added up).
+TEXT_CALL_TEXT = [{"content": "Let me look."},
+                  {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                   "function": {"name": "weather", "arguments": ""}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]},
+                  {"content": "Done."}]
+
+
+async def chat_chunks(deltas: list[dict[str, Any]], usage: dict[str, int] | None = None) -> Any:
+    """The chat route's server-sent events for ``deltas`` (one choice), then ``usage`` in its own
+    chunk where given (``choices: []``), then ``[DONE]``: what a translation reads."""
+    from specdecode.serving.responses import sse
+
+    for delta in deltas:
+        yield sse({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    if usage is not None:
+        yield sse({"choices": [], "usage": usage})
+    yield "data: [DONE]\n\n"
+

@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from server_helpers import MODEL, client, metric, schema_fuzz, wait_for
+from server_helpers import MODEL, TEXT_CALL_TEXT, chat_chunks, client, metric, schema_fuzz, wait_for
 
 import specdecode.engine.batch
 from specdecode.serving.anthropic_messages import to_chat
@@ -294,25 +294,12 @@ def test_the_events_of_text_a_streamed_call_and_text_again() -> None:
 
     from specdecode.engine.metrics import GenerationStats
     from specdecode.serving.anthropic_messages import message_events, whole_message
-    from specdecode.serving.responses import sse
-
-    deltas = [{"content": "Let me look."},
-              {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                               "function": {"name": "weather", "arguments": ""}}]},
-              {"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]},
-              {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]},
-              {"content": "Done."}]
-
-    async def chunks():
-        for delta in deltas:
-            yield sse({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-        yield "data: [DONE]\n\n"
 
     generation = SimpleNamespace(request=SimpleNamespace(prompt=[1, 2, 3]), failure=lambda: None,
                                  stats=GenerationStats(stop_reason="eos"))
 
     async def run() -> tuple[list[tuple[str, dict]], dict]:
-        events = [event async for event in message_events(chunks(), generation, MODEL)]
+        events = [event async for event in message_events(chat_chunks(TEXT_CALL_TEXT), generation, MODEL)]
 
         async def replay():
             for event in events:

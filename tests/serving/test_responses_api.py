@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import MESSAGES, MODEL, client, openai_error, schema_fuzz
+from server_helpers import MESSAGES, MODEL, TEXT_CALL_TEXT, chat_chunks, client, openai_error, schema_fuzz
 
 from specdecode.serving.responses_store import ResponseStore, response_tenant
 
@@ -468,28 +468,15 @@ def test_the_events_of_text_a_streamed_call_and_text_again() -> None:
     """Chat chunks (text, a call in pieces, text after it) as Responses events: each text its own
     message item holding its own text, the call an item between them whose argument deltas add
     up to its arguments."""
-    from specdecode.serving.responses import sse
     from specdecode.serving.responses_api import ResponseShell, response_events
 
-    deltas = [{"content": "Let me look."},
-              {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                               "function": {"name": "weather", "arguments": ""}}]},
-              {"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]},
-              {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]},
-              {"content": "Done."}]
-
-    async def chunks():
-        for delta in deltas:
-            yield sse({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-        yield sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}})
-        yield "data: [DONE]\n\n"
-
+    chunks = chat_chunks(TEXT_CALL_TEXT, {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12})
     kept = []
 
     async def collect() -> list[dict]:
         shell = ResponseShell({"input": ASK}, MODEL, [])
         return [json.loads(event[len("data: "):]) async for event in
-                response_events(chunks(), shell, lambda body, conversation: kept.append(body))]
+                response_events(chunks, shell, lambda body, conversation: kept.append(body))]
 
     events = asyncio.run(collect())
     output = events[-1]["response"]["output"]
