@@ -47,9 +47,9 @@ from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.plan import RequestPlan
 from specdecode.drafters.planner import DecoderResources, PlanRequest, plan_request
+from specdecode.drafters.suffix import auto_depth
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.batch import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
-from specdecode.engine.batch_rows import auto_suffix_depth
 from specdecode.engine.batch_run import run_samples
 from specdecode.engine.grammar import CompiledGrammar, GrammarCompiler
 from specdecode.engine.metrics import GenerationStats
@@ -442,7 +442,7 @@ class SpecDecoder:
         verify_costs = draft_costs = None
         if cost_aware:
             verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.config.k_max, live=self.costs.live,
-                                                         longest_draft=auto_suffix_depth(self.config.k_max),
+                                                         longest_draft=auto_depth(self.config.k_max),
                                                          store=self.engine.cost_store)
         return BatchEngine(
             target, draft, self.eos_token_ids,
@@ -528,10 +528,10 @@ class SpecDecoder:
             raise InvalidRequestError(f"n (samples per prompt) must be in 1..{MAX_CHOICES}, got {n!r}.")
         method = method or (self.config.method if self.config.method in registry.BATCH_METHODS
                             else registry.DRAFT.name if self.draft else registry.NONE.name)
-        if k is not None or k_policy is not None:
+        if k is None and k_policy is None:  # the decoder's (None: the engine's own, cost)
+            k, k_policy = (None if method == registry.NONE.name else self.config.draft_k), self.config.k_policy
+        else:
             k, k_policy = self.config.call_k(k, k_policy)
-        k, k_policy = (k if k is not None or method == registry.NONE.name else self.config.draft_k,
-                       k_policy or self.config.k_policy)
         # Offline, first-token latency does not matter: the engine built for the call keeps each
         # seat until its request ends (no time slices), which is the cheapest order.
         engine = engine or self.batch_engine(max_batch=max(1, min(len(prompts) * n, DEFAULT_MAX_BATCH)),

@@ -86,8 +86,9 @@ def test_a_threshold_row_raises_its_k_while_drafts_are_accepted(dec: SpecDecoder
 
 def test_an_unknown_policy_is_refused(dec: SpecDecoder) -> None:
     eng = engine(dec)
-    with pytest.raises(InvalidRequestError, match="k policy"):
-        eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=4), "draft", 3, k_policy="greedy")
+    for method in ("draft", "auto", "suffix"):  # checked for every method, not only those it applies to
+        with pytest.raises(InvalidRequestError, match="k policy"):
+            eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=4), method, 3, k_policy="greedy")
 
 
 def test_generate_batch_reads_k_as_generate_does(dec: SpecDecoder) -> None:

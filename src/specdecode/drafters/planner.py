@@ -23,7 +23,7 @@ from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.plan import PLAIN, RequestPlan
-from specdecode.drafters.suffix import AUTO_DEPTH, SuffixDrafter, SuffixProposer, suffix_drafter
+from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer, auto_depth, suffix_drafter
 from specdecode.drafters.suffix_cache import SuffixCache
 
 
@@ -58,7 +58,7 @@ class PlanRequest:
 def suffix_depth(config: DecoderConfig, policy: str, k: int) -> int:
     """How deep suffix decoding may draft: k, or with k "auto" past k_max (``AUTO_DEPTH``): a
     model-free draft pays no pass per token, so its match and the verify costs bound it."""
-    return max(config.k_max, AUTO_DEPTH) if policy == "cost" else k
+    return auto_depth(config.k_max) if policy == "cost" else k
 
 
 def plan_plain(resources: DecoderResources, request: PlanRequest) -> RequestPlan:

@@ -61,6 +61,13 @@ DEFAULT_TREE_SIZE = 16  # drafted nodes per tree at most with a fixed k (--tree-
 # verify row costs, not by a draft model's passes; a long match inside repeated text (an
 # agent's earlier output) is accepted 20-30 tokens deep.
 AUTO_DEPTH = 32
+
+
+def auto_depth(k_max: int) -> int:
+    """How deep a cost-aware suffix draft may go (``--k auto``, and auto's suffix source on
+    either engine): past k_max, to ``AUTO_DEPTH``."""
+    return max(k_max, AUTO_DEPTH)
+
 CALIBRATION_PRIOR = 1.0  # pseudo-tokens behind the prior "counts are calibrated"
 CALIBRATION_RANGE = (0.05, 2.0)  # counts are trusted at most this much less or more than measured
 _REJECTED = -2  # no proposed child was the target's token

@@ -26,7 +26,7 @@ from specdecode.costs.k_policy import FixedK, KSchedule, ThresholdK
 from specdecode.drafters.auto_row import AutoRow
 from specdecode.drafters.base import HeadsDrafter, TreeDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.suffix import AUTO_DEPTH, SuffixDrafter, SuffixProposer, SuffixTreeDrafter
+from specdecode.drafters.suffix import SuffixDrafter, SuffixProposer, SuffixTreeDrafter, auto_depth
 from specdecode.drafters.suffix_cache import SuffixCache
 from specdecode.errors import InvalidRequestError
 
@@ -74,15 +74,9 @@ def row_schedule(method: str, k_policy: str, k: int, k_max: int) -> KSchedule | 
     moves it with the row's acceptance; ``cost`` (None) leaves it to the batch's choice. Only
     for the methods with a stateless chain drafter (the draft model, prompt lookup, layer
     skip): suffix decoding, trees and auto choose their own drafts, as on the single path."""
-    if registry.BY_NAME[method].planner != registry.PLAN_CHAIN or check_k_policy(k_policy, k_max) == "cost":
+    if check_k_policy(k_policy, k_max) == "cost" or registry.BY_NAME[method].planner != registry.PLAN_CHAIN:
         return None
     return FixedK(k) if k_policy == "fixed" else ThresholdK(k=min(k, k_max), k_max=k_max)
-
-
-def auto_suffix_depth(k_max: int) -> int:
-    """How deep an auto row's suffix chain may draft: past k_max, as ``--method suffix --k auto``
-    (``drafters/planner.suffix_depth``): a model-free draft pays no pass per token."""
-    return max(k_max, AUTO_DEPTH)
 
 
 def row_drafters(
@@ -106,24 +100,25 @@ def row_drafters(
     ``verify_costs``: the target's pass costs as now priced (None: not timed), at which an auto
     row's suffix chain chooses its length, as on the single path (``drafters/planner.plan_auto``).
     ``k_policy``: how a chain row's draft length is chosen (``row_schedule``)."""
+    schedule = row_schedule(method, k_policy, k, k_max)  # None but for the chain methods
     if method == "ngram":
-        return RowDrafters(NgramDrafter(*ngram_sizes), None, False, schedule=row_schedule(method, k_policy, k, k_max))
+        return RowDrafters(NgramDrafter(*ngram_sizes), None, False, schedule=schedule)
     if method == "suffix":
         proposer = SuffixProposer(suffix_cache, suffix_group, depth=max(k, 1))
         if trees:
             return RowDrafters(SuffixTreeDrafter(proposer), None, False, tree_nodes=proposer.tree_size)
         return RowDrafters(SuffixDrafter(proposer), None, False)
     if method == "auto":
-        depth = auto_suffix_depth(k_max)
+        depth = auto_depth(k_max)
         verify_seconds = (None if verify_costs is None
                           else [verify_costs.seconds(1, rows) for rows in range(1, depth + 2)])
         suffix = SuffixDrafter(SuffixProposer(suffix_cache, suffix_group, depth=depth, verify_seconds=verify_seconds))
         row = AutoRow(NgramDrafter(*ngram_sizes), suffix, ngram_cap=k_max)
         return RowDrafters(row, row, uses_draft(method, model_can_pay))
     if method == registry.LAYERSKIP.name:
-        return RowDrafters(None, None, False, skips_layers=True, schedule=row_schedule(method, k_policy, k, k_max))
+        return RowDrafters(None, None, False, skips_layers=True, schedule=schedule)
     if method in heads:
         drafter = heads[method].fresh()
         return RowDrafters(None, None, False, tree_nodes=drafter.max_tree_nodes - 1, heads=drafter)
-    return RowDrafters(None, None, uses_draft(method, model_can_pay), schedule=row_schedule(method, k_policy, k, k_max))
+    return RowDrafters(None, None, uses_draft(method, model_can_pay), schedule=schedule)
 
