@@ -14,7 +14,6 @@ from specdecode.config import (
     BACKEND_CHOICES,
     COMPILE_MODES,
     DEFAULT_K,
-    DEVICES,
     DTYPES,
     ENGINES,
     KV_DTYPES,
@@ -22,6 +21,7 @@ from specdecode.config import (
     QUANTS,
     DecoderConfig,
 )
+from specdecode.core.device import DEVICES
 from specdecode.core.registry import methods_help
 from specdecode.errors import InvalidRequestError, reword_params
 

@@ -10,7 +10,7 @@ out one method (the engine's plain k = 0 case, the drafters a decoder builds) na
 its entry (``registry.LAYERSKIP.name``), not a string; tests/test_method_registry.py fails on a
 method name written anywhere else.
 
-Where it lives, and why it is plain data: ``config.py`` validates ``DecoderConfig.method``
+Where it lives, and why it is plain data: ``config/decoder.py`` validates ``DecoderConfig.method``
 against the registry, and nearly every package imports ``config``. So the registry sits on the
 ground floor (``core/``, below config) and imports nothing of specdecode. The plan functions
 themselves, which build drafters, stay in ``drafters/planner.py``, keyed by an entry's

@@ -1,7 +1,7 @@
 """Structured outputs: a grammar masks the target's rows, and speculation stays exact under it.
 
 The grammar engine is xgrammar (a maintained one made for this; docs/structured.md says why
-it and not llguidance, with the timings). A request's ``StructuredOutput`` (config.py) is
+it and not llguidance, with the timings). A request's ``StructuredOutput`` (config/sampling.py) is
 compiled once per decoder's tokenizer (``GrammarCompiler``, which caches compiled grammars);
 each request gets its own matcher (``GrammarState``) that follows the committed tokens.
 

@@ -68,7 +68,7 @@ class ToolRequest:
         if self.choice in ("auto", "none"):
             return None
         chosen = [t["function"] for t in self.tools if self.choice in ("required", t["function"]["name"])]
-        for f in chosen:  # the bounds on size and repetition counts every schema gets (config.py)
+        for f in chosen:  # the bounds on size and repetition counts every schema gets (config/sampling.py)
             StructuredOutput(json_schema=f.get("parameters") or {"type": "object"})
         calls = [{"type": "sequence", "elements": [
             {"type": "const_string", "value": f'{{"name": "{f["name"]}", "arguments": '},
