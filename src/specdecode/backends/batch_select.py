@@ -12,15 +12,23 @@ from specdecode.models.loader import LoadedModel
 MIN_SEQUENCE_POSITIONS = 256  # below this a llama.cpp batch slot would refuse most requests
 
 
-def batch_model(loaded: LoadedModel, max_batch: int, kv_cache_tokens: int, block_size: int,
-                spare_slots: int = 0) -> BatchModel:
+def batch_model(
+    loaded: LoadedModel,
+    max_batch: int,
+    kv_cache_tokens: int,
+    block_size: int,
+    spare_slots: int = 0,
+    kv_dtype: str = "auto",
+) -> BatchModel:
     """torch: the model over a paged pool of ``kv_cache_tokens`` slots. llama.cpp: a new context on
     the same file with ``max_batch`` sequences, each of ``kv_cache_tokens // max_batch`` positions
     (at most the model's context): llama.cpp allocates its (unified) KV cache up front, so the
     same total memory is split evenly instead of paged. ``spare_slots`` more
     sequences of that size hold the K/V of requests preempted for fairness (and of finished ones,
     for the prefix cache): ``SchedulerConfig.spare_slots``, KV memory ``spare_slots / max_batch``
-    above ``kv_cache_tokens``."""
+    above ``kv_cache_tokens``. ``kv_dtype`` (``KV_DTYPES``): how the torch pool stores K/V, "int8"
+    in about half the bytes of a bf16/fp16 pool for the same tokens; llama.cpp ignores it (the
+    decoder refuses int8 there)."""
     if max_batch < 1:
         raise InvalidRequestError(f"max_batch must be >= 1, got {max_batch}.")
     if isinstance(loaded.model, LlamaCppModel):
@@ -31,4 +39,4 @@ def batch_model(loaded: LoadedModel, max_batch: int, kv_cache_tokens: int, block
                 f"llama.cpp sequence; give each at least {MIN_SEQUENCE_POSITIONS} (raise kv_cache_tokens or lower max_batch)."
             )
         return LlamaCppBatchModel(loaded.model.with_sequences(max_batch + spare_slots, per_sequence))
-    return PagedBatchModel.with_pool(loaded.model, kv_cache_tokens, block_size)
+    return PagedBatchModel.with_pool(loaded.model, kv_cache_tokens, block_size, kv_dtype)

@@ -27,10 +27,14 @@ class PagedBatchModel:
         self.pool = pool
 
     @classmethod
-    def with_pool(cls, model: Transformer, kv_cache_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> PagedBatchModel:
-        """``model`` over a fresh pool of ``kv_cache_tokens`` slots (plus the null block)."""
+    def with_pool(
+        cls, model: Transformer, kv_cache_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str = "auto"
+    ) -> PagedBatchModel:
+        """``model`` over a fresh pool of ``kv_cache_tokens`` slots (plus the null block), stored as
+        ``kv_dtype`` (``KV_DTYPES``): "int8" holds as many tokens in about half the bytes of a
+        bf16/fp16 pool (``kv/paged.py``)."""
         num_blocks = kv_cache_tokens // block_size + 1
-        return cls(model, PagedKVCache(model.config, num_blocks, model.dtype, model.device, block_size))
+        return cls(model, PagedKVCache(model.config, num_blocks, model.dtype, model.device, block_size, kv_dtype))
 
     @property
     def device(self) -> torch.device:
@@ -91,8 +95,9 @@ class PagedBatchModel:
     ) -> ModelOutput:
         host_positions = [list(range(start, start + x.shape[0])) for x, start in zip(inputs, starts, strict=True)]
         view, positions = self.pool.view(list(seqs), host_positions, self.model.config.sliding_window, trees)
-        return self.model(stack_padded(list(inputs)), positions, view, view, layers=layers,
-                          compute_logits=compute_logits)
+        return self.model(
+            stack_padded(list(inputs)), positions, view, view, layers=layers, compute_logits=compute_logits
+        )
 
     def _row_logits(
         self,
@@ -104,10 +109,13 @@ class PagedBatchModel:
         # Row b's last r_b tokens first, then (padding) its last token again, zeroed below.
         counts = [min(rows, x.shape[0]) for rows, x in zip(logit_rows, inputs, strict=True)]
         width = max(counts)
-        index = [[x.shape[0] - count + min(j, count - 1) for j in range(width)]
-                 for x, count in zip(inputs, counts, strict=True)]
-        picked = torch.gather(hidden, 1, host_to_device(index, torch.long, hidden.device)[..., None]
-                              .expand(-1, -1, hidden.shape[-1]))  # (B, width, C)
+        index = [
+            [x.shape[0] - count + min(j, count - 1) for j in range(width)]
+            for x, count in zip(inputs, counts, strict=True)
+        ]
+        picked = torch.gather(
+            hidden, 1, host_to_device(index, torch.long, hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
+        )  # (B, width, C)
         kept = self.model.lm_head(picked).float()  # (B, width, V)
         pad = host_to_device([[j >= count for j in range(width)] for count in counts], torch.bool, hidden.device)
         return kept.masked_fill(pad[..., None], 0.0)
@@ -125,22 +133,35 @@ class PagedBatchModel:
         model = self.model
         most_batch = max(b for b, _ in shapes)
         per_sequence = COST_PROBE_CONTEXT + max(t for _, t in shapes)
-        pool = PagedKVCache(model.config, most_batch * (per_sequence // DEFAULT_BLOCK_SIZE + 1) + 1, model.dtype,
-                            model.device)
+        # Stored as the real pool is: an int8 pool's passes pay for quantizing and dequantizing.
+        pool = PagedKVCache(
+            model.config,
+            most_batch * (per_sequence // DEFAULT_BLOCK_SIZE + 1) + 1,
+            model.dtype,
+            model.device,
+            kv_dtype=self.pool.kv_dtype,
+        )
         for seq in range(most_batch):
             pool.add(seq)
             pool.reserve(seq, per_sequence)
         measured = {}
         for batch, width in shapes:
-            view, positions = pool.view(list(range(batch)), [list(range(COST_PROBE_CONTEXT, COST_PROBE_CONTEXT + width))] * batch)
+            view, positions = pool.view(
+                list(range(batch)), [list(range(COST_PROBE_CONTEXT, COST_PROBE_CONTEXT + width))] * batch
+            )
             tokens = torch.zeros((batch, width), dtype=torch.long, device=model.device)
-            measured[(batch, width)] = best_seconds(lambda t=tokens, p=positions, v=view: model(t, p, v, v), model.device, repeats)
+            measured[(batch, width)] = best_seconds(
+                lambda t=tokens, p=positions, v=view: model(t, p, v, v), model.device, repeats
+            )
         return measured
 
 
-def as_batch_model(model: Transformer | BatchModel, kv_cache_tokens: int, block_size: int) -> BatchModel:
+def as_batch_model(
+    model: Transformer | BatchModel, kv_cache_tokens: int, block_size: int, kv_dtype: str = "auto"
+) -> BatchModel:
     """A batch engine's model: our ``Transformer`` over a fresh paged pool of ``kv_cache_tokens``
-    slots, or a backend's ``BatchModel`` (llama.cpp), which comes with its own pool, as given."""
+    slots stored as ``kv_dtype``, or a backend's ``BatchModel`` (llama.cpp), which comes with its
+    own pool, as given (``kv_dtype`` is then ignored: the decoder refuses int8 on llama.cpp)."""
     if isinstance(model, Transformer):
-        return PagedBatchModel.with_pool(model, kv_cache_tokens, block_size)
+        return PagedBatchModel.with_pool(model, kv_cache_tokens, block_size, kv_dtype)
     return model

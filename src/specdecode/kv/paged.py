@@ -7,7 +7,7 @@ Each model (target, draft) gets one ``PagedKVCache``: per layer, keys and values
 roll back by lowering their length, which frees every block that became empty: rejected draft
 tokens cost no copy, and a finished or cancelled request returns all its blocks at once.
 
-A forward pass reads through ``PagedView``: built on the host from the block tables of the
+A forward pass reads through ``PagedView`` (``kv/paged_view.py``): built on the host from the block tables of the
 sequences in the batch, it maps each new token to its slot (the write) and gathers each row's
 visible slots into a contiguous (B, H_kv, kv_len, D) tensor (the read). The gather is a copy of
 the batch's visible KV per layer; on this project's CPU it cost 0.5% to 4.6% of a demo-target
@@ -29,6 +29,11 @@ list, counted as free: a block is taken from the empty free list first, then fro
 recently used cached ones (an eviction). Shared and registered blocks are never written: a
 sequence writes at or past its committed length, which a registered block lies below, and
 ``view`` asserts it.
+
+``kv_dtype="int8"`` stores keys and values as int8 (slots, H_kv, D) with one fp32 scale per
+(slot, head), quantized as ``kv/static.Int8KVCache`` does: writes quantize, reads dequantize the
+gathered slots to the model dtype. The pool holds as many tokens as before in (D + 4) / (2 D)
+of the bytes of a bf16/fp16 pool (53% at D = 64), (D + 4) / (4 D) of an fp32 one.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ import torch
 from specdecode.config import ModelConfig
 from specdecode.core.device import host_to_device
 from specdecode.core.tree_mask import ancestor_rows, tree_depths
-from specdecode.kv.static import KVView
+from specdecode.kv.paged_view import PagedView
+from specdecode.kv.static import check_kv_dtype
 
 NULL_BLOCK = 0  # never allocated: the write target and read source of padding
 DEFAULT_BLOCK_SIZE = 16
@@ -81,7 +87,11 @@ class BlockTable:
 
 
 class PagedKVCache:
-    """Block storage for one model plus every sequence's block table and the free list."""
+    """Block storage for one model plus every sequence's block table and the free list.
+
+    ``dtype`` is the model's: what reads return (``.dtype``). ``kv_dtype`` (``KV_DTYPES``) is
+    what is stored: "auto" that same dtype, "int8" int8 plus scales (module docstring).
+    """
 
     def __init__(
         self,
@@ -90,6 +100,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_dtype: str = "auto",
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"a paged cache needs at least 2 blocks (one is reserved), got {num_blocks}")
@@ -97,9 +108,18 @@ class PagedKVCache:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.compute_dtype = dtype
+        quantized = kv_dtype == "int8"
+        slots = num_blocks * block_size
+        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        stored = torch.int8 if quantized else dtype
+        self.keys = [torch.zeros(shape, dtype=stored, device=device) for _ in range(cfg.num_layers)]
+        self.values = [torch.zeros(shape, dtype=stored, device=device) for _ in range(cfg.num_layers)]
+        # Ones, not zeros: never-written slots (the null block) then read as finite zeros.
+        layers_of_scales = cfg.num_layers if quantized else 0
+        self.key_scales = [torch.ones((slots, cfg.num_kv_heads, 1), device=device) for _ in range(layers_of_scales)]
+        self.value_scales = [torch.ones((slots, cfg.num_kv_heads, 1), device=device) for _ in range(layers_of_scales)]
         # Lowest ids first, so a fresh pool hands out blocks in order (easier to read in tests).
         self._free: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))
         self._refs = [0] * num_blocks
@@ -134,7 +154,17 @@ class PagedKVCache:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.keys[0].dtype
+        """The model dtype reads return (int8 storage included)."""
+        return self.compute_dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage, scales included."""
+        return sum(t.numel() * t.element_size() for tensors in self._storages() for t in tensors)
+
+    def _storages(self) -> list[list[torch.Tensor]]:
+        """Every per-layer tensor list indexed by slot: keys, values and (int8) their scales."""
+        return [self.keys, self.values, self.key_scales, self.value_scales]
 
     @property
     def device(self) -> torch.device:
@@ -254,7 +284,7 @@ class PagedKVCache:
 
     def _copy_block(self, source: int, dest: int) -> None:
         size = self.block_size
-        for tensors in (self.keys, self.values):
+        for tensors in self._storages():
             for storage in tensors:
                 storage[dest * size : (dest + 1) * size] = storage[source * size : (source + 1) * size]
 
@@ -389,41 +419,6 @@ class PagedKVCache:
         device = self.device
         sources = host_to_device([self._slot(table, p) for p, _ in moves], torch.long, device)
         dests = host_to_device([self._slot(table, p) for _, p in moves], torch.long, device)
-        for tensors in (self.keys, self.values):
+        for tensors in self._storages():
             for storage in tensors:
                 storage.index_copy_(0, dests, storage.index_select(0, sources))
-
-
-@dataclass(slots=True)
-class PagedView(KVView):
-    """One pass's window into a ``PagedKVCache``; the model uses it as its cache and view.
-
-    write_slots: (B, T) long, the slot each new token's K/V goes to (padding: the null block).
-    read_slots:  (B, kv_len) long, row b's visible slots in position order (padding: null).
-    mask:        (B, 1, T, kv_len) bool, inherited from ``KVView``.
-    """
-
-    cache: PagedKVCache | None = None
-    write_slots: torch.Tensor | None = None
-    read_slots: torch.Tensor | None = None
-
-    def write(
-        self,
-        layer: int,
-        positions: torch.Tensor,  # (B, T) long; the slots were resolved when the view was built
-        keys: torch.Tensor,  # (B, H_kv, T, D)
-        values: torch.Tensor,  # (B, H_kv, T, D)
-        contiguous_start: int | None = None,
-    ) -> None:
-        assert self.cache is not None and self.write_slots is not None
-        slots = self.write_slots.reshape(-1)
-        heads, dim = keys.shape[1], keys.shape[3]
-        self.cache.keys[layer].index_copy_(0, slots, keys.transpose(1, 2).reshape(-1, heads, dim))
-        self.cache.values[layer].index_copy_(0, slots, values.transpose(1, 2).reshape(-1, heads, dim))
-
-    def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row b's visible keys and values: two (B, H_kv, kv_len, D) tensors."""
-        assert self.cache is not None and self.read_slots is not None
-        keys = self.cache.keys[layer][self.read_slots]  # (B, kv_len, H_kv, D)
-        values = self.cache.values[layer][self.read_slots]
-        return keys.transpose(1, 2), values.transpose(1, 2)

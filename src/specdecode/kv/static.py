@@ -189,8 +189,9 @@ class Int8KVCache(KVCache):
         return [self.keys, self.values, self.key_scales, self.value_scales]
 
     @staticmethod
-    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: (B, H, T, D)
-        """int8 values (B, H, T, D) and fp32 scales (B, H, T, 1)."""
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: (B, H, T, D) or any (..., D)
+        """int8 values (B, H, T, D) and fp32 scales (B, H, T, 1): one scale per last-dim vector,
+        so the paged pool quantizes its (slots, H_kv, D) rows with it alike."""
         x32 = x.float()
         scale = x32.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / INT8_MAX
         return torch.round(x32 / scale).to(torch.int8), scale
@@ -210,9 +211,21 @@ class Int8KVCache(KVCache):
 
     def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of slots [0, kv_len): two (B, H_kv, kv_len, D) tensors."""
-        keys = self.keys[layer][:, :, :kv_len].to(self.compute_dtype) * self.key_scales[layer][:, :, :kv_len].to(self.compute_dtype)
-        values = self.values[layer][:, :, :kv_len].to(self.compute_dtype) * self.value_scales[layer][:, :, :kv_len].to(self.compute_dtype)
+        keys = dequantize(self.keys[layer][:, :, :kv_len], self.key_scales[layer][:, :, :kv_len], self.compute_dtype)
+        values = dequantize(
+            self.values[layer][:, :, :kv_len], self.value_scales[layer][:, :, :kv_len], self.compute_dtype
+        )
         return keys, values
+
+
+def dequantize(
+    stored: torch.Tensor,  # (..., D) int8, as ``Int8KVCache.quantize`` made it
+    scales: torch.Tensor,  # (..., 1) fp32, its scales
+    dtype: torch.dtype,
+) -> torch.Tensor:  # (..., D) dtype
+    """``Int8KVCache.quantize`` undone in ``dtype``; the paged pool (``kv/paged.py``) reads through
+    it too, so both caches return the very same values for the same written K/V."""
+    return stored.to(dtype) * scales.to(dtype)
 
 
 def check_kv_dtype(kv_dtype: str) -> str:
