@@ -1,31 +1,27 @@
 """Batched speculative decoding: many requests share each draft and verify pass.
 
-Each step: the scheduler admits waiting requests (prefilled together in one padded target pass),
-the batch's draft length k is chosen from live acceptance and measured costs
-(``costs.batch_k.BatchK``; k = 0 decodes the whole batch plainly), every running sequence reserves
-its KV slots, the drafters propose (prompt lookup per row on the host; the draft model for all
-its rows in one pass per drafted token), the target scores every row's last committed token and
-drafts in ONE padded pass, and the rows are verified together (greedy rows in one call,
-sampling rows in another, each with its request's sampling parameters and generator). One host
-read per step brings every row's emitted tokens back. The models are ``BatchModel``s
-(``backends/base.py``): our ``Transformer`` over paged pools, or llama.cpp contexts whose
-sequence ids are the batch's slots.
+Each step: the scheduler admits waiting requests (prefilled together in one padded target pass), the batch's draft
+length k is chosen from live acceptance and measured costs (``costs.batch_k.BatchK``; k = 0 decodes the whole batch
+plainly), every running sequence reserves its KV slots, the drafters propose (prompt lookup per row on the host; the
+draft model for all its rows in one pass per drafted token), the target scores every row's last committed token and
+drafts in ONE padded pass, and the rows are verified together (greedy rows in one call, sampling rows in another, each
+with its request's sampling parameters, generator and acceptance rule). One host read per step brings every row's
+emitted tokens back. The models are ``BatchModel``s (``backends/base.py``): our ``Transformer`` over paged pools, or
+llama.cpp contexts whose sequence ids are the batch's slots.
 
-Rows accept different numbers of tokens. Policy ``async`` (the default) lets each keep all it
-accepted; each sequence's length, positions and cache are its own. Policy ``sync`` makes the
-batch wait for its slowest member: every row that drafted keeps only as many accepted tokens
-as the row that accepted fewest (plus the token after them). A kept prefix of a lossless
-sample is still a lossless sample, so both policies leave every request's output
-distribution the target's; ``sync`` only emits less per step.
+Rows accept different numbers of tokens. Policy ``async`` (the default) lets each keep all it accepted; each
+sequence's length, positions and cache are its own. Policy ``sync`` makes the batch wait for its slowest member: every
+row that drafted keeps only as many accepted tokens as the row that accepted fewest (plus the token after them). A kept
+prefix of a lossless sample is still a lossless sample, so both policies leave every request's output distribution the
+target's (but a tree row's that opted into Medusa's lossy typical acceptance); ``sync`` only emits less per step.
 
-Invariant per sequence between steps (as in ``engine/single.py``): L committed tokens, target KV
-valid for positions [0, L - 1); the next verify pass feeds the last committed token with the
-drafts. Every method batches (``engine/batch_rows.py``: what each row drafts with). Suffix,
-medusa and eagle rows draft token trees where the target scores trees (torch: in the same padded
-pass, with their own attention masks, ``kv/paged.py``; heads read the target's features, which
-the prefill and verify passes hand them); layerskip rows draft with the target's own layers in
-its pool; an ``auto`` row picks its source and draft length every step, priced as the batch
-pass it rides in (``drafters/auto_row.py``, ``costs/batch_k.py``).
+Invariant per sequence between steps (as in ``engine/single.py``): L committed tokens, target KV valid for positions
+[0, L - 1); the next verify pass feeds the last committed token with the drafts. Every method batches
+(``engine/batch_rows.py``: what each row drafts with). Suffix, medusa and eagle rows draft token trees where the target
+scores trees (torch: in the same padded pass, with their own attention masks, ``kv/paged.py``; heads read the target's
+features, which the prefill and verify passes hand them); layerskip rows draft with the target's own layers in its
+pool; an ``auto`` row picks its source and draft length every step, priced as the batch pass it rides in
+(``drafters/auto_row.py``, ``costs/batch_k.py``).
 """
 
 from __future__ import annotations
@@ -172,6 +168,7 @@ class BatchEngine:
         fork_of: str | None = None,
         arrived: float | None = None,
         k_policy: str | None = None,
+        acceptance: str = "lossless",
     ) -> str:
         """Queue a request; it joins the batch at a coming step. Returns its id. ``stats`` (a
         fresh ``GenerationStats``) is filled as it decodes; one is made when not given. Method
@@ -189,8 +186,9 @@ class BatchEngine:
         the time it was submitted, so the wait for the step running then counts too.
 
         ``k_policy`` (None: the engine's): ``cost`` drafts what the batch's choice says, up to
-        k; ``fixed`` and ``threshold`` give a chain row (draft, ngram, layerskip) its own k."""
-        k = self.check_request(len(prompt_ids), params, method, k)
+        k; ``fixed`` and ``threshold`` give a chain row (draft, ngram, layerskip) its own k.
+        ``acceptance="typical"`` verifies a medusa or eagle row's sampled trees by Medusa's LOSSY rule."""
+        k = self.check_request(len(prompt_ids), params, method, k, acceptance)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"A request with id {request_id!r} is already running.")
@@ -204,7 +202,7 @@ class BatchEngine:
                                 k_policy or self.k_policy)
         request = BatchRequest.start(request_id, prompt_ids, params, method, k, drafters, grammar,
                                      self.target.vocab_size, self.device, stats or GenerationStats(),
-                                     time.perf_counter() if arrived is None else arrived)
+                                     time.perf_counter() if arrived is None else arrived, acceptance)
         request.acceptance = self._pooled_acceptance[method].prior(POOLED_PRIOR_TRIALS)
         prompt_len = len(prompt_ids)
         seq = ScheduledSequence(next(self._ids), prompt_len, prompt_len + params.max_new_tokens,
@@ -214,10 +212,11 @@ class BatchEngine:
         self._requests[request_id] = seq
         return request_id
 
-    def check_request(self, prompt_len: int, params: SamplingParams, method: str, k: int | None) -> int:
+    def check_request(self, prompt_len: int, params: SamplingParams, method: str, k: int | None,
+                      acceptance: str = "lossless") -> int:
         """Raise InvalidRequestError for a request this engine cannot take; the k cap it would use.
         Reads only fixed configuration, so any thread may call it before submitting."""
-        check_method(method, self.drafter is not None, self.skipper is not None, self.heads)
+        check_method(method, self.drafter is not None, self.skipper is not None, self.heads, acceptance)
         if prompt_len < 1:
             raise InvalidRequestError("The prompt is empty.")
         k = self.k_max if k is None else k

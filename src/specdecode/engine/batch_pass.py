@@ -40,9 +40,10 @@ def verify_pass(
     the hidden states where a row's heads read them.
 
     Greedy chain rows are verified in one call, sampling chain rows in another (each with its
-    own processor's probabilities and its own generator), tree rows one by one
-    (``batch_verify.verify_trees``); one host read brings all rows back (a sampled tree, and
-    a tree row's logprobs, read more: ``verify_trees``, ``tree_logprobs``)."""
+    own processor's probabilities and its own generator), tree rows one by one, each by its
+    request's acceptance rule (``batch_verify.verify_trees``); one host read brings all rows
+    back (a lossless sampled tree, and a tree row's logprobs, read more: ``verify_trees``,
+    ``tree_logprobs``)."""
     requests: list[BatchRequest] = [seq.state for seq in running]
     proposals, masks = constrain_proposals([r.grammar for r in requests], [r.processor.greedy for r in requests],
                                            proposals)
@@ -73,7 +74,8 @@ def verify_pass(
     logits = penalise_rows(logits, proposals, [r.processor.penalties for r in requests])
     processors, generators = [r.processor for r in requests], [r.generator for r in requests]
     emitted = verify_rows(logits, proposals, processors, generators)
-    picks, tree_results = verify_trees(logits, proposals, processors, generators)
+    picks, tree_results = verify_trees(logits, proposals, processors, generators,
+                                       [r.acceptance_rule for r in requests])
     packed = logprob_rows(raw, logits, emitted, proposals, processors)
     width = emitted.shape[1]
     if not packed and not picks:

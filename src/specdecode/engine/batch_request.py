@@ -62,6 +62,9 @@ class BatchRequest:
     # The last verify pass's logprobs of this row's emitted tokens (SamplingParams.logprobs),
     # kept by the commit that follows it.
     step_logprobs: list[TokenLogprob] | None = None
+    # How its sampled token trees are verified (config.ACCEPTANCE_RULES): "lossless", or
+    # "typical", Medusa's lossy rule, which a caller of a tree method opts into.
+    acceptance_rule: str = "lossless"
 
     @classmethod
     def start(
@@ -77,6 +80,7 @@ class BatchRequest:
         device: torch.device,
         stats: GenerationStats,
         started: float,
+        acceptance_rule: str = "lossless",
     ) -> BatchRequest:
         """A new request's state: its committed tokens (room for all it may generate), its logits
         processor (grammar, penalties), generator and drafters, its stats begun."""
@@ -93,6 +97,7 @@ class BatchRequest:
             tokens=list(prompt_ids), committed=committed, stats=stats, started=started,
             ngram=drafters.host, sources=drafters.sources, tree_nodes=drafters.tree_nodes, grammar=state,
             heads=drafters.heads, skips_layers=drafters.skips_layers, schedule=drafters.schedule,
+            acceptance_rule=acceptance_rule,
         )
         stats.method, stats.prompt_tokens = method, prompt_len
         if drafters.sources is not None:

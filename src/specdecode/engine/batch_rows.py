@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from specdecode.config import check_k_policy
+from specdecode.config import check_acceptance, check_k_policy
 from specdecode.core import registry
 from specdecode.costs.batch_k import PassCosts
 from specdecode.costs.k_policy import FixedK, KSchedule, ThresholdK
@@ -48,9 +48,11 @@ class RowDrafters:
     schedule: KSchedule | None = None
 
 
-def check_method(method: str, has_draft: bool, skips_layers: bool, heads: Mapping[str, HeadsDrafter]) -> None:
+def check_method(method: str, has_draft: bool, skips_layers: bool, heads: Mapping[str, HeadsDrafter],
+                 acceptance: str = "lossless") -> None:
     """Raise InvalidRequestError where an engine with a draft model (``has_draft``), layers to
-    skip and ``heads`` cannot decode rows of ``method``."""
+    skip and ``heads`` cannot decode rows of ``method`` by the ``acceptance`` rule (typical:
+    the tree methods only)."""
     if method not in BATCH_METHODS:
         raise InvalidRequestError(f"The batch engine decodes methods {', '.join(BATCH_METHODS)}; got {method!r}.")
     if method == registry.DRAFT.name and not has_draft:
@@ -60,6 +62,7 @@ def check_method(method: str, has_draft: bool, skips_layers: bool, heads: Mappin
                                   "needs them.")
     if registry.BY_NAME[method].needs_heads and method not in heads:
         raise InvalidRequestError(f"This engine was built without {method} heads; method {method!r} needs them (heads=).")
+    check_acceptance(acceptance, method)
 
 
 def uses_draft(method: str, model_can_pay: bool) -> bool:

@@ -28,10 +28,11 @@ def run_samples(
     suffix_group: str | None,
     cache_salt: str | None,
     k_policy: str | None = None,
+    acceptance: str = "lossless",
 ) -> list[GenerationResult]:
     """Decode every (prompt ids, params, grammar) sample, ``n`` consecutive samples per prompt,
-    with ``method``, draft length (cap) ``k`` and ``k_policy`` (None: the engine's); the results
-    in the samples' order."""
+    with ``method``, draft length (cap) ``k``, ``k_policy`` (None: the engine's) and acceptance
+    rule; the results in the samples' order."""
     decoders = [IncrementalDecoder(tokenizer, params.stop) for _, params, _ in samples]
     stats = [GenerationStats() for _ in samples]
     ids_to_index: dict[str, int] = {}
@@ -39,7 +40,7 @@ def run_samples(
     for index, ((ids, params, grammar), sample_stats) in enumerate(zip(samples, stats, strict=True)):
         request_id = engine.add_request(ids, params, method, k, stats=sample_stats, suffix_group=suffix_group,
                                         cache_salt=cache_salt, grammar=grammar, k_policy=k_policy,
-                                        fork_of=None if index % n == 0 else first_of_prompt)
+                                        acceptance=acceptance, fork_of=None if index % n == 0 else first_of_prompt)
         if index % n == 0:
             first_of_prompt = request_id
         ids_to_index[request_id] = index

@@ -1,8 +1,9 @@
 """Verification of a whole batch's rows, each with its own draft count, sampling parameters
 and generator: the greedy chain rows in one ``greedy_verify`` call, the sampling chain rows in
 one ``rejection_verify`` call (pure: tensors in, tensors out, no host read); token-tree rows one
-by one (``verify_trees``: a greedy tree's pick stays on the device for the step's one host read,
-a sampled tree reads the host as it walks down, as on the single path)."""
+by one (``verify_trees``: a greedy tree's pick, and a typical-acceptance tree's, stays on the
+device for the step's one host read; a lossless sampled tree reads the host as it walks down, as
+on the single path)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from specdecode.engine.verify import (
     greedy_verify,
     rejection_tree_verify,
     rejection_verify,
+    typical_tree_pick,
 )
 from specdecode.kv.paged import stack_padded
 
@@ -67,10 +69,14 @@ def verify_trees(
     proposals: Sequence[DraftProposal],
     processors: Sequence[LogitsProcessor],
     generators: Sequence[torch.Generator | None],
+    rules: Sequence[str],
 ) -> tuple[dict[int, torch.Tensor], dict[int, TreeVerifyResult]]:
-    """The token-tree rows: each greedy row's ``greedy_tree_pick`` (device, (N + 2,) long, to be
-    read with the step's other values and ``greedy_tree_read``), each sampling row's result
-    (``rejection_tree_verify``, lossless: it reads the host node by node)."""
+    """The token-tree rows: each greedy row's ``greedy_tree_pick`` and each sampling row's
+    ``typical_tree_pick`` where its acceptance rule (``rules[b]``) is "typical" (device,
+    (N + 2,) long, to be read with the step's other values and ``greedy_tree_read``), each other
+    sampling row's result (``rejection_tree_verify``, lossless: it reads the host node by node).
+    Greedy rows ignore the rule: Medusa's typical acceptance is for sampling (the single engine
+    does the same)."""
     picks, results = {}, {}
     for b, proposal in enumerate(proposals):
         tree = proposal.tree
@@ -79,6 +85,8 @@ def verify_trees(
         rows = logits[b, : tree.size]  # (N, V)
         if processors[b].greedy:
             picks[b] = greedy_tree_pick(tree, rows)
+        elif rules[b] == "typical":
+            picks[b] = typical_tree_pick(tree, processors[b].probs(rows[None])[0], generators[b])
         else:
             results[b] = rejection_tree_verify(tree, processors[b].probs(rows[None])[0], generators[b])
     return picks, results

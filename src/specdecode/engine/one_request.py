@@ -74,12 +74,15 @@ class OneRequestEngine:
         suffix_group: str | None,
         cache_salt: str | None,
         grammar: CompiledGrammar | None,
+        acceptance: str = "lossless",
     ) -> Iterator[list[int]]:
         """Yield the tokens each step commits, ``stats`` filled as the engine goes. Closing the
-        iterator early (a stop string, a client gone) aborts the request between steps."""
+        iterator early (a stop string, a client gone) aborts the request between steps.
+        ``acceptance``: the request's acceptance rule (``BatchEngine.add_request``)."""
         engine = self.engine_for(len(prompt_ids) + params.max_new_tokens + STEP_SLOTS)
         request_id = engine.add_request(prompt_ids, params, method, k, stats=stats, suffix_group=suffix_group,
-                                        cache_salt=cache_salt, grammar=grammar, k_policy=k_policy)
+                                        cache_salt=cache_salt, grammar=grammar, k_policy=k_policy,
+                                        acceptance=acceptance)
         finished = False
         try:
             while not finished:

@@ -223,7 +223,8 @@ def greedy_tree_pick(
 
 
 def greedy_tree_read(tree: TokenTree, picked: list[int]) -> TreeVerifyResult:
-    """``greedy_tree_verify``'s host half: ``greedy_tree_pick``'s values, read."""
+    """``greedy_tree_verify``'s host half: ``greedy_tree_pick``'s values, read (or
+    ``typical_tree_pick``'s: the same layout)."""
     return _tree_result(tree, picked[0], picked[2:], picked[1])
 
 
@@ -309,11 +310,23 @@ def typical_tree_verify(
     acceptable throughout wins (ties: the lowest index) and the final token is drawn from
     its target row. One device-to-host transfer in all.
     """
+    picked = typical_tree_pick(tree, target_probs, generator, posterior_threshold, posterior_alpha)
+    return greedy_tree_read(tree, picked.tolist())
+
+
+def typical_tree_pick(
+    tree: TokenTree,
+    target_probs: torch.Tensor,  # (N, V) float
+    generator: torch.Generator | None,
+    posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD,
+    posterior_alpha: float = DEFAULT_POSTERIOR_ALPHA,
+) -> torch.Tensor:  # (N + 2,) long, device: the deepest acceptable node, the token drawn after it, the node tokens
+    """``typical_tree_verify``'s device half, laid out as ``greedy_tree_pick``'s so that a batch
+    reads typical rows' picks with its greedy ones in its one transfer (``greedy_tree_read``)."""
     entropy = torch.special.entr(target_probs).sum(dim=-1)  # (N,) nats; entr(0) = 0
     cutoff = (posterior_alpha * torch.exp(-entropy)).clamp(max=posterior_threshold)  # (N,)
     parent_rows = _parent_rows(tree, target_probs.device)
     acceptable = target_probs[parent_rows, tree.tokens] > cutoff[parent_rows]
     best = _deepest_accepted(tree, acceptable).view(1)  # (1,): a 0-dim index would sync via .item()
     final = sample_categorical(target_probs[best], generator)  # (1,)
-    host = torch.cat([best, final, tree.tokens]).tolist()
-    return _tree_result(tree, host[0], host[2:], host[1])
+    return torch.cat([best, final, tree.tokens])
