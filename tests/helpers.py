@@ -10,12 +10,14 @@ import torch
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.core.sampling import LogitsProcessor
 from specdecode.core.tree import TokenTree
+from specdecode.engine import verify
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.verify import TreeVerifyResult
 
 
 @cache
-def decoder(target: Path, draft: Path | None, method: str = "draft", draft_confidence: float = 0.0) -> SpecDecoder:
+def decoder(target: Path, draft: Path | None, method: str = "draft", draft_confidence: float = 0.0,
+            engine: str = "auto") -> SpecDecoder:
     """A fp32 CPU decoder over tiny model folders, built once per argument set.
 
     The confidence cut-off is off by default so that every step drafts exactly k tokens
@@ -29,6 +31,7 @@ def decoder(target: Path, draft: Path | None, method: str = "draft", draft_confi
         dtype="fp32",
         device="cpu",
         show_progress=False,
+        engine=engine,
     )
 
 
@@ -237,11 +240,43 @@ def chi_square_in_mixed_batches(dec, eng, prompt_ids: list[int], method: str,
     return stat, df, stats
 
 
+def verifying_modules(module=None) -> list:
+    """The engine modules whose verify functions a broken verifier replaces: ``module``, or both
+    engines' (the single-request engine's and the batch engine's, which ``generate`` runs)."""
+    if module is not None:
+        return [module]
+    import specdecode.engine.batch_verify
+    import specdecode.engine.single
+
+    return [specdecode.engine.single, specdecode.engine.batch_verify]
+
+
+def install_accept_every_draft(monkeypatch, module=None) -> None:
+    """A broken greedy verifier in the engines (``verifying_modules``): every drafted token is
+    kept (each row's own count in a batch), then the target's token after them."""
+    real = verify.greedy_verify
+
+    def accept_every_draft(draft_tokens, target_logits, num_drafted=None):
+        counts = list(num_drafted) if num_drafted is not None else [draft_tokens.shape[1]] * draft_tokens.shape[0]
+        rigged = target_logits.clone()  # (B, k + 1, V): each drafted token made the target's argmax
+        for row, count in enumerate(counts):
+            for j in range(count):
+                rigged[row, j, draft_tokens[row, j]] = rigged[row, j].max() + 1.0
+        return real(draft_tokens, rigged, num_drafted)
+
+    for target in verifying_modules(module):
+        monkeypatch.setattr(target, "greedy_verify", accept_every_draft)
+
+
 def install_wrong_residual(monkeypatch, module=None) -> None:
-    """Make the engine (``module``'s) recover rejected tokens from p instead of the residual (a
-    wrong sampler whose acceptance is unchanged), for power checks of the distribution tests."""
-    if module is None:
-        import specdecode.engine.single as module
+    """Make the engines (``verifying_modules``) recover rejected tokens from p instead of the
+    residual (a wrong sampler whose acceptance is unchanged), for power checks of the
+    distribution tests."""
+    for target in verifying_modules(module):
+        _install_wrong_residual(monkeypatch, target)
+
+
+def _install_wrong_residual(monkeypatch, module) -> None:
     real = module.rejection_verify
 
     def recover_from_p(draft_tokens, draft_probs, target_probs, generator, num_drafted=None):
@@ -293,12 +328,13 @@ def merged_and_apart(dec, ids: list[int], params: SamplingParams, method: str, k
 
 
 @cache
-def llamacpp_decoder(target: Path, draft: Path | None, backend: str = "llama.cpp") -> SpecDecoder:
+def llamacpp_decoder(target: Path, draft: Path | None, backend: str = "llama.cpp", engine: str = "auto") -> SpecDecoder:
     """A decoder of F32 GGUF files (``tiny_ggufs``) on llama.cpp in its exact mode (f32 KV cache,
-    flash attention off), cached per file pair."""
+    flash attention off), cached per file pair (and engine: "single" for what tests the
+    single-request engine's own passes)."""
     return SpecDecoder.from_pretrained(
         str(target), str(draft) if draft else None, method="draft" if draft else "none", draft_confidence=0.0,
-        dtype="fp32", device="cpu", backend=backend, show_progress=False,
+        dtype="fp32", device="cpu", backend=backend, show_progress=False, engine=engine,
     )
 
 

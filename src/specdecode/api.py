@@ -32,10 +32,11 @@ from specdecode.config import (
     SamplingParams,
     SchedulerConfig,
     check_acceptance,
-    check_engine,
+    resolve_engine,
 )
 from specdecode.core import registry
 from specdecode.core.sampling import LogitsProcessor, make_generator
+from specdecode.costs.batch_k import draft_model_note
 from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
 from specdecode.costs.store import CostStore, cost_store_for
 from specdecode.drafters.base import Drafter, HeadsDrafter, TreeDrafter
@@ -124,6 +125,7 @@ class SpecDecoder:
             suffix_cache=SuffixCache(config.suffix_cache_tokens),
             costs=DecoderCosts(self.engine, draft_drafter, None if draft is None else self._cost_store(draft, "draft")),
         )
+        self._tracing = False  # inside trace_passes: decode on the single-request engine, which it traces
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
             self.attach_heads(heads, config.tree_size)
@@ -205,11 +207,10 @@ class SpecDecoder:
         f32 (exact to ~1e-5 against fp32 torch), any other dtype takes llama.cpp's f16 cache.
         ``compile=True`` compiles the torch backend's repeated passes per shape (CUDA graphs on a
         GPU; a mode name of ``torch.compile`` picks another mode); call ``warm_up()`` to compile
-        them before the first request ([docs/compile.md](docs/compile.md)). ``engine="batch"``
-        makes ``generate`` and ``stream`` run on the batch engine holding one request
-        (``engine/one_request.py``), as the server does; "single" (the default) keeps the
-        single-request engine, the only one that runs ``kv_dtype="int8"``, ``compile`` and
-        typical acceptance.
+        them before the first request ([docs/compile.md](docs/compile.md)). ``generate`` and
+        ``stream`` run on the batch engine holding one request (``engine/one_request.py``), as
+        the server does; ``engine="auto"`` (the default) takes the single-request engine only for
+        what the batch engine does not run yet (``compile``), and "single" or "batch" force one.
         ``suffix_cache_tokens`` bounds the earlier responses method ``suffix`` (and ``auto``)
         keeps for drafting, over all groups (0: none; the least recently used go first).
         """
@@ -231,9 +232,11 @@ class SpecDecoder:
     def trace_passes(self) -> Iterator[PassTrace]:
         """Record every pass the single-request engine makes on the target's and the draft
         model's sequences inside the block (``engine/trace.py``): a trace to price with a cost
-        table or replay on another device. Layer skip's passes run inside the target's model and
-        are not recorded; the batch engine is not traced."""
+        table or replay on another device. The batch engine is not traced: inside the block,
+        ``generate`` and ``stream`` decode on the single-request engine (as ``engine="single"``).
+        Layer skip's passes run inside the target's model and are not recorded."""
         trace = PassTrace()
+        self._tracing = True
         target = self.engine.target
         draft = self.resources.draft_model
         draft_sequence = draft.model if draft is not None else None
@@ -243,6 +246,7 @@ class SpecDecoder:
         try:
             yield trace
         finally:
+            self._tracing = False
             self.engine.target = target
             if draft is not None:
                 draft.model = draft_sequence  # type: ignore[assignment]
@@ -342,9 +346,9 @@ class SpecDecoder:
         prompt_ids = self.prompt_ids(prompt, chat)
         self.check_request(prompt_ids, params)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
-        if self.config.engine == "batch":
-            check_engine("batch", "auto", False, acceptance)  # this call's acceptance rule
-            return self._stream_batched(prompt_ids, params, request, cache_salt, grammar)
+        engine = "single" if self._tracing else self.config.engine
+        if resolve_engine(engine, bool(self.compile_mode)) == "batch":
+            return self._stream_batched(prompt_ids, params, request, cache_salt, grammar, acceptance)
         plan = plan_request(self.resources, request)
         stats = GenerationStats(method=plan.method)
         if plan.steps_by_source is not None:
@@ -356,19 +360,31 @@ class SpecDecoder:
         return GenerationStream(self._late_notes(chunks, stats), IncrementalDecoder(self.tokenizer, params.stop), stats)
 
     def _stream_batched(self, prompt_ids: list[int], params: SamplingParams, request: PlanRequest,
-                        cache_salt: str | None, grammar: CompiledGrammar | None) -> GenerationStream:
+                        cache_salt: str | None, grammar: CompiledGrammar | None, acceptance: str) -> GenerationStream:
         """``stream`` on the batch engine holding one request (``engine="batch"``)."""
         stats = GenerationStats(method=request.method)
-        k = None if request.method == registry.NONE.name else request.k
+        # A fixed k is the draft length (the batch engine refuses one past k_max, as the single
+        # engine's fixed k is not capped); under a policy it is only the first guess, capped.
+        k = (None if request.method == registry.NONE.name
+             else request.k if request.policy == "fixed" else min(request.k, self.config.k_max))
         chunks = self.one_request.decode(prompt_ids, params, request.method, k, request.policy, stats,
-                                         request.suffix_group, cache_salt, grammar)
-        return GenerationStream(self._late_notes(chunks, stats), IncrementalDecoder(self.tokenizer, params.stop), stats)
+                                         request.suffix_group, cache_salt, grammar, acceptance=acceptance)
+        return GenerationStream(self._late_notes(chunks, stats, request), IncrementalDecoder(self.tokenizer, params.stop),
+                                stats)
 
-    def _late_notes(self, chunks: Iterator[list[int]], stats: GenerationStats) -> Iterator[list[int]]:
-        """``chunks``, then this run's own cost notes (its live passes replaced a stored table:
-        costs/live.py) in ``stats.note``, so a one-shot ``generate`` tells them too."""
+    def _late_notes(self, chunks: Iterator[list[int]], stats: GenerationStats,
+                    request: PlanRequest | None = None) -> Iterator[list[int]]:
+        """``chunks``, then this run's own cost notes in ``stats.note`` (its live passes replaced a
+        stored table: costs/live.py; on the batch engine, a draft model whose timed passes rule it
+        out for a ``request`` that lets the engine choose k), so a one-shot ``generate`` tells them too."""
         yield from chunks
-        stats.note = "; ".join(filter(None, [stats.note, *self.costs.take_notes()]))
+        notes = [stats.note]
+        engine = self.one_request.engine
+        if (request is not None and request.policy == "cost" and engine is not None
+                and registry.BY_NAME[request.method].uses_draft_model):
+            notes.append(draft_model_note(engine.chooser.verify, engine.chooser.draft, engine.k_max))
+        stats.note = "; ".join(filter(None, [*notes, *self.costs.take_notes()]))
+
 
     @releases_thread_team
     def plan(self, method: str | None = None, k: int | str | None = None, k_policy: str | None = None,
@@ -419,7 +435,8 @@ class SpecDecoder:
         scheduling: SchedulerConfig | None = None,
     ) -> BatchEngine:
         """A continuous-batching engine over this decoder's models (every method: ``engine/batch_rows.py``;
-        layerskip, medusa and eagle where this decoder has their layers or heads), with KV pools of ``kv_cache_tokens`` slots per model: paged on torch; on llama.cpp a context
+        layerskip, medusa and eagle where this decoder has their layers or heads), with KV pools of ``kv_cache_tokens`` slots per model: paged on torch (int8 with
+        ``kv_dtype="int8"``); on llama.cpp a context
         per model with ``max_batch`` sequences of ``kv_cache_tokens // max_batch`` positions each
         (and ``scheduling.spare_slots`` more).
 
@@ -433,12 +450,13 @@ class SpecDecoder:
         so that the batch's draft length follows measured costs and falls to plain decoding where
         speculation stops paying; without it every speculative request drafts its own k each step.
         """
-        if self.kv_dtype != "auto":
-            raise InvalidRequestError('The batch engine\'s KV pool stores the model dtype only; drop kv_dtype="int8".')
         scheduling = scheduling or SchedulerConfig()
-        target = batch_model(self.target, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots)
+        # kv_dtype="int8": both paged pools store int8 K/V with per-(slot, head) scales (kv/paged.py).
+        target = batch_model(self.target, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots,
+                             kv_dtype=self.kv_dtype)
         draft = (None if self.draft is None
-                 else batch_model(self.draft, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots))
+                 else batch_model(self.draft, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots,
+                                  kv_dtype=self.kv_dtype))
         verify_costs = draft_costs = None
         if cost_aware:
             verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.config.k_max, live=self.costs.live,

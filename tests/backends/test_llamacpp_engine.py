@@ -168,7 +168,7 @@ def test_the_prompt_is_fed_in_the_first_verify_pass(ggufs: dict[str, Path]) -> N
     """One pass before the first token: the prompt with the first drafts, logits for the last
     prompt token and the drafts only (not a prefill, then a pass). The output equals a decode
     that prefills first, up to the first near-tie (the first pass has another row count)."""
-    dec = llamacpp_decoder(ggufs["target"], ggufs["close"])
+    dec = llamacpp_decoder(ggufs["target"], ggufs["close"], engine="single")  # its first pass
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     compared = total = 0
     for prompt in PROMPTS[:3]:

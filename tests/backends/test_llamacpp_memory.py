@@ -5,6 +5,7 @@ was given (``kv_cache_tokens``), not slots x the model's context."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import tiny_models
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.core.device import resident_bytes
+from specdecode.engine.grammar_process import release_freed_memory
 
 MIB = 1 << 20
 TRAINED_CONTEXT = 4096  # the model's context: what slots x context would give each slot
@@ -65,9 +67,13 @@ def test_the_single_request_context_costs_nothing_until_a_request_decodes_in_it(
     by the load-time spot check of stored costs (its own scratch context): a server, which
     decodes in its batch engine's contexts, never pays for them."""
     dec = SpecDecoder.from_pretrained(str(wide_kv_gguf), str(wide_kv_gguf), method="draft", backend="llama.cpp",
-                                      device="cpu", show_progress=False)
+                                      device="cpu", show_progress=False, engine="single")
     target, draft = dec.target.model, dec.draft.model
     assert target._ctx is None and draft._ctx is None  # noqa: SLF001 - what is allocated is the point
+    # An earlier test's decoder (its batch engine's contexts) freed now, and the freed heap handed
+    # back, so that neither its freeing nor the reuse of its resident pages hides this growth.
+    gc.collect()
+    release_freed_memory()
     before = resident_bytes()
     result = dec.generate(dec.encode("def fibonacci(n):"), SamplingParams(max_new_tokens=4))
     grown = resident_bytes() - before

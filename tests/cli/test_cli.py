@@ -40,11 +40,11 @@ def test_plain_and_speculative_cli_print_the_same_text(capsys, tiny_qwen2_dir: P
 def test_generate_on_the_batch_engine_prints_the_single_engines_text(
         capsys, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
     argv = ["generate", "Once upon a time", *common(tiny_qwen2_dir, tiny_close_draft_dir), "--method", "auto"]
-    _, single, _ = run_cli(capsys, *argv)
-    code, batch, err = run_cli(capsys, *argv, "--engine", "batch")
+    _, single, _ = run_cli(capsys, *argv, "--engine", "single")
+    code, batch, err = run_cli(capsys, *argv)  # the default, auto: the batch engine here
     assert code == 0, err
     assert batch == single and batch.strip()
-    expect_error(capsys, [*argv, "--engine", "batch", "--kv-dtype", "int8"], "--kv-dtype")
+    expect_error(capsys, [*argv, "--engine", "batch", "--compile"], "compile")
 
 
 def test_chat_mode_and_metrics_on_stderr(capsys, tiny_qwen2_dir: Path) -> None:

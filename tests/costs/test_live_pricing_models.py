@@ -66,7 +66,9 @@ def load(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path, tmp_path: Path,
          monkeypatch: pytest.MonkeyPatch) -> Callable[..., tuple[SpecDecoder, list[int]]]:
     """A decoder over the tiny pair on the virtual clock, with a fresh cost store whose draft
     table is ``draft_table`` (the verify table: every row count one target pass), and a list
-    that records the committed length at each draft-model proposal."""
+    that records the committed length at each draft-model proposal. On the single-request
+    engine, whose passes the virtual clock times (the batch engine's chooser and its re-probe:
+    tests/engine/test_batch_k_policy.py)."""
     monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
     # No spot check at load: the tables here are wrong in a way it missed (a probe run under
     # the same load, compiled passes); what the run's own passes do is the subject.
@@ -75,7 +77,7 @@ def load(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path, tmp_path: Path,
 
     def make(draft_table: dict[int, float], draft_pass: float = DRAFT_PASS) -> tuple[SpecDecoder, list[int]]:
         dec = SpecDecoder.from_pretrained(str(tiny_qwen2_dir), str(tiny_close_draft_dir), dtype="fp32", device="cpu",
-                                          show_progress=False, k="auto", draft_confidence=0.0)
+                                          show_progress=False, k="auto", draft_confidence=0.0, engine="single")
         costs_time(dec.engine.target, lambda rows: TARGET_PASS, monkeypatch)
         drafter = dec.drafters["draft"]
         costs_time(drafter.model, lambda rows: draft_pass + DRAFT_ROW * rows, monkeypatch)

@@ -188,7 +188,7 @@ def test_a_decoder_re_times_a_draft_table_30x_too_high_and_drafts_again(
 
     def load(draft_table: dict[int, float], **options) -> tuple[SpecDecoder, list[list[int]]]:
         decoder = SpecDecoder.from_pretrained(str(tiny_qwen2_dir), str(tiny_close_draft_dir), dtype="fp32",
-                                              device="cpu", show_progress=False, **options)
+                                              device="cpu", show_progress=False, engine="single", **options)
         timed: list[list[int]] = []
         monkeypatch.setattr(decoder.engine.target, "pass_seconds", lambda rows, *a, **k: {r: VERIFY[r] for r in rows})
         monkeypatch.setattr(decoder.drafters["draft"].model, "pass_seconds", lambda rows, *a, **k: (

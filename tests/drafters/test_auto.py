@@ -171,7 +171,8 @@ def test_forced_source_mix_keeps_greedy_output(
     # The draft model is skipped for runs of steps and must catch up on what it missed; its
     # cache must stay consistent through that.
     monkeypatch.setattr(AutoDrafter, "plan", cycle_sources(MIXES[mix]))
-    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir, method="auto")
+    # The single-request engine's AutoDrafter (a batch row's sources: test_batch_auto.py).
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir, method="auto", engine="single")
     used: dict[str, int] = {}
     for prompt in PROMPTS[:5]:
         result = dec.generate(prompt, SamplingParams(max_new_tokens=24))
@@ -204,7 +205,7 @@ def test_mixed_sources_sample_the_target_distribution(
     # test_engine's chi-square (1,500 seeded 3-token generations, p = 0.001) with steps that
     # alternate between the draft model (sampled q), the lookup (one-hot q) and plain decoding
     # depending on how many tokens were accepted so far.
-    dec = decoder(tiny_qwen2_dir, tiny_far_draft_dir, method="auto")
+    dec = decoder(tiny_qwen2_dir, tiny_far_draft_dir, method="auto", engine="single")  # AutoDrafter's steps
     prompt_ids = copyable_prompt(dec)  # its first lookup finds a match
     pattern: list[tuple[str, int]] = [("none", 0)] * 3
     pattern[len(prompt_ids) % 3], pattern[(len(prompt_ids) + 1) % 3] = ("ngram", 2), ("draft", 2)

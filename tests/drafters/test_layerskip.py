@@ -18,9 +18,10 @@ from specdecode.training.layer_search import block_influence, tune_layerskip
 SKIP_SETS = [(1,), (2, 3), (1, 2, 3, 4)]
 
 
-def layerskip_decoder(target: Path, skip: tuple[int, ...] = (2, 3)) -> SpecDecoder:
+def layerskip_decoder(target: Path, skip: tuple[int, ...] = (2, 3), engine: str = "auto") -> SpecDecoder:
     return SpecDecoder.from_pretrained(
-        str(target), method="layerskip", skip_layers=skip, draft_confidence=0.0, dtype="fp32", device="cpu", show_progress=False
+        str(target), method="layerskip", skip_layers=skip, draft_confidence=0.0, dtype="fp32", device="cpu",
+        show_progress=False, engine=engine,
     )
 
 
@@ -54,8 +55,9 @@ def test_layerskip_shares_the_targets_weights(tiny_deep_dir: Path) -> None:
 
 def test_shared_cache_matches_a_fresh_prefill_after_rollbacks(tiny_deep_dir: Path) -> None:
     # After a generation with many rejected drafts (draft passes wrote slots that the verify
-    # passes then overwrote), every committed slot must hold what a plain prefill writes.
-    dec = layerskip_decoder(tiny_deep_dir, (1, 2, 3, 4))
+    # passes then overwrote), every committed slot must hold what a plain prefill writes. The
+    # single-request engine's cache, read directly (the batch engine's layer skip: test_batch_heads.py).
+    dec = layerskip_decoder(tiny_deep_dir, (1, 2, 3, 4), engine="single")
     prompt_ids = dec.encode(PROMPTS[0])
     result = dec.generate(prompt_ids, SamplingParams(max_new_tokens=30), k=4)
     assert result.stats.draft_tokens_proposed > result.stats.draft_tokens_accepted

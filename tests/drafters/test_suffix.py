@@ -33,7 +33,8 @@ def expected(target_dir: Path, prompt: str) -> list[int]:
 
 
 def fresh(target_dir: Path, **spec) -> SpecDecoder:
-    """A suffix decoder over the cached tiny target with its own (empty) cache of responses."""
+    """A suffix decoder over the cached tiny target with its own (empty) cache of responses
+    (``spec``: DecoderConfig fields, ``engine="single"`` for the single-request engine's own)."""
     base = decoder(target_dir, None, "none")
     return SpecDecoder(base.target, None, replace(base.config, method="suffix", **spec))
 
@@ -82,8 +83,8 @@ def test_suffix_sampling_matches_target_distribution(tiny_qwen2_dir: Path) -> No
 
 def test_suffix_distribution_test_has_power(tiny_qwen2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tree verifier that forgets to take a rejected proposal out of the residual must fail
-    the same test."""
-    dec = fresh(tiny_qwen2_dir)
+    the same test. The single-request engine's verifier (the batch engine's: test_batch_trees.py)."""
+    dec = fresh(tiny_qwen2_dir, engine="single")
     broken = functools.partial(broken_rejection_tree_verify, broken_kind="deterministic")
     monkeypatch.setattr(specdecode.engine.single, "rejection_tree_verify", broken)
     stat, df = chi_square(dec, copyable_prompt(dec), "suffix")
@@ -176,7 +177,9 @@ def test_auto_drafts_beyond_k_max_when_a_long_match_makes_it_pay(tiny_qwen2_dir:
     # The same prompt twice: the second answer repeats the first, which is in the shared tree, so
     # the match grows with every step and, with k "auto", so does the draft, past k_max (model-
     # free: no draft pass per token) up to suffix.AUTO_DEPTH; output still equal to plain decoding.
-    dec = fresh(tiny_qwen2_dir, k_max=4)
+    # The single-request engine's suffix method (a batch's suffix row is capped at k_max; its
+    # auto rows go past it: test_batch_auto.py).
+    dec = fresh(tiny_qwen2_dir, k_max=4, engine="single")
     prompt = PROMPTS[0]
     params = SamplingParams(max_new_tokens=48)
     want = plain_tokens(tiny_qwen2_dir, prompt, 48)

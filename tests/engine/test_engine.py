@@ -75,7 +75,8 @@ def test_greedy_equality_llama_target(tiny_llama_dir: Path) -> None:
 
 
 def test_self_draft_tau_counts_bonus_token(tiny_qwen2_dir: Path) -> None:
-    dec = decoder(tiny_qwen2_dir, tiny_qwen2_dir)
+    # The single-request engine's steps (the batch engine's first token comes from a plain step).
+    dec = decoder(tiny_qwen2_dir, tiny_qwen2_dir, engine="single")
     stats = dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=31, ignore_eos=True), k=5).stats
     # 31 tokens = 5 full steps of 6 (5 accepted + bonus) + 1 step with k=0.
     assert stats.new_tokens == 31
@@ -111,7 +112,7 @@ def test_streaming_concatenates_to_the_full_text(tiny_qwen2_dir: Path, tiny_clos
 
 
 def test_eos_stops_generation(tiny_qwen2_dir: Path) -> None:
-    dec = decoder(tiny_qwen2_dir, tiny_qwen2_dir)
+    dec = decoder(tiny_qwen2_dir, tiny_qwen2_dir, engine="single")  # its engine's end tokens, patched
     eos = dec.eos_token_ids[0]
     free = dec.generate("x", SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
     # Make the target's 4th greedy token an end-of-generation token for this one run.

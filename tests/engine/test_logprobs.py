@@ -53,20 +53,26 @@ def test_plain_logprobs_are_the_targets_log_softmax(tiny_qwen2_dir: Path) -> Non
 @pytest.mark.parametrize("method", ["draft", "ngram", "suffix"])
 def test_speculative_logprobs_equal_plain_logprobs(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path,
                                                    method: str) -> None:
-    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
-    accepted = 0
+    # Both engines: the default (the batch engine holding one request) and the single-request
+    # engine, whose first step drafts too (the copyable prompt's one copyable token is the first:
+    # lookups' drafts are accepted there; a batch row's first token is a plain step's).
+    dec, single = decoder(tiny_qwen2_dir, tiny_close_draft_dir), decoder(tiny_qwen2_dir, tiny_close_draft_dir,
+                                                                          engine="single")
+    accepted = {"auto": 0, "single": 0}
     for prompt in [*PROMPTS[:3], copyable_prompt(dec)]:
         params = SamplingParams(max_new_tokens=20, logprobs=3)
         plain = dec.generate(prompt, params, method="none")
-        run = dec.generate(prompt, params, method=method, k=3)
-        assert run.token_ids == plain.token_ids
-        assert_same_logprobs(run.logprobs, plain.logprobs, f"{method} on {prompt!r}")
-        accepted += run.stats.draft_tokens_accepted
+        for engine, on in (("auto", dec), ("single", single)):
+            run = on.generate(prompt, params, method=method, k=3)
+            assert run.token_ids == plain.token_ids
+            assert_same_logprobs(run.logprobs, plain.logprobs, f"{method} on {prompt!r} ({engine})")
+            accepted[engine] += run.stats.draft_tokens_accepted
         if method != "suffix":
             batch = dec.generate_batch([prompt, PROMPTS[5]], [params, SamplingParams(max_new_tokens=8)], method=method)
             assert_same_logprobs(batch[0].logprobs, plain.logprobs, f"batch {method} on {prompt!r}")
             assert batch[1].logprobs is None
-    assert accepted > 0  # drafts were accepted, so logprobs came from rows past the first
+    # Drafts were accepted, so logprobs came from rows past the first.
+    assert accepted["single"] > 0 and (method != "draft" or accepted["auto"] > 0)
 
 
 def test_tree_logprobs_equal_plain_logprobs(tiny_qwen2_dir: Path, medusa_dir: Path) -> None:

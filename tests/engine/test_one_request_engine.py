@@ -3,7 +3,8 @@
 equals the single-request engine's for every chain method (fp32, exact; llama.cpp up to the
 first near-tie), a sampled request equals the same request given to a batch engine directly,
 a stream closed early aborts its request, a chat's next turn reuses the cached prefix, a
-larger request gets a larger pool, and what only the single engine runs is refused by name."""
+larger request gets a larger pool, and what only the single engine runs (compiled passes) is refused by name; an int8 KV cache
+and typical acceptance decode on either."""
 
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from helpers import PROMPTS
 
 import specdecode.engine.one_request
 from specdecode import SamplingParams, SpecDecoder
+from specdecode.config import resolve_engine
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.one_request import MIN_POOL_TOKENS, pool_tokens
 from specdecode.errors import InvalidRequestError
@@ -102,9 +104,8 @@ def test_a_request_larger_than_the_pool_gets_a_larger_one(pair: tuple[SpecDecode
 
 
 def test_what_only_the_single_engine_runs_is_refused(tiny_qwen2_dir: Path, pair: tuple[SpecDecoder, SpecDecoder]) -> None:
-    for options in ({"kv_dtype": "int8"}, {"compile": True}):
-        with pytest.raises(InvalidRequestError, match="single-request engine"):
-            decoder(tiny_qwen2_dir, None, "batch", **options)
+    with pytest.raises(InvalidRequestError, match="single-request engine"):
+        decoder(tiny_qwen2_dir, None, "batch", compile=True)
     with pytest.raises(InvalidRequestError, match="engine="):
         decoder(tiny_qwen2_dir, None, "fastest")
     _, batch = pair
@@ -116,7 +117,7 @@ def test_llamacpp_greedy_output_equals_the_single_engines_up_to_a_near_tie(tiny_
     pytest.importorskip("llama_cpp")
     from helpers import assert_greedy_equal_up_to_near_tie, greedy_margins, llamacpp_decoder
 
-    single = llamacpp_decoder(tiny_ggufs["target"], tiny_ggufs["close"])
+    single = llamacpp_decoder(tiny_ggufs["target"], tiny_ggufs["close"], engine="single")
     batch = SpecDecoder.from_pretrained(str(tiny_ggufs["target"]), str(tiny_ggufs["close"]), method="draft",
                                         draft_confidence=0.0, dtype="fp32", device="cpu", backend="llama.cpp",
                                         show_progress=False, engine="batch")
@@ -131,3 +132,27 @@ def test_llamacpp_greedy_output_equals_the_single_engines_up_to_a_near_tie(tiny_
                                                            alone, margins, f"{method} {prompt!r}")
             total += len(alone)
     assert compared >= total * 3 // 4
+
+
+def test_auto_takes_the_batch_engine_unless_a_setting_needs_the_single_one() -> None:
+    assert resolve_engine("auto", False) == "batch"
+    assert resolve_engine("auto", True) == "single"  # compiled passes
+    assert resolve_engine("single", False) == "single"
+    with pytest.raises(InvalidRequestError, match="single-request engine"):
+        resolve_engine("batch", True)
+
+
+def test_an_int8_kv_cache_decodes_on_the_batch_engine_as_on_the_single(tiny_qwen2_dir: Path,
+                                                                      tiny_close_draft_dir: Path) -> None:
+    """kv_dtype="int8" runs on the batch engine's paged pools (kv/paged.py), quantized as the
+    single engine's cache is (the same K/V; logits within ~1e-5, kv/test_paged_int8.py): greedy
+    output equal on prompts without near-ties, and different from the unquantized cache's
+    somewhere (it is quantized)."""
+    single = decoder(tiny_qwen2_dir, tiny_close_draft_dir, "single", kv_dtype="int8", backend="torch")
+    batch = decoder(tiny_qwen2_dir, tiny_close_draft_dir, "auto", kv_dtype="int8", backend="torch")
+    for method in ("none", "draft", "ngram"):
+        for prompt in PROMPTS[:3]:
+            params = SamplingParams(max_new_tokens=16)
+            got = batch.generate(prompt, params, method=method)
+            assert got.token_ids == single.generate(prompt, params, method=method).token_ids, (method, prompt)
+    assert batch.one_request.engine is not None and single.one_request.engine is None

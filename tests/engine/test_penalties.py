@@ -109,16 +109,20 @@ def penalised(max_new_tokens: int = 24, **sampling) -> SamplingParams:
 @pytest.mark.parametrize("method", ["draft", "ngram", "suffix"])
 def test_greedy_penalised_speculation_equals_penalised_plain(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path,
                                                             method: str) -> None:
-    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
-    changed = accepted = 0
+    # Both engines (test_logprobs.py says why the single one is where lookups are accepted).
+    dec, single = decoder(tiny_qwen2_dir, tiny_close_draft_dir), decoder(tiny_qwen2_dir, tiny_close_draft_dir,
+                                                                          engine="single")
+    changed, accepted = 0, {"auto": 0, "single": 0}
     for prompt in PROMPTS[:4] + [copyable_prompt(dec)]:
         plain = dec.generate(prompt, penalised(), method="none")
         changed += plain.token_ids != dec.generate(prompt, SamplingParams(max_new_tokens=24), method="none").token_ids
-        run = dec.generate(prompt, penalised(), method=method, k=4)
-        assert run.token_ids == plain.token_ids, f"{method} on {prompt!r}"
-        accepted += run.stats.draft_tokens_accepted
+        for engine, on in (("auto", dec), ("single", single)):
+            run = on.generate(prompt, penalised(), method=method, k=4)
+            assert run.token_ids == plain.token_ids, f"{method} on {prompt!r} ({engine})"
+            accepted[engine] += run.stats.draft_tokens_accepted
     assert changed >= 3  # the penalties change what greedy decoding writes
-    assert accepted > 0  # and speculation had drafts to verify under them
+    # ... and speculation had drafts to verify under them.
+    assert accepted["single"] > 0 and (method != "draft" or accepted["auto"] > 0)
     if method == "suffix":
         return  # suffix in the batch engine: covered by the other two
     prompts = PROMPTS[:4]
@@ -133,10 +137,14 @@ def test_greedy_penalised_tree_speculation_equals_penalised_plain(tiny_qwen2_dir
     dec = SpecDecoder.from_pretrained(str(tiny_qwen2_dir), method="medusa", heads=str(medusa_dir), dtype="fp32",
                                       device="cpu", show_progress=False)
     plain_dec = decoder(tiny_qwen2_dir, None, "none")
+    # generate (whatever its engine's costs make it draft), and a batch engine that drafts each
+    # row's tree every step (cost_aware off: a tree row's drafting is then not a timing's verdict).
+    every_step = dec.batch_engine(max_batch=1, cost_aware=False)
     for prompt in PROMPTS[:3]:
-        run = dec.generate(prompt, penalised())
-        assert run.token_ids == plain_dec.generate(prompt, penalised()).token_ids
-        assert run.stats.tree_nodes_proposed > 0
+        want = plain_dec.generate(prompt, penalised()).token_ids
+        assert dec.generate(prompt, penalised()).token_ids == want
+        [run] = dec.generate_batch([prompt], penalised(), method="medusa", engine=every_step)
+        assert run.token_ids == want and run.stats.tree_nodes_proposed > 0
 
 
 def exact_penalised_distribution(dec, prompt_ids: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:

@@ -1,4 +1,6 @@
-"""Prefix caching on the single-request path (engine/prefix.py): a request reuses the K/V of the
+"""Prefix caching on the single-request engine (engine/prefix.py; every decoder here is built
+with ``engine="single"``; the batch engine's, over its paged pools: test_one_request_engine.py
+and the batch tests): a request reuses the K/V of the
 prompt prefix it shares with the previous request's committed tokens, on the target and on the
 draft model, on both backends, and decodes exactly as without the cache.
 
@@ -34,7 +36,7 @@ GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 
 def fresh(target: Path, draft: Path | None, method: str, **options) -> SpecDecoder:
     return SpecDecoder.from_pretrained(str(target), str(draft) if draft else None, method=method, draft_confidence=0.0,
-                                       dtype="fp32", device="cpu", show_progress=False, **options)
+                                       dtype="fp32", device="cpu", show_progress=False, engine="single", **options)
 
 
 def two_turns(dec: SpecDecoder, method: str, **call) -> tuple[list[int], list[int], list[int], int]:
@@ -181,9 +183,9 @@ def test_greedy_with_the_cache_equals_plain_decoding_on_llamacpp(tiny_ggufs: dic
     for method, draft in (("none", None), ("draft", tiny_ggufs["close"])):
         dec = SpecDecoder.from_pretrained(str(tiny_ggufs["target"]), str(draft) if draft else None, method=method,
                                           draft_confidence=0.0, dtype="fp32", backend="llama.cpp", k=3,
-                                          show_progress=False)
+                                          show_progress=False, engine="single")
         plain = SpecDecoder.from_pretrained(str(tiny_ggufs["target"]), method="none", dtype="fp32", backend="llama.cpp",
-                                            prefix_cache=False, show_progress=False)
+                                            prefix_cache=False, show_progress=False, engine="single")
         prompt, _, second, cached_tokens = two_turns(dec, method)
         assert cached_tokens > 0
         reference = plain.generate(prompt, GREEDY).token_ids
@@ -223,7 +225,7 @@ def test_two_decoders_over_one_llamacpp_model_never_reuse_each_others_kv(tiny_gg
     """llama.cpp's memory belongs to the model, not to a decoder's wrapper of it: a request of
     one decoder overwrites what another decoder over the same model had cached."""
     first = SpecDecoder.from_pretrained(str(tiny_ggufs["target"]), method="none", dtype="fp32", backend="llama.cpp",
-                                        show_progress=False)
+                                        show_progress=False, engine="single")
     second = SpecDecoder(first.target, None, first.config)
     prompt, other = first.encode("def quicksort(arr):"), first.encode("The quick brown fox")
     reference = first.generate(prompt, GREEDY).token_ids

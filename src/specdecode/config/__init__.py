@@ -31,7 +31,9 @@ from specdecode.config.decoder import (
     check_engine,
     check_k_policy,
     check_ngram_sizes,
+    resolve_engine,
     resolve_k,
+    single_engine_only,
 )
 from specdecode.config.model import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, ModelConfig, RopeScaling
 from specdecode.config.sampling import (
@@ -93,5 +95,7 @@ __all__ = [
     "check_engine",
     "check_k_policy",
     "check_ngram_sizes",
+    "resolve_engine",
     "resolve_k",
+    "single_engine_only",
 ]

@@ -50,7 +50,8 @@ BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "llama.cpp")
 QUANTS: tuple[str, ...] = ("none", "int8", "int4")
 KV_DTYPES: tuple[str, ...] = ("auto", "int8")  # auto: the model's dtype
 COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
-ENGINES: tuple[str, ...] = ("single", "batch")
+# auto: the batch engine holding one request, or the single-request engine where a setting needs it.
+ENGINES: tuple[str, ...] = ("auto", "single", "batch")
 
 
 @dataclass(slots=True, frozen=True)
@@ -118,9 +119,11 @@ class DecoderConfig:
     draft_quant: str = "none"
     kv_dtype: str = "auto"
     compile: bool | str = False  # True, or a torch.compile mode (COMPILE_MODES)
-    # Which engine generate and stream decode on (ENGINES): the single-request engine, or the batch
-    # engine holding one request (engine/one_request.py); the server and generate_batch always batch.
-    engine: str = "single"
+    # Which engine generate and stream decode on (ENGINES): the batch engine holding one request
+    # (engine/one_request.py), as the server and generate_batch always do, or the single-request
+    # engine; auto (the default) takes the batch engine unless a setting only the single-request
+    # engine runs asks for it (``resolve_engine``).
+    engine: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -171,7 +174,7 @@ class DecoderConfig:
             raise InvalidRequestError(
                 f"compile must be True, False or one of {', '.join(COMPILE_MODES)}, got {self.compile!r}."
             )
-        check_engine(self.engine, self.kv_dtype, bool(self.compile), self.acceptance)
+        check_engine(self.engine, bool(self.compile))
         for name in ("target", "draft", "heads", "layerskip_config"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -203,8 +206,8 @@ class DecoderConfig:
 
     @property
     def draft_k(self) -> int:
-        """The draft length in force: ``k``, or ``DEFAULT_K`` where none was given."""
-        return self.k if self.k is not None else DEFAULT_K
+        """The draft length in force: ``k``, or where none was given ``DEFAULT_K`` (at most ``k_max``)."""
+        return self.k if self.k is not None else min(DEFAULT_K, self.k_max)
 
     @property
     def policy(self) -> str:
@@ -226,20 +229,28 @@ class DecoderConfig:
         return call_k, policy
 
 
-def check_engine(engine: str, kv_dtype: str, compile: bool, acceptance: str) -> None:
-    """The batch engine runs neither an int8 KV cache, compiled passes nor typical acceptance
-    (yet): those stay on the single-request engine."""
+def single_engine_only(compile: bool) -> str | None:
+    """The setting, by its option's name, that only the single-request engine runs (None: none
+    does): compiled passes (the batch engine's passes are eager: issue 45)."""
+    return "compile" if compile else None
+
+
+def check_engine(engine: str, compile: bool) -> None:
+    """``engine`` is a known one, and "batch" is not asked to run what it cannot (yet)."""
     if engine not in ENGINES:
         raise InvalidRequestError(f"engine={engine!r} is not one of: {', '.join(ENGINES)}.")
-    if engine != "batch":
-        return
-    for given, name in (
-        (kv_dtype != "auto", 'kv_dtype="int8"'),
-        (compile, "compile"),
-        (acceptance != "lossless", 'acceptance="typical"'),
-    ):
-        if given:
-            raise InvalidRequestError(f'{name} runs on the single-request engine only: drop it or use engine="single".')
+    needs_single = single_engine_only(compile)
+    if engine == "batch" and needs_single is not None:
+        raise InvalidRequestError(f'{needs_single} runs on the single-request engine only: drop it or use engine="single".')
+
+
+def resolve_engine(engine: str, compile: bool) -> str:
+    """The engine a call decodes on: "auto" is "batch" unless a setting needs the single-request
+    engine (``single_engine_only``); an explicit choice is checked (``check_engine``) and kept."""
+    check_engine(engine, compile)
+    if engine != "auto":
+        return engine
+    return "single" if single_engine_only(compile) is not None else "batch"
 
 
 def check_acceptance(acceptance: str, method: str) -> None:

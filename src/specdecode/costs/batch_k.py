@@ -40,6 +40,7 @@ from specdecode.costs.k_policy import (
     PROBE_AFTER,
     PROBE_K,
     blend,
+    draft_not_used_note,
     expected_tokens,
     interpolate,
     speculation_can_pay,
@@ -358,6 +359,14 @@ def time_batch_costs(
     # A backend that merges a prompt into the verify rows runs flat batches (backends/base.py).
     return PassCosts(prior, live=live, shapes={shape: timed[shape] for shape in shapes} or None,
                      flat=model.merges_prefill)
+
+
+def draft_model_note(verify: PassCosts | None, draft: PassCosts | None, k_max: int) -> str | None:
+    """Why a draft model row decodes plainly where the timed passes rule drafting out
+    (``model_can_pay`` false; ``k_policy.draft_not_used_note``), else None."""
+    if verify is None or draft is None or model_can_pay(verify, draft, k_max):
+        return None
+    return draft_not_used_note([verify.seconds(1, width) for width in range(1, k_max + 2)], draft.seconds(1, 1))
 
 
 def model_can_pay(verify: PassCosts | None, draft: PassCosts | None, k_max: int) -> bool:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from specdecode.core.timing import COST_PROBE_ROWS, VERIFY_COST_REPEATS
 from specdecode.costs.batch_k import PassCosts, time_batch_costs
 from specdecode.costs.goodput import Reprobe
-from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, speculation_can_pay
+from specdecode.costs.k_policy import CostAwareK, KSchedule, ThresholdK, draft_not_used_note, speculation_can_pay
 from specdecode.costs.live import CATCH_UP_PROBE_ROWS, LivePricing, LiveTable
 from specdecode.costs.store import DRAFT_TABLE, VERIFY_TABLE, CostStore
 
@@ -156,14 +156,7 @@ class DecoderCosts:
         draft_pass = self.draft_model()[0]
         lines = []
         if not speculation_can_pay(costs, draft_pass, k_max):
-            plain = costs[0]
-            row = (costs[1] - costs[0]) / plain  # what one more verified row adds, in target passes
-            lines.append(
-                f"draft model not used: on this machine a verified row costs {row:.2f} of a target pass and a "
-                f"draft pass {draft_pass / plain:.2f}, so no draft length beats plain decoding even if every "
-                "token is accepted; decoded plainly, the draft model tried now and then in case its price is wrong "
-                "(docs/methods.md#draft-length). --method auto drafts from prompt "
-                "lookup and earlier answers where they pay, with no draft pass")
+            lines.append(draft_not_used_note(costs, draft_pass))
         # After the timings above: a stored table they read may just have been re-timed.
         lines += self.take_notes()
         return "; ".join(lines) or None

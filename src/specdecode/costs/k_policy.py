@@ -117,6 +117,18 @@ def speculation_can_pay(verify_seconds: Sequence[float], draft_pass_seconds: flo
     return best_k(1.0, verify_seconds, draft_pass_seconds, k_max) > 0
 
 
+def draft_not_used_note(verify_seconds: Sequence[float], draft_pass_seconds: float) -> str:
+    """The line a request priced out of its draft model tells the user (``speculation_can_pay``
+    false): what a verified row and a draft pass cost here, in target passes, and what to try."""
+    plain = verify_seconds[0]
+    row = (verify_seconds[1] - plain) / plain  # what one more verified row adds, in target passes
+    return (f"draft model not used: on this machine a verified row costs {row:.2f} of a target pass and a "
+            f"draft pass {draft_pass_seconds / plain:.2f}, so no draft length beats plain decoding even if every "
+            "token is accepted; decoded plainly, the draft model tried now and then in case its price is wrong "
+            "(docs/methods.md#draft-length). --method auto drafts from prompt "
+            "lookup and earlier answers where they pay, with no draft pass")
+
+
 def blend(old: float | None, new: float) -> float:
     """A live cost estimate moved towards a new measurement (the first one taken as is)."""
     return new if old is None else COST_DECAY * old + (1 - COST_DECAY) * new

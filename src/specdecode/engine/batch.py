@@ -433,7 +433,7 @@ class BatchEngine:
             stats.stop_reason = stop_reason or "running"
             if stop_reason:
                 self._finish(seq)
-            outputs.append(RequestOutput(request.request_id, new_tokens, bool(stop_reason), stats))
+            outputs.append(RequestOutput(request.request_id, new_tokens, bool(stop_reason), stats, drafted=min(accepted_len, count)))
         return outputs
 
     def _verify(self, running: list[ScheduledSequence], proposals: list[DraftProposal]) -> VerifiedStep:

@@ -33,6 +33,7 @@ class RequestOutput:
     finished: bool
     stats: GenerationStats
     error: BaseException | None = None
+    drafted: int = 0  # of new_tokens, the first this many are accepted drafts (the rest the target's)
 
 
 @dataclass(slots=True, eq=False)

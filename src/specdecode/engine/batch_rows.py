@@ -108,9 +108,12 @@ def row_drafters(
         return RowDrafters(NgramDrafter(*ngram_sizes), None, False, schedule=schedule)
     if method == "suffix":
         proposer = SuffixProposer(suffix_cache, suffix_group, depth=max(k, 1))
+        # A k given alone is fixed, as on the single path: the row drafts what the tree offers,
+        # k deep, every step, whatever the batch's choice (a lookup costs no draft pass).
+        fixed = FixedK(k) if k_policy == "fixed" else None
         if trees:
-            return RowDrafters(SuffixTreeDrafter(proposer), None, False, tree_nodes=proposer.tree_size)
-        return RowDrafters(SuffixDrafter(proposer), None, False)
+            return RowDrafters(SuffixTreeDrafter(proposer), None, False, tree_nodes=proposer.tree_size, schedule=fixed)
+        return RowDrafters(SuffixDrafter(proposer), None, False, schedule=fixed)
     if method == "auto":
         depth = auto_depth(k_max)
         verify_seconds = (None if verify_costs is None

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from specdecode.backends.openmp import release_thread_team
 from specdecode.config import SamplingParams
 from specdecode.engine.batch import BatchEngine
 from specdecode.engine.grammar import CompiledGrammar
 from specdecode.engine.metrics import GenerationStats
+from specdecode.engine.stream import StepTokens
 
 # The smallest pool the engine is built with, in tokens (a pool of 4096 holds most chats' turns
 # without a rebuild: 112 MiB of the demo target's KV); larger requests round up to a power of 2.
@@ -97,7 +99,10 @@ class OneRequestEngine:
                     if output.error is not None:
                         raise output.error
                     if output.new_tokens:
-                        yield output.new_tokens
+                        yield StepTokens(output.new_tokens, output.drafted)
         finally:
             if not finished and self._engine is engine:
                 engine.abort(request_id)
+            # This thread stops decoding: its OpenMP team goes (backends/openmp.py), as after a
+            # single-engine request, so that another thread's passes keep full speed.
+            release_thread_team()

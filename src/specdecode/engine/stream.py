@@ -17,7 +17,7 @@ from specdecode.engine.text import IncrementalDecoder
 
 
 class StepTokens(list[int]):
-    """The tokens one step committed, as the single-request engine yields them: the first
+    """The tokens one step committed, as both engines yield them: the first
     ``drafted`` are accepted draft tokens, the rest (at most one) the target's own. Engines that
     yield plain lists count as nothing drafted."""
 
