@@ -136,7 +136,7 @@ def test_a_draft_table_30x_too_high_is_corrected_within_bounded_steps_and_the_dr
     assert len(proposals) >= 6
     assert dec.costs.draft_model()[0] < true_draft_table()[1] * 2
     # The stored table was replaced by the live figures; the run says so as it ends (the
-    # stream's late notes, api.py), and the next request's draft model drafts from its first step.
+    # stream's late notes, api/decoder.py), and the next request's draft model drafts from its first step.
     assert stored_draft(dec)[1] < true_draft_table()[1] * 2
     assert "30x above the passes of this run" in result.stats.note and "replaced by the live ones" in result.stats.note
     proposals.clear()

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from specdecode.api.batching import BatchGeneration
+from specdecode.api.probes import DecoderProbes
 from specdecode.backends.base import SequenceModel
-from specdecode.backends.batch_select import batch_model
 from specdecode.backends.compiled import (
     CompiledSequence,
     CompileLog,
@@ -25,7 +23,6 @@ from specdecode.backends.openmp import releases_thread_team
 from specdecode.backends.select import LLAMACPP, TORCH
 from specdecode.backends.torch_backend import TorchSequence
 from specdecode.config import (
-    MAX_CHOICES,
     METHODS,
     TREE_METHODS,
     DecoderConfig,
@@ -35,39 +32,30 @@ from specdecode.config import (
     resolve_engine,
 )
 from specdecode.core import registry
-from specdecode.core.sampling import LogitsProcessor, make_generator
 from specdecode.costs.batch_k import draft_model_note
-from specdecode.costs.decoder_costs import DecoderCosts, batch_pass_costs
+from specdecode.costs.decoder_costs import DecoderCosts
 from specdecode.costs.store import CostStore, cost_store_for
-from specdecode.drafters.base import Drafter, HeadsDrafter, TreeDrafter
+from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.from_heads import tree_drafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter
-from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.plan import RequestPlan
 from specdecode.drafters.planner import DecoderResources, PlanRequest, plan_request
-from specdecode.drafters.suffix import auto_depth
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
-from specdecode.engine.batch import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_BATCH, BatchEngine
-from specdecode.engine.batch_run import run_samples
 from specdecode.engine.grammar import CompiledGrammar, GrammarCompiler
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.one_request import OneRequestEngine
-from specdecode.engine.probe import continuation_logits, logits_in_passes, next_draft_probs
 from specdecode.engine.single import SpecEngine
 from specdecode.engine.stream import GenerationResult, GenerationStream
 from specdecode.engine.text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
-from specdecode.engine.trace import DRAFT, TARGET, PassTrace, TracingSequence
 from specdecode.errors import InvalidRequestError
-from specdecode.kv.paged import DEFAULT_BLOCK_SIZE
 from specdecode.loading import load_models
 from specdecode.models.heads import DraftHeads
 from specdecode.models.loader import LoadedModel
 
 
-class SpecDecoder:
+class SpecDecoder(DecoderProbes, BatchGeneration):
     """A target model, an optional draft model, and the engine that runs them."""
 
     def __init__(
@@ -228,70 +216,6 @@ class SpecDecoder:
         self.engine.forget_prefix()
         self.one_request.forget_prefix()
 
-    @contextlib.contextmanager
-    def trace_passes(self) -> Iterator[PassTrace]:
-        """Record every pass the single-request engine makes on the target's and the draft
-        model's sequences inside the block (``engine/trace.py``): a trace to price with a cost
-        table or replay on another device. The batch engine is not traced: inside the block,
-        ``generate`` and ``stream`` decode on the single-request engine (as ``engine="single"``).
-        Layer skip's passes run inside the target's model and are not recorded."""
-        trace = PassTrace()
-        self._tracing = True
-        target = self.engine.target
-        draft = self.resources.draft_model
-        draft_sequence = draft.model if draft is not None else None
-        self.engine.target = TracingSequence(target, TARGET, trace)  # type: ignore[assignment]  # a SequenceModel
-        if draft is not None:
-            draft.model = TracingSequence(draft_sequence, DRAFT, trace)  # type: ignore[arg-type, assignment]
-        try:
-            yield trace
-        finally:
-            self._tracing = False
-            self.engine.target = target
-            if draft is not None:
-                draft.model = draft_sequence  # type: ignore[assignment]
-
-    @releases_thread_team
-    def target_logits_in_passes(self, tokens: Sequence[int], shapes: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
-        """The target's next-token logits after ``tokens``, one (V,) float32 row per ``(rows, row)``
-        shape: computed as row ``row`` of a pass over ``rows`` rows (``engine/probe.py:
-        logits_in_passes``). The audit reads a difference in every shape a verify pass may have
-        scored it in."""
-        try:
-            return logits_in_passes(self.engine.target, list(tokens), shapes)
-        finally:
-            self.engine.forget_prefix()
-
-    @releases_thread_team
-    def target_logits(
-        self, prompt_ids: Sequence[int], continuations: Sequence[Sequence[int]] = ((),),
-        rows_per_pass: int | None = None,
-    ) -> torch.Tensor:  # (len(continuations), V) float32
-        """The target's next-token logits after ``prompt_ids + continuation``, one row per
-        continuation, teacher-forced (the prompt prefilled once; each continuation in one pass,
-        or in passes of ``rows_per_pass`` rows). What decoding should agree with: ``specdecode
-        audit`` checks methods against it."""
-        try:
-            return continuation_logits(self.engine.target, list(prompt_ids), continuations, rows_per_pass)
-        finally:
-            self.engine.forget_prefix()  # the sequence now holds these tokens, not the last request's
-
-    @releases_thread_team
-    def draft_probs(self, token_ids: Sequence[int], method: str, params: SamplingParams) -> torch.Tensor | None:  # (V,)
-        """The drafter of ``method`` (ngram, draft or layerskip: a chain drafter that keeps no
-        state between requests) for the token after ``token_ids``, under ``params``' sampling: its
-        distribution q, a one-hot for a deterministic drafter, or None where it proposes nothing."""
-        drafter = self.drafters.get(method)
-        if drafter is None or method in TREE_METHODS:
-            raise InvalidRequestError(f"draft_probs: method {method!r} has no stateless chain drafter in this decoder "
-                                      f"(have: {', '.join(m for m in self.drafters if m not in TREE_METHODS)}).")
-        generator = make_generator(params.seed if params.seed is not None else 0, self.engine.target.device)
-        try:
-            return next_draft_probs(self.engine.target, drafter, list(token_ids), LogitsProcessor.from_params(params),
-                                    generator)  # type: ignore[arg-type]  # a chain drafter here
-        finally:
-            self.engine.forget_prefix()
-
     def encode(self, prompt: str | Messages, chat: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a prompt; a chat's ``tools`` (OpenAI's tool objects) go into its template."""
         return encode_prompt(self.tokenizer, prompt, chat, tools)
@@ -385,7 +309,6 @@ class SpecDecoder:
             notes.append(draft_model_note(engine.chooser.verify, engine.chooser.draft, engine.k_max))
         stats.note = "; ".join(filter(None, [*notes, *self.costs.take_notes()]))
 
-
     @releases_thread_team
     def plan(self, method: str | None = None, k: int | str | None = None, k_policy: str | None = None,
              suffix_group: str | None = DEFAULT_GROUP) -> RequestPlan:
@@ -423,64 +346,6 @@ class SpecDecoder:
             raise InvalidRequestError("The prompt is empty.")
         return prompt_ids
 
-    @releases_thread_team
-    def batch_engine(
-        self,
-        *,
-        max_batch: int = DEFAULT_MAX_BATCH,
-        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        policy: str = "async",
-        cost_aware: bool = True,
-        scheduling: SchedulerConfig | None = None,
-    ) -> BatchEngine:
-        """A continuous-batching engine over this decoder's models (every method: ``engine/batch_rows.py``;
-        layerskip, medusa and eagle where this decoder has their layers or heads), with KV pools of ``kv_cache_tokens`` slots per model: paged on torch (int8 with
-        ``kv_dtype="int8"``); on llama.cpp a context
-        per model with ``max_batch`` sequences of ``kv_cache_tokens // max_batch`` positions each
-        (and ``scheduling.spare_slots`` more).
-
-        ``scheduling`` (``SchedulerConfig``): how requests share the batch, chunked prefill and
-        time slices, so that a full batch of long generations does not make a new request wait
-        for them to finish (docs/design.md#fair-scheduling).
-
-        ``cost_aware`` times the target (and draft) on a few pass shapes first (about 25 seconds
-        for the demo pair and a batch of 16 on a 2-core CPU; the target's one-sequence passes are
-        kept in its cost store, so a later engine on this machine times only the batched shapes)
-        so that the batch's draft length follows measured costs and falls to plain decoding where
-        speculation stops paying; without it every speculative request drafts its own k each step.
-        """
-        scheduling = scheduling or SchedulerConfig()
-        # kv_dtype="int8": both paged pools store int8 K/V with per-(slot, head) scales (kv/paged.py).
-        target = batch_model(self.target, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots,
-                             kv_dtype=self.kv_dtype)
-        draft = (None if self.draft is None
-                 else batch_model(self.draft, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots,
-                                  kv_dtype=self.kv_dtype))
-        verify_costs = draft_costs = None
-        if cost_aware:
-            verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.config.k_max, live=self.costs.live,
-                                                         longest_draft=auto_depth(self.config.k_max),
-                                                         store=self.engine.cost_store)
-        return BatchEngine(
-            target, draft, self.eos_token_ids,
-            max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
-            k_max=self.config.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
-            ngram_max=self.config.ngram_max, ngram_min=self.config.ngram_min, draft_confidence=self.config.draft_confidence,
-            sync_timing=self.engine.sync_timing, suffix_cache=self.suffix_cache, prefix_cache=self.config.prefix_cache,
-            scheduling=scheduling, heads=self._head_drafters(), skip_layers=self.config.skip_layers,
-            k_policy=self.config.k_policy,
-        )
-
-    def _head_drafters(self) -> dict[str, HeadsDrafter]:
-        """The Medusa and EAGLE drafters by method, of which the batch engine gives each row a fresh one."""
-        heads: dict[str, HeadsDrafter] = {}
-        for kind in self.heads:
-            drafter = self.drafters[kind]
-            assert isinstance(drafter, MedusaDrafter | EagleDrafter)
-            heads[kind] = drafter
-        return heads
-
     def token_stream(self, chunks: Iterator[list[int]], stats: GenerationStats, params: SamplingParams) -> GenerationStream:
         """Text deltas (stop strings applied) over token chunks from any engine, e.g. ``BatchWorker.submit``."""
         return GenerationStream(chunks, IncrementalDecoder(self.tokenizer, params.stop), stats)
@@ -504,63 +369,3 @@ class SpecDecoder:
             pass
         assert stream.result is not None
         return stream.result
-
-    @releases_thread_team
-    def generate_batch(
-        self,
-        prompts: Sequence[str | Messages | list[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        chat: bool = False,
-        method: str | None = None,
-        k: int | None = None,
-        engine: BatchEngine | None = None,
-        suffix_group: str | None = DEFAULT_GROUP,
-        cache_salt: str | None = None,
-        n: int = 1,
-        k_policy: str | None = None,
-    ) -> list[GenerationResult]:
-        """Generate for many prompts at once with the batch engine (methods none, ngram, draft,
-        suffix, auto: suffix and auto draft from this decoder's earlier responses, and each other's).
-
-        ``params`` is one ``SamplingParams`` for all prompts or one per prompt. ``engine`` reuses
-        a ``batch_engine()`` (its cost timing is paid once); without one, a cost-aware engine is
-        built for this call, without time slices (a request keeps its seat until it ends). Stop
-        strings end a request as in ``generate``. Greedy results equal
-        ``generate``'s for each prompt alone (tested in fp32).
-
-        ``n``: samples per prompt (1..``MAX_CHOICES``), as transformers' ``num_return_sequences``:
-        the result holds ``len(prompts) * n`` entries, prompt-major (entry ``p * n + i`` is sample
-        ``i`` of prompt ``p``). The samples of a prompt share its prompt's K/V (computed once) and
-        decode in one batch; sample ``i`` is seeded with ``seed + i`` (``SamplingParams.for_choice``),
-        so sample 0 equals the request with n = 1 and each can be reproduced alone.
-
-        ``k`` and ``k_policy`` as in ``generate``: a ``k`` alone is a fixed draft length for
-        the chain methods (draft, ngram, layerskip), and with neither the decoder's apply
-        (``DecoderConfig``; its default in a batch is ``cost``: the batch's own choice, up to k).
-        """
-        params_list = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
-        if len(params_list) != len(prompts):
-            raise InvalidRequestError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts.")
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
-            raise InvalidRequestError(f"n (samples per prompt) must be in 1..{MAX_CHOICES}, got {n!r}.")
-        method = method or (self.config.method if self.config.method in registry.BATCH_METHODS
-                            else registry.DRAFT.name if self.draft else registry.NONE.name)
-        if k is None and k_policy is None:  # the decoder's (None: the engine's own, cost)
-            k, k_policy = (None if method == registry.NONE.name else self.config.draft_k), self.config.k_policy
-        else:
-            k, k_policy = self.config.call_k(k, k_policy)
-        # Offline, first-token latency does not matter: the engine built for the call keeps each
-        # seat until its request ends (no time slices), which is the cheapest order.
-        engine = engine or self.batch_engine(max_batch=max(1, min(len(prompts) * n, DEFAULT_MAX_BATCH)),
-                                             scheduling=SchedulerConfig(time_slice=0))
-        prompt_ids = [list(p) if isinstance(p, list) and p and isinstance(p[0], int) else self.encode(p, chat) for p in prompts]
-        for ids, request_params in zip(prompt_ids, params_list, strict=True):
-            self.check_request(ids, request_params)
-        # One entry per sample, prompt-major; each prompt's grammar compiled once (a compiled
-        # grammar makes a fresh matcher per request).
-        grammars = [self.grammars.compile(p.structured) if p.structured is not None else None for p in params_list]
-        samples = [(ids, request_params.for_choice(i), grammar)
-                   for ids, request_params, grammar in zip(prompt_ids, params_list, grammars, strict=True)
-                   for i in range(n)]
-        return run_samples(engine, self.tokenizer, samples, n, method, k, suffix_group, cache_salt, k_policy)
