@@ -156,3 +156,24 @@ def test_an_int8_kv_cache_decodes_on_the_batch_engine_as_on_the_single(tiny_qwen
             got = batch.generate(prompt, params, method=method)
             assert got.token_ids == single.generate(prompt, params, method=method).token_ids, (method, prompt)
     assert batch.one_request.engine is not None and single.one_request.engine is None
+
+
+def test_one_request_at_a_time_and_a_fixed_k_past_k_max(pair: tuple[SpecDecoder, SpecDecoder],
+                                                        tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    """A second stream while one is open is refused by name (it would step the same engine and
+    pools), and the first still ends as alone; a fixed k past k_max, which a batch step cannot
+    hold, decodes on the single-request engine under engine="auto", with the same greedy tokens."""
+    single, batch = pair
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    first = batch.stream(PROMPTS[0], params, method="draft", k=3)
+    pieces = iter(first)
+    next(pieces)
+    with pytest.raises(InvalidRequestError, match="already decoding a request"):
+        batch.generate(PROMPTS[1], params)
+    rest = list(pieces)
+    assert first.result is not None and first.result.token_ids == single.generate(PROMPTS[0], params).token_ids
+    assert rest and batch.generate(PROMPTS[1], params).token_ids == single.generate(PROMPTS[1], params).token_ids
+    auto = decoder(tiny_qwen2_dir, tiny_close_draft_dir, "auto", k_max=4)
+    wide = auto.generate(PROMPTS[2], params, method="draft", k=6)
+    assert wide.token_ids == single.generate(PROMPTS[2], params, method="draft", k=6).token_ids
+    assert wide.stats.proposed_at_position[5] > 0  # six deep: the single engine's steps

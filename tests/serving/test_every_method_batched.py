@@ -61,5 +61,4 @@ def test_heads_and_layerskip_requests_share_the_batch(tiny_qwen2_dir: Path, medu
 def test_the_server_refuses_what_its_batch_engine_cannot_serve() -> None:
     with pytest.raises(InvalidRequestError, match="--max-batch"):
         ServerSpec(max_batch=0)
-    with pytest.raises(InvalidRequestError, match="--kv-dtype int8"):
-        ServerSpec(decoder=DecoderConfig(kv_dtype="int8"))
+    assert ServerSpec(decoder=DecoderConfig(kv_dtype="int8")).decoder.kv_dtype == "int8"  # its paged pools store int8

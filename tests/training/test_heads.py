@@ -54,10 +54,8 @@ def test_training_learns_a_repeated_pattern(pattern_features, medusa_dir: Path, 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_greedy_tree_decoding_equals_plain(method: str, tiny_qwen2_dir: Path, medusa_dir: Path, eagle_dir: Path) -> None:
     heads = medusa_dir if method == "medusa" else eagle_dir
-    # The single-request engine drafts a tree every step; the batch engine's cost-aware choice
-    # drafts them where they pay (on these tiny heads, a quarter of the steps: too few accepted
-    # drafts to count on). Its trees: tests/engine/test_batch_heads.py.
-    dec = _decoder(tiny_qwen2_dir, method, heads, engine="single")
+    # generate's default k on torch is fixed: a tree every step, on either engine.
+    dec = _decoder(tiny_qwen2_dir, method, heads)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     accepted = 0
     for prompt in PROMPTS + [PATTERN[:60]]:

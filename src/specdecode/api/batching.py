@@ -42,8 +42,13 @@ class BatchGeneration:
         grammars: GrammarCompiler
         heads: dict[str, DraftHeads]
         drafters: dict[str, Drafter | TreeDrafter]
-        suffix_cache: SuffixCache
-        costs: DecoderCosts
+        eos_token_ids: list[int]
+
+        @property
+        def suffix_cache(self) -> SuffixCache: ...
+
+        @property
+        def costs(self) -> DecoderCosts: ...
 
         def encode(self, prompt: str | Messages, chat: bool = False,
                    tools: list[dict[str, Any]] | None = None) -> list[int]: ...

@@ -270,8 +270,11 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
         prompt_ids = self.prompt_ids(prompt, chat)
         self.check_request(prompt_ids, params)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
-        engine = "single" if self._tracing else self.config.engine
-        if resolve_engine(engine, bool(self.compile_mode)) == "batch":
+        engine = resolve_engine("single" if self._tracing else self.config.engine, bool(self.compile_mode))
+        if (engine == "batch" and self.config.engine == "auto" and request.policy == "fixed"
+                and request.k > self.config.k_max):
+            engine = "single"  # a fixed k past k_max: a batch step holds k_max drafts at most
+        if engine == "batch":
             return self._stream_batched(prompt_ids, params, request, cache_salt, grammar, acceptance)
         plan = plan_request(self.resources, request)
         stats = GenerationStats(method=plan.method)
@@ -285,7 +288,7 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
 
     def _stream_batched(self, prompt_ids: list[int], params: SamplingParams, request: PlanRequest,
                         cache_salt: str | None, grammar: CompiledGrammar | None, acceptance: str) -> GenerationStream:
-        """``stream`` on the batch engine holding one request (``engine="batch"``)."""
+        """``stream`` on the batch engine holding one request (``engine/one_request.py``)."""
         stats = GenerationStats(method=request.method)
         # A fixed k is the draft length (the batch engine refuses one past k_max, as the single
         # engine's fixed k is not capped); under a policy it is only the first guess, capped.

@@ -71,10 +71,11 @@ class DecoderConfig:
     the cost policy (or ``k_policy="threshold"``), and is stored as that policy with ``k`` None.
     ``k_policy``: a given ``k`` alone means ``fixed``; with neither given it stays None, the
     default, which loading resolves to ``cost`` on llama.cpp, whose compute-bound CPU passes
-    make a fixed k lose to plain decoding (docs/design.md#backends). Left None (torch), the
-    single-request engine drafts a fixed k and the batch engine chooses k for the batch as a
-    whole (``cost``, up to k); a policy given is honoured by both (the batch engine gives the
-    chain methods' rows of ``fixed`` or ``threshold`` their own k: ``engine/batch_rows.py``).
+    make a fixed k lose to plain decoding (docs/design.md#backends). Left None (torch),
+    ``generate`` and ``stream`` draft a fixed k and a batch engine of many requests
+    (``generate_batch``, the server) chooses k for the batch as a whole (``cost``, up to k); a
+    policy given is honoured everywhere (a batch row of ``fixed`` or ``threshold`` gets its own
+    k: ``engine/batch_rows.py``).
     """
 
     target: str | None = None  # a demo name, a .gguf file, an HF folder or hub id (None: the demo target)

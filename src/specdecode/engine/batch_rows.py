@@ -125,6 +125,9 @@ def row_drafters(
         return RowDrafters(None, None, False, skips_layers=True, schedule=schedule)
     if method in heads:
         drafter = heads[method].fresh()
-        return RowDrafters(None, None, False, tree_nodes=drafter.max_tree_nodes - 1, heads=drafter)
+        # A k given alone (generate's default on torch) drafts a tree every step, k deep at
+        # most, as on the single path; under cost the batch's choice decides.
+        return RowDrafters(None, None, False, tree_nodes=drafter.max_tree_nodes - 1, heads=drafter,
+                           schedule=FixedK(k) if k_policy == "fixed" else None)
     return RowDrafters(None, None, uses_draft(method, model_can_pay), schedule=schedule)
 

@@ -1,4 +1,4 @@
-"""One request at a time on the batch engine: ``generate`` and ``stream`` under ``engine="batch"``.
+"""One request at a time on the batch engine: ``generate`` and ``stream`` (``engine="auto"``, the default).
 
 A batch of one, as nano-vllm's ``generate`` is a loop over ``step``: the request joins a batch
 engine with one seat, and the engine steps until it ends, each step's new tokens handed on as
@@ -11,6 +11,7 @@ prefixes dropped first). Issue 45: the step towards one engine that owns the dec
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 from specdecode.backends.openmp import release_thread_team
@@ -19,6 +20,7 @@ from specdecode.engine.batch import BatchEngine
 from specdecode.engine.grammar import CompiledGrammar
 from specdecode.engine.metrics import GenerationStats
 from specdecode.engine.stream import StepTokens
+from specdecode.errors import InvalidRequestError
 
 # The smallest pool the engine is built with, in tokens (a pool of 4096 holds most chats' turns
 # without a rebuild: 112 MiB of the demo target's KV); larger requests round up to a power of 2.
@@ -46,6 +48,10 @@ class OneRequestEngine:
         self._build = build
         self._engine: BatchEngine | None = None
         self._pool_tokens = 0
+        # One request decodes at a time: a second stream (another thread's, or one opened before
+        # the first ended) would step the same engine and pools. It is refused, not queued: a
+        # stream open in the same thread could never end while this one waits for it.
+        self._busy = threading.Lock()
 
     @property
     def engine(self) -> BatchEngine | None:
@@ -81,6 +87,29 @@ class OneRequestEngine:
         """Yield the tokens each step commits, ``stats`` filled as the engine goes. Closing the
         iterator early (a stop string, a client gone) aborts the request between steps.
         ``acceptance``: the request's acceptance rule (``BatchEngine.add_request``)."""
+        if not self._busy.acquire(blocking=False):
+            raise InvalidRequestError("This decoder is already decoding a request: generate and stream take one at a "
+                                      "time (finish or close the other stream first); for many at once use "
+                                      "generate_batch, or a BatchWorker over batch_engine() as the server does.")
+        try:
+            yield from self._decode(prompt_ids, params, method, k, k_policy, stats, suffix_group, cache_salt, grammar,
+                                    acceptance)
+        finally:
+            self._busy.release()
+
+    def _decode(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        method: str,
+        k: int | None,
+        k_policy: str | None,
+        stats: GenerationStats,
+        suffix_group: str | None,
+        cache_salt: str | None,
+        grammar: CompiledGrammar | None,
+        acceptance: str,
+    ) -> Iterator[list[int]]:
         engine = self.engine_for(len(prompt_ids) + params.max_new_tokens + STEP_SLOTS)
         request_id = engine.add_request(prompt_ids, params, method, k, stats=stats, suffix_group=suffix_group,
                                         cache_salt=cache_salt, grammar=grammar, k_policy=k_policy,
@@ -94,7 +123,9 @@ class OneRequestEngine:
                     # An error no single request causes: the engine's state is unknown.
                     self._engine, finished = None, True
                     raise
-                for output in outputs:  # this request's alone: the engine has one seat
+                for output in outputs:
+                    if output.request_id != request_id:  # none but this one: the engine has one seat
+                        continue
                     finished = output.finished
                     if output.error is not None:
                         raise output.error

@@ -47,9 +47,6 @@ class ServerSpec:
         if self.max_batch < 1:
             raise InvalidRequestError(f"--max-batch must be at least 1 (1 decodes one request at a time), got "
                                       f"{self.max_batch}.")
-        if self.decoder.kv_dtype != "auto":
-            raise InvalidRequestError("--kv-dtype int8: the server's batch engine keeps its paged KV cache in the "
-                                      "model's dtype; serve without --kv-dtype (generate and bench take it).")
 
 
 class ServerParts(NamedTuple):
