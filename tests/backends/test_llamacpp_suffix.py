@@ -65,9 +65,13 @@ def test_suffix_rows_in_a_llamacpp_batch_share_the_tree_and_keep_greedy_output(t
 def test_suffix_chains_go_past_k_max_on_llamacpp(tiny_ggufs: dict[str, Path]) -> None:
     # The same prompt twice with k "auto": the second answer repeats the first, in the shared
     # tree, so its chains grow past k_max (4 here) and are accepted there, output still plain's.
-    # The single-request engine's suffix rows (a batch's suffix row is capped at k_max; its auto
-    # rows go past it: test_batch_auto.py).
-    base = llamacpp_decoder(tiny_ggufs["target"], None, engine="single")
+    # On both engines (a batch's suffix row under k "auto" drafts its chain as an auto row whose
+    # one source is the suffix tree).
+    for engine in ("single", "auto"):
+        assert_suffix_chains_go_past_k_max(llamacpp_decoder(tiny_ggufs["target"], None, engine=engine))
+
+
+def assert_suffix_chains_go_past_k_max(base: SpecDecoder) -> None:
     dec = SpecDecoder(base.target, None, replace(base.config, k_max=4))
     prompt, params = PROMPTS[0], SamplingParams(max_new_tokens=48)
     plain = dec.generate(prompt, params, method="none").token_ids

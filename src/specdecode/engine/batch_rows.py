@@ -113,13 +113,15 @@ def row_drafters(
         fixed = FixedK(k) if k_policy == "fixed" else None
         if trees:
             return RowDrafters(SuffixTreeDrafter(proposer), None, False, tree_nodes=proposer.tree_size, schedule=fixed)
+        if fixed is None and k_policy == "cost":
+            # k "auto": a chain as deep as the match and the target's pass costs make pay, past
+            # k_max (the single path's suffix_depth): an auto row whose one source is the suffix
+            # tree, priced as the batch pass it rides in.
+            row = _auto_row(k_max, suffix_group, suffix_cache, ngram_sizes, verify_costs, ngram_cap=0)
+            return RowDrafters(row, row, False)
         return RowDrafters(SuffixDrafter(proposer), None, False, schedule=fixed)
     if method == "auto":
-        depth = auto_depth(k_max)
-        verify_seconds = (None if verify_costs is None
-                          else [verify_costs.seconds(1, rows) for rows in range(1, depth + 2)])
-        suffix = SuffixDrafter(SuffixProposer(suffix_cache, suffix_group, depth=depth, verify_seconds=verify_seconds))
-        row = AutoRow(NgramDrafter(*ngram_sizes), suffix, ngram_cap=k_max)
+        row = _auto_row(k_max, suffix_group, suffix_cache, ngram_sizes, verify_costs, ngram_cap=k_max)
         return RowDrafters(row, row, uses_draft(method, model_can_pay))
     if method == registry.LAYERSKIP.name:
         return RowDrafters(None, None, False, skips_layers=True, schedule=schedule)
@@ -131,3 +133,15 @@ def row_drafters(
                            schedule=FixedK(k) if k_policy == "fixed" else None)
     return RowDrafters(None, None, uses_draft(method, model_can_pay), schedule=schedule)
 
+
+
+def _auto_row(k_max: int, suffix_group: str | None, suffix_cache: SuffixCache, ngram_sizes: tuple[int, int],
+              verify_costs: PassCosts | None, ngram_cap: int) -> AutoRow:
+    """A row that picks its lookup every step (``drafters/auto_row.py``): prompt lookup up to
+    ``ngram_cap`` tokens (0: none), the suffix chain up to ``suffix.auto_depth``, cut by the
+    target's pass costs (None: not timed)."""
+    depth = auto_depth(k_max)
+    verify_seconds = (None if verify_costs is None
+                      else [verify_costs.seconds(1, rows) for rows in range(1, depth + 2)])
+    suffix = SuffixDrafter(SuffixProposer(suffix_cache, suffix_group, depth=depth, verify_seconds=verify_seconds))
+    return AutoRow(NgramDrafter(*ngram_sizes), suffix, ngram_cap=ngram_cap)
