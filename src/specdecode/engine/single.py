@@ -67,7 +67,6 @@ class StepResult:
     logprobs: list[TokenLogprob] | None = None  # one per emitted token (SamplingParams.logprobs)
 
 
-
 class SpecEngine:
     def __init__(
         self,
