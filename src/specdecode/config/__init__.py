@@ -33,7 +33,6 @@ from specdecode.config.decoder import (
     check_ngram_sizes,
     resolve_engine,
     resolve_k,
-    single_engine_only,
 )
 from specdecode.config.model import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, ModelConfig, RopeScaling
 from specdecode.config.sampling import (
@@ -97,5 +96,4 @@ __all__ = [
     "check_ngram_sizes",
     "resolve_engine",
     "resolve_k",
-    "single_engine_only",
 ]

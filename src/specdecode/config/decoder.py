@@ -230,28 +230,22 @@ class DecoderConfig:
         return call_k, policy
 
 
-def single_engine_only(compile: bool) -> str | None:
-    """The setting, by its option's name, that only the single-request engine runs (None: none
-    does): compiled passes (the batch engine's passes are eager: issue 45)."""
-    return "compile" if compile else None
-
-
 def check_engine(engine: str, compile: bool) -> None:
-    """``engine`` is a known one, and "batch" is not asked to run what it cannot (yet)."""
+    """``engine`` is a known one, and "batch" is not asked to run what it cannot (yet): compiled
+    passes (the batch engine's passes are eager: issue 45)."""
     if engine not in ENGINES:
         raise InvalidRequestError(f"engine={engine!r} is not one of: {', '.join(ENGINES)}.")
-    needs_single = single_engine_only(compile)
-    if engine == "batch" and needs_single is not None:
-        raise InvalidRequestError(f'{needs_single} runs on the single-request engine only: drop it or use engine="single".')
+    if engine == "batch" and compile:
+        raise InvalidRequestError('compile runs on the single-request engine only: drop it or use engine="single".')
 
 
 def resolve_engine(engine: str, compile: bool) -> str:
-    """The engine a call decodes on: "auto" is "batch" unless a setting needs the single-request
-    engine (``single_engine_only``); an explicit choice is checked (``check_engine``) and kept."""
+    """The engine a call decodes on: "auto" is "batch" unless ``compile`` needs the
+    single-request engine; an explicit choice is checked (``check_engine``) and kept."""
     check_engine(engine, compile)
     if engine != "auto":
         return engine
-    return "single" if single_engine_only(compile) is not None else "batch"
+    return "single" if compile else "batch"
 
 
 def check_acceptance(acceptance: str, method: str) -> None:

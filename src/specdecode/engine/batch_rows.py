@@ -74,11 +74,15 @@ def uses_draft(method: str, model_can_pay: bool) -> bool:
 def row_schedule(method: str, k_policy: str, k: int, k_max: int) -> KSchedule | None:
     """A row's own draft-length schedule under ``k_policy`` (config.K_POLICY_CHOICES), as the
     single path's ``DecoderCosts.schedule``: ``fixed`` drafts its k every step, ``threshold``
-    moves it with the row's acceptance; ``cost`` (None) leaves it to the batch's choice. Only
-    for the methods with a stateless chain drafter (the draft model, prompt lookup, layer
-    skip): suffix decoding, trees and auto choose their own drafts, as on the single path."""
-    if check_k_policy(k_policy, k_max) == "cost" or registry.BY_NAME[method].planner != registry.PLAN_CHAIN:
+    moves it with the row's acceptance; ``cost`` (None) leaves it to the batch's choice. The
+    methods with a stateless chain drafter (the draft model, prompt lookup, layer skip) take
+    either; suffix decoding and the head methods' trees only ``fixed`` (a tree or a lookup k
+    deep every step, as on the single path); auto (and plain decoding) chooses its own."""
+    planner = registry.BY_NAME[method].planner
+    if check_k_policy(k_policy, k_max) == "cost" or planner in (registry.PLAN_SOURCES, registry.PLAN_PLAIN):
         return None
+    if planner != registry.PLAN_CHAIN:
+        return FixedK(k) if k_policy == "fixed" else None
     return FixedK(k) if k_policy == "fixed" else ThresholdK(k=min(k, k_max), k_max=k_max)
 
 
@@ -103,23 +107,21 @@ def row_drafters(
     ``verify_costs``: the target's pass costs as now priced (None: not timed), at which an auto
     row's suffix chain chooses its length, as on the single path (``drafters/planner.plan_auto``).
     ``k_policy``: how a chain row's draft length is chosen (``row_schedule``)."""
-    schedule = row_schedule(method, k_policy, k, k_max)  # None but for the chain methods
+    schedule = row_schedule(method, k_policy, k, k_max)
     if method == "ngram":
         return RowDrafters(NgramDrafter(*ngram_sizes), None, False, schedule=schedule)
     if method == "suffix":
         proposer = SuffixProposer(suffix_cache, suffix_group, depth=max(k, 1))
-        # A k given alone is fixed, as on the single path: the row drafts what the tree offers,
-        # k deep, every step, whatever the batch's choice (a lookup costs no draft pass).
-        fixed = FixedK(k) if k_policy == "fixed" else None
         if trees:
-            return RowDrafters(SuffixTreeDrafter(proposer), None, False, tree_nodes=proposer.tree_size, schedule=fixed)
-        if fixed is None and k_policy == "cost":
+            return RowDrafters(SuffixTreeDrafter(proposer), None, False, tree_nodes=proposer.tree_size,
+                               schedule=schedule)
+        if k_policy == "cost":
             # k "auto": a chain as deep as the match and the target's pass costs make pay, past
             # k_max (the single path's suffix_depth): an auto row whose one source is the suffix
             # tree, priced as the batch pass it rides in.
             row = _auto_row(k_max, suffix_group, suffix_cache, ngram_sizes, verify_costs, ngram_cap=0)
             return RowDrafters(row, row, False)
-        return RowDrafters(SuffixDrafter(proposer), None, False, schedule=fixed)
+        return RowDrafters(SuffixDrafter(proposer), None, False, schedule=schedule)
     if method == "auto":
         row = _auto_row(k_max, suffix_group, suffix_cache, ngram_sizes, verify_costs, ngram_cap=k_max)
         return RowDrafters(row, row, uses_draft(method, model_can_pay))
@@ -127,10 +129,8 @@ def row_drafters(
         return RowDrafters(None, None, False, skips_layers=True, schedule=schedule)
     if method in heads:
         drafter = heads[method].fresh()
-        # A k given alone (generate's default on torch) drafts a tree every step, k deep at
-        # most, as on the single path; under cost the batch's choice decides.
         return RowDrafters(None, None, False, tree_nodes=drafter.max_tree_nodes - 1, heads=drafter,
-                           schedule=FixedK(k) if k_policy == "fixed" else None)
+                           schedule=schedule)
     return RowDrafters(None, None, uses_draft(method, model_can_pay), schedule=schedule)
 
 

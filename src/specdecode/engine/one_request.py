@@ -91,31 +91,14 @@ class OneRequestEngine:
             raise InvalidRequestError("This decoder is already decoding a request: generate and stream take one at a "
                                       "time (finish or close the other stream first); for many at once use "
                                       "generate_batch, or a BatchWorker over batch_engine() as the server does.")
-        try:
-            yield from self._decode(prompt_ids, params, method, k, k_policy, stats, suffix_group, cache_salt, grammar,
-                                    acceptance)
-        finally:
-            self._busy.release()
-
-    def _decode(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        method: str,
-        k: int | None,
-        k_policy: str | None,
-        stats: GenerationStats,
-        suffix_group: str | None,
-        cache_salt: str | None,
-        grammar: CompiledGrammar | None,
-        acceptance: str,
-    ) -> Iterator[list[int]]:
-        engine = self.engine_for(len(prompt_ids) + params.max_new_tokens + STEP_SLOTS)
-        request_id = engine.add_request(prompt_ids, params, method, k, stats=stats, suffix_group=suffix_group,
-                                        cache_salt=cache_salt, grammar=grammar, k_policy=k_policy,
-                                        acceptance=acceptance)
+        engine: BatchEngine | None = None
+        request_id: str | None = None
         finished = False
         try:
+            engine = self.engine_for(len(prompt_ids) + params.max_new_tokens + STEP_SLOTS)
+            request_id = engine.add_request(prompt_ids, params, method, k, stats=stats, suffix_group=suffix_group,
+                                            cache_salt=cache_salt, grammar=grammar, k_policy=k_policy,
+                                            acceptance=acceptance)
             while not finished:
                 try:
                     outputs = engine.step()
@@ -132,8 +115,9 @@ class OneRequestEngine:
                     if output.new_tokens:
                         yield StepTokens(output.new_tokens, output.drafted)
         finally:
-            if not finished and self._engine is engine:
+            if request_id is not None and not finished and self._engine is engine:
                 engine.abort(request_id)
             # This thread stops decoding: its OpenMP team goes (backends/openmp.py), as after a
             # single-engine request, so that another thread's passes keep full speed.
             release_thread_team()
+            self._busy.release()
