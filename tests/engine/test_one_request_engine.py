@@ -88,12 +88,12 @@ def test_a_chats_next_turn_reuses_the_cached_prefix(pair: tuple[SpecDecoder, Spe
     assert first.stats.cached_tokens == 0 and second.stats.cached_tokens > 0
 
 
-def test_a_request_larger_than_the_pool_gets_a_larger_one(pair: tuple[SpecDecoder, SpecDecoder],
+def test_a_request_larger_than_the_pool_gets_a_larger_one(pair: tuple[SpecDecoder, SpecDecoder], tiny_qwen2_dir: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    single, batch = pair
+    single, _ = pair
     monkeypatch.setattr(specdecode.engine.one_request, "MIN_POOL_TOKENS", 64)
     monkeypatch.setattr(specdecode.engine.one_request, "STEP_SLOTS", 16)
-    batch.forget_prefix()
+    batch = decoder(tiny_qwen2_dir, None, "batch")  # no engine yet: the first gets the patched minimum
     small = SamplingParams(max_new_tokens=4)
     batch.generate(PROMPTS[4], small)
     engine = batch.one_request.engine
@@ -161,8 +161,8 @@ def test_an_int8_kv_cache_decodes_on_the_batch_engine_as_on_the_single(tiny_qwen
 def test_one_request_at_a_time_and_a_fixed_k_past_k_max(pair: tuple[SpecDecoder, SpecDecoder],
                                                         tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
     """A second stream while one is open is refused by name (it would step the same engine and
-    pools), and the first still ends as alone; a fixed k past k_max, which a batch step cannot
-    hold, decodes on the single-request engine under engine="auto", with the same greedy tokens."""
+    pools), and the first still ends as alone; a fixed k past k_max decodes on the one-seat
+    batch engine (built with a k_max that holds it) with the single engine's greedy tokens."""
     single, batch = pair
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     first = batch.stream(PROMPTS[0], params, method="draft", k=3)
@@ -176,4 +176,5 @@ def test_one_request_at_a_time_and_a_fixed_k_past_k_max(pair: tuple[SpecDecoder,
     auto = decoder(tiny_qwen2_dir, tiny_close_draft_dir, "auto", k_max=4)
     wide = auto.generate(PROMPTS[2], params, method="draft", k=6)
     assert wide.token_ids == single.generate(PROMPTS[2], params, method="draft", k=6).token_ids
-    assert wide.stats.proposed_at_position[5] > 0  # six deep: the single engine's steps
+    assert wide.stats.proposed_at_position[5] > 0  # six deep, as the single engine's steps
+    assert auto.one_request.engine is not None and auto.one_request.engine.k_max >= 6

@@ -1,5 +1,6 @@
 """Prefix caching in the paged pool (kv/paged.py): full blocks registered under (parent, tokens,
-group), shared by reference, kept on an LRU list when free, never written while shared."""
+group), shared by reference, kept on an LRU list when free, never written while shared, and
+forgotten all at once by ``drop_cached_prefixes``."""
 
 import pytest
 import torch
@@ -102,4 +103,25 @@ def test_the_cache_off_behaves_as_before() -> None:
     assert pool.add(1, TOKENS) == 0 and pool.cached_blocks == 0
     pool.free(0, TOKENS)
     pool.free(1, TOKENS)
+    assert pool.free_blocks == pool.usable_blocks and pool.prefix_stats.evictions == 0
+
+
+def test_a_paged_pool_drops_its_cached_prefixes_and_keeps_its_sequences() -> None:
+    """``drop_cached_prefixes`` (``SpecDecoder.forget_prefix``): free cached blocks go back to the
+    empty free list (taking them later is no eviction); a running sequence's registered blocks
+    stay its own, unregistered, and are freed when it leaves."""
+    pool = small_pool(num_blocks=12, block_size=BLOCK)
+    other = [token + 50 for token in TOKENS]
+    filled(pool, 0, TOKENS)
+    filled(pool, 1, other)  # running, its 3 full blocks registered
+    pool.free(0, TOKENS)  # cached, free
+    held = list(pool.tables[1].blocks)
+    assert pool.cached_blocks == 6
+    free_before = pool.free_blocks
+    pool.drop_cached_prefixes()
+    assert pool.cached_blocks == 0 and pool.free_blocks == free_before
+    assert pool.add(2, TOKENS) == 0 and pool.add(3, other) == 0  # nothing found
+    assert pool.tables[1].blocks == held and pool.tables[1].length == len(other) - 1
+    for seq in (1, 2, 3):
+        pool.free(seq)
     assert pool.free_blocks == pool.usable_blocks and pool.prefix_stats.evictions == 0

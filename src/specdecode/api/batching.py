@@ -65,6 +65,7 @@ class BatchGeneration:
         policy: str = "async",
         cost_aware: bool = True,
         scheduling: SchedulerConfig | None = None,
+        k_max: int | None = None,
     ) -> BatchEngine:
         """A continuous-batching engine over this decoder's models (every method:
         ``engine/batch_rows.py``; layerskip, medusa and eagle where this decoder has their layers
@@ -81,8 +82,12 @@ class BatchGeneration:
         kept in its cost store, so a later engine on this machine times only the batched shapes)
         so that the batch's draft length follows measured costs and falls to plain decoding where
         speculation stops paying; without it every speculative request drafts its own k each step.
+
+        ``k_max`` (None: the decoder's ``config.k_max``): the most a request's k may be, and the
+        range of the batch's choice; the pass costs are timed for its verify widths.
         """
         scheduling = scheduling or SchedulerConfig()
+        k_max = self.config.k_max if k_max is None else k_max
         # kv_dtype="int8": both paged pools store int8 K/V with per-(slot, head) scales (kv/paged.py).
         target = batch_model(self.target, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots,
                              kv_dtype=self.kv_dtype)
@@ -91,13 +96,12 @@ class BatchGeneration:
                                   kv_dtype=self.kv_dtype))
         verify_costs = draft_costs = None
         if cost_aware:
-            verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, self.config.k_max, live=self.costs.live,
-                                                         longest_draft=auto_depth(self.config.k_max),
-                                                         store=self.engine.cost_store)
+            verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, k_max, live=self.costs.live,
+                                                         longest_draft=auto_depth(k_max), store=self.engine.cost_store)
         return BatchEngine(
             target, draft, self.eos_token_ids,
             max_batch=max_batch, kv_cache_tokens=kv_cache_tokens, block_size=block_size, policy=policy,
-            k_max=self.config.k_max, verify_costs=verify_costs, draft_costs=draft_costs,
+            k_max=k_max, verify_costs=verify_costs, draft_costs=draft_costs,
             ngram_max=self.config.ngram_max, ngram_min=self.config.ngram_min, draft_confidence=self.config.draft_confidence,
             sync_timing=self.engine.sync_timing, suffix_cache=self.suffix_cache, prefix_cache=self.config.prefix_cache,
             scheduling=scheduling, heads=self._head_drafters(), skip_layers=self.config.skip_layers,

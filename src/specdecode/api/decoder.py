@@ -117,9 +117,11 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
             self.attach_heads(heads, config.tree_size)
-        # engine="batch": generate and stream decode on a batch engine with one seat, built on first use.
-        self.one_request = OneRequestEngine(lambda tokens: self.batch_engine(
-            max_batch=1, kv_cache_tokens=tokens, scheduling=SchedulerConfig(prefill_chunk=0, time_slice=0, spare_slots=1)))
+        # engine="batch": generate and stream decode on a batch engine with one seat, built on
+        # first use (with a larger k_max for a fixed k past the decoder's: one_request.k_max_for).
+        self.one_request = OneRequestEngine(lambda tokens, k_max: self.batch_engine(
+            max_batch=1, kv_cache_tokens=tokens, k_max=k_max,
+            scheduling=SchedulerConfig(prefill_chunk=0, time_slice=0, spare_slots=1)), config.k_max)
 
     @property
     def suffix_cache(self) -> SuffixCache:
@@ -212,7 +214,7 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
 
     def forget_prefix(self) -> None:
         """Drop the prefix cache's record (the K/V stay allocated): the next request prefills its
-        whole prompt, as the first request after loading does."""
+        whole prompt, as the first request after loading does (on the engines already built)."""
         self.engine.forget_prefix()
         self.one_request.forget_prefix()
 
@@ -271,9 +273,6 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
         self.check_request(prompt_ids, params)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         engine = resolve_engine("single" if self._tracing else self.config.engine, bool(self.compile_mode))
-        if (engine == "batch" and self.config.engine == "auto" and request.policy == "fixed"
-                and request.k > self.config.k_max):
-            engine = "single"  # a fixed k past k_max: a batch step holds k_max drafts at most
         if engine == "batch":
             return self._stream_batched(prompt_ids, params, request, cache_salt, grammar, acceptance)
         plan = plan_request(self.resources, request)
@@ -290,10 +289,9 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
                         cache_salt: str | None, grammar: CompiledGrammar | None, acceptance: str) -> GenerationStream:
         """``stream`` on the batch engine holding one request (``engine/one_request.py``)."""
         stats = GenerationStats(method=request.method)
-        # A fixed k is the draft length (the batch engine refuses one past k_max, as the single
-        # engine's fixed k is not capped); under a policy it is only the first guess, capped.
-        k = (None if request.method == registry.NONE.name
-             else request.k if request.policy == "fixed" else min(request.k, self.config.k_max))
+        # A fixed k is the draft length, past k_max too (as on the single engine: the one-seat
+        # engine is built to hold it); under a policy it is only the first guess, capped there.
+        k = None if request.method == registry.NONE.name else request.k
         chunks = self.one_request.decode(prompt_ids, params, request.method, k, request.policy, stats,
                                          request.suffix_group, cache_salt, grammar, acceptance=acceptance)
         return GenerationStream(self._late_notes(chunks, stats, request), IncrementalDecoder(self.tokenizer, params.stop),

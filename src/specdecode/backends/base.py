@@ -144,6 +144,9 @@ class SequencePool(Protocol):
     def reserve(self, seq: int, tokens: int) -> None:
         """Room for positions [0, tokens) of ``seq``, all or nothing (raises ``OutOfBlocks``)."""
 
+    def drop_cached_prefixes(self) -> None:
+        """Forget every cached prefix: later sequences' ``add`` finds none (running ones keep their K/V)."""
+
     def free(self, seq: int, tokens: Sequence[int] = (), group: str | None = None, returning: bool = False) -> None:
         """``seq`` left; its valid K/V of ``tokens`` stay cached for ``group`` where the pool can,
         kept for ``seq`` itself first when it was preempted and will be readmitted

@@ -273,6 +273,14 @@ class SlotPool:
             self.model.clear(slot)
         self._free.append(slot)
 
+    def drop_cached_prefixes(self) -> None:
+        """Forget the prefixes free slots keep (``SpecDecoder.forget_prefix``), their cells
+        cleared; a slot kept for a preempted sequence, and K/V saved for one, are its own state
+        to resume from, not a cached prefix, and stay."""
+        for slot in [slot for slot, record in self.records.items() if record.owner is None]:
+            del self.records[slot]
+            self.model.clear(slot)
+
     def clear_records(self) -> None:
         """Forget what free slots hold (after scratch passes wrote into them)."""
         self.records.clear()

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from specdecode.config import check_acceptance, check_k_policy
+from specdecode.config import MAX_K_MAX, check_acceptance, check_k_policy
 from specdecode.core import registry
 from specdecode.costs.batch_k import PassCosts
 from specdecode.costs.k_policy import FixedK, KSchedule, ThresholdK
@@ -79,7 +79,9 @@ def row_schedule(method: str, k_policy: str, k: int, k_max: int) -> KSchedule | 
     either; suffix decoding and the head methods' trees only ``fixed`` (a tree or a lookup k
     deep every step, as on the single path); auto (and plain decoding) chooses its own."""
     planner = registry.BY_NAME[method].planner
-    if check_k_policy(k_policy, k_max) == "cost" or planner in (registry.PLAN_SOURCES, registry.PLAN_PLAIN):
+    # Only the policy is checked: an engine's k_max passes MAX_K_MAX where it was built for a
+    # fixed k past it (engine/one_request.py), which a policy's row never decodes under.
+    if check_k_policy(k_policy, min(k_max, MAX_K_MAX)) == "cost" or planner in (registry.PLAN_SOURCES, registry.PLAN_PLAIN):
         return None
     if planner != registry.PLAN_CHAIN:
         return FixedK(k) if k_policy == "fixed" else None

@@ -236,6 +236,16 @@ class PagedKVCache:
             self._key_of[block] = (key, self._key_ids)
             parent = self._key_ids
 
+    def drop_cached_prefixes(self) -> None:
+        """Forget every registered block (``SpecDecoder.forget_prefix``): later sequences find no
+        cached prefix. Cached blocks no sequence holds go back to the empty free list; held ones
+        stay with their sequences, unregistered, and are freed as usual when those leave."""
+        for block in self._cached_free:
+            self._free.append(block)
+        self._cached_free.clear()
+        self._block_of.clear()
+        self._key_of.clear()
+
     def _take(self) -> int:
         if self._free:
             block = self._free.pop()
