@@ -91,9 +91,7 @@ def test_cli_ngram_needs_no_draft_model(capsys, tiny_qwen2_dir: Path) -> None:
 
 
 def test_ngram_sampling_matches_target_distribution(tiny_qwen2_dir: Path) -> None:
-    # The single-request engine, whose first step drafts (a batch row's first token is a plain
-    # step, so 3-token draws draft little there: its test is test_batch_auto.py's ngram rows).
-    dec = decoder(tiny_qwen2_dir, None, "ngram", engine="single")
+    dec = decoder(tiny_qwen2_dir, None, "ngram")
     prompt_ids = copyable_prompt(dec)
     proposed = accepted = 0
     for seed in range(40):
@@ -109,7 +107,7 @@ def test_ngram_sampling_matches_target_distribution(tiny_qwen2_dir: Path) -> Non
 def test_ngram_distribution_test_has_power(tiny_qwen2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Recovering rejected n-gram proposals from p instead of p with the proposal removed must
     fail the same test (chi-square ~430 against the critical 54 when written)."""
-    dec = decoder(tiny_qwen2_dir, None, "ngram", engine="single")
+    dec = decoder(tiny_qwen2_dir, None, "ngram")
     prompt_ids = copyable_prompt(dec)
     install_wrong_residual(monkeypatch)
     stat, df = chi_square(dec, prompt_ids, "ngram")

@@ -46,8 +46,8 @@ def plain(dec: SpecDecoder, rows) -> list[list[int]]:
 
 
 def head_passes_of_a_drafting_step(dec: SpecDecoder, monkeypatch: pytest.MonkeyPatch, prompts: list[str]) -> int:
-    """Head forward calls in the second step of EAGLE rows of ``prompts`` (k = 3), the first
-    step in which they draft (a request's first token comes from a plain step)."""
+    """Head forward calls in the second step of EAGLE rows of ``prompts`` (k = 3): a drafting
+    step whose head passes read no prompt (the first step's catch-up reads the prompts' pairs)."""
     eng = engine(dec)
     for prompt in prompts:
         eng.add_request(dec.encode(prompt), SamplingParams(max_new_tokens=20, ignore_eos=True), "eagle", 3)

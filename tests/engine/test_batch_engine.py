@@ -391,16 +391,18 @@ def test_a_new_request_starts_from_the_pooled_acceptance(dec) -> None:
     eng.run()
 
 
-def test_a_requests_first_token_comes_from_a_plain_step(dec) -> None:
-    # Time to first token never pays for drafting (the draft model reading the prompt, a draft
-    # step priced on a guessed acceptance); the request drafts from its second step on.
+def test_a_requests_first_token_may_be_speculated(dec) -> None:
+    # A row drafts from its first step, as the single engine did: its drafts ride in the pass
+    # that feeds its prompt's last token (the draft model reads the prompt first), and what it
+    # emits is still the target's own greedy text.
     eng = engine(dec)
-    eng.add_request(dec.encode(PROMPTS[0]), SamplingParams(max_new_tokens=12, ignore_eos=True), "draft", 3)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    request_id = eng.add_request(dec.encode(PROMPTS[0]), params, "draft", 3)
     (first,) = eng.step()
-    assert first.new_tokens and len(first.new_tokens) == 1 and first.stats.draft_tokens_proposed == 0
-    (second,) = eng.step()
-    assert second.stats.draft_tokens_proposed == 3
-    eng.run()
+    assert first.stats.draft_tokens_proposed == 3 and first.stats.verify_steps == 1
+    assert len(first.new_tokens) == 1 + first.drafted and first.drafted > 0  # the close draft is right here
+    generated = first.new_tokens + eng.run()[request_id]
+    assert generated == dec.generate(PROMPTS[0], params, method="none").token_ids
     assert_pools_empty(eng)
 
 

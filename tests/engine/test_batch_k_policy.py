@@ -47,8 +47,8 @@ def plain(dec: SpecDecoder, prompt: str, max_new: int = 20) -> list[int]:
 
 
 def drafted_every_step(stats: GenerationStats, k: int) -> bool:
-    """Every step drafted k tokens but the first (a request's first token comes from a plain
-    step) and the last two, where fewer than k + 1 tokens may be left to generate."""
+    """Every step drafted k tokens but the last two, where fewer than k + 1 tokens may be left
+    to generate (and one step of slack)."""
     return len(stats.proposed_at_position) == k and stats.proposed_at_position[k - 1] >= stats.verify_steps - 3
 
 

@@ -146,10 +146,9 @@ def test_suffix_tree_rows_survive_preemption_and_aborts(dec) -> None:
 def tree_chi_square(dec, eng: BatchEngine) -> tuple[float, int, list[GenerationStats]]:
     """``helpers.chi_square_in_mixed_batches`` for suffix rows: 1,500 seeded suffix requests
     (k = 2, 3 tokens, top-k 3) of one prompt beside sampled rows of other prompts and methods
-    (one in ten). A request's first token comes from a plain step; its second is drafted from
-    the shared tree of earlier samples: a tree one deep whose root branches over the
-    continuations seen after its first token (its children cover most of p, so a verifier that
-    mishandles a rejected child shows). Pearson's statistic against the exact distribution, and
+    (one in ten). Each token is drafted from the shared tree of earlier samples: a tree one deep
+    whose root branches over the continuations seen after it (its children cover most of p,
+    so a verifier that mishandles a rejected child shows). Pearson's statistic against the exact distribution, and
     the suffix rows' stats."""
     return chi_square_in_mixed_batches(dec, eng, dec.encode("def quicksort(arr):"), "suffix",
                                        ("ngram", "none", "suffix"))

@@ -323,9 +323,7 @@ def test_the_forced_token_distribution_test_catches_a_wrong_residual(tiny_qwen2_
 
 def test_the_constrained_distribution_test_catches_a_wrong_residual(tiny_qwen2_dir: Path,
                                                                     tiny_close_draft_dir: Path, monkeypatch) -> None:
-    # The single-request engine, whose first step drafts: in 3-token draws a batch row (its
-    # first token a plain step's) drafts and rejects too little for this test to see the bug.
-    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir, engine="single")
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
     install_wrong_residual(monkeypatch)
     stat, df, _ = constrained_chi_square(dec, "draft")
     assert stat > CHI2_CRITICAL_P001[df], f"the wrong sampler passed: chi2={stat:.1f} df={df}"

@@ -38,16 +38,22 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 
 
 def slow_steps(monkeypatch, seconds: float) -> list[int]:
-    """Make every batched verify pass take ``seconds`` longer; returns the batch sizes seen."""
-    real = specdecode.engine.batch.BatchEngine._verify
+    """Make every batched verify pass take ``seconds`` longer; returns the batch sizes seen (of
+    each step's drafting, then of its verify pass: a sampled draft also samples)."""
+    real_verify, real_draft = specdecode.engine.batch.BatchEngine._verify, specdecode.engine.batch.BatchEngine._draft
     sizes: list[int] = []
 
     def slow(self, running, proposals):
         sizes.append(len(running))
         time.sleep(seconds)
-        return real(self, running, proposals)
+        return real_verify(self, running, proposals)
+
+    def draft(self, running, wanted, forced):
+        sizes.append(len(running))
+        return real_draft(self, running, wanted, forced)
 
     monkeypatch.setattr(specdecode.engine.batch.BatchEngine, "_verify", slow)
+    monkeypatch.setattr(specdecode.engine.batch.BatchEngine, "_draft", draft)
     return sizes
 
 
@@ -85,7 +91,10 @@ def test_a_request_whose_sampling_raises_fails_alone(served, monkeypatch) -> Non
     """One request's sampling raises (injected) in a step it shares with a greedy stream: it gets
     a 500 with an OpenAI body, the stream completes with its single-request output."""
     base, dec = served
-    expected = dec.generate(PROMPT, SamplingParams(max_new_tokens=30), method="draft").text
+    # Long enough to share steps with the failing request (its end tokens banned): the close
+    # draft's rows accept ~5 tokens a step, the first step included.
+    no_eos = {token: -100.0 for token in dec.eos_token_ids}
+    expected = dec.generate(PROMPT, SamplingParams(max_new_tokens=120, logit_bias=no_eos), method="draft").text
     real_probs = specdecode.core.sampling.LogitsProcessor.probs
     failed_batches: list[int] = []
     sizes = slow_steps(monkeypatch, 0.02)
@@ -97,7 +106,8 @@ def test_a_request_whose_sampling_raises_fails_alone(served, monkeypatch) -> Non
         return real_probs(self, logits)
 
     monkeypatch.setattr(specdecode.core.sampling.LogitsProcessor, "probs", probs)
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 30, "temperature": 0, "method": "draft", "stream": True}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "temperature": 0, "method": "draft", "stream": True,
+            "logit_bias": {str(token): bias for token, bias in no_eos.items()}}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
@@ -176,12 +186,18 @@ def large_prompt_stalls_nothing(base: str) -> None:
 
 
 # --- 3. a non-streaming client that leaves --------------------------------------------------
+def long_sampled_body(dec) -> dict:
+    """A sampled request that runs its 400 tokens whatever it draws (its end tokens banned)."""
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 0,
+            "logit_bias": {str(token): -100 for token in dec.eos_token_ids}}
+
+
 def test_a_non_streaming_client_that_leaves_cancels_its_request(served, monkeypatch) -> None:
-    base, _ = served
+    base, dec = served
     slow_steps(monkeypatch, 0.05)
     cancelled = metric(base, 'specdecode_requests_total{status="cancelled"}')
     ok = metric(base, 'specdecode_requests_total{status="ok"}')
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 0}
+    body = long_sampled_body(dec)
     with pytest.raises(httpx.ReadTimeout):
         post(base, body, timeout=0.5)  # hangs up after half a second (about 10 steps)
     wait_for(lambda: metric(base, 'specdecode_requests_total{status="cancelled"}') == cancelled + 1,
@@ -466,10 +482,10 @@ def test_default_allowed_hosts() -> None:
 
 
 # --- 9. request timeout -----------------------------------------------------------------------
-def test_a_request_past_the_timeout_is_stopped(start_server, monkeypatch) -> None:
+def test_a_request_past_the_timeout_is_stopped(start_server, tiny_decoder, monkeypatch) -> None:
     with start_server(ServerOptions(request_timeout=0.4)) as (base, _):
         slow_steps(monkeypatch, 0.05)
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 0}
+        body = long_sampled_body(tiny_decoder)
         started = time.perf_counter()
         error = assert_openai_error(post(base, body), 504)
         assert error["code"] == "request_timeout" and time.perf_counter() - started < 3

@@ -28,10 +28,10 @@ MIN_OBSERVED_TRIALS = 3.0
 
 
 def may_draft(request: BatchRequest) -> bool:
-    # A request's first token comes from a plain step: its time to first token never pays
-    # for a draft model reading the prompt, nor for a draft step priced on a guessed
-    # acceptance while requests sent with it are still arriving.
-    return request.method != "none" and request.stats.new_tokens > 0
+    # Even a request's first token may be speculated: its drafts ride in the pass that feeds
+    # its prompt's last token (on llama.cpp, its prompt's last chunk too), as the single
+    # engine's did. A draft model's read of the prompt is priced in (``BatchK._read_ahead``).
+    return request.method != "none"
 
 
 def max_draft(request: BatchRequest) -> int:
