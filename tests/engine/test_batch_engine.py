@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CHI2_CRITICAL_P001, PROMPTS, chi_square_in_batches, decoder, install_wrong_residual, run_until_done
+from helpers import (
+    CHI2_CRITICAL_P001,
+    PROMPTS,
+    chi_square_in_batches,
+    copyable_prompt,
+    decoder,
+    install_wrong_residual,
+    run_until_done,
+)
 
 import specdecode.core.sampling
 import specdecode.engine.batch
@@ -391,18 +399,24 @@ def test_a_new_request_starts_from_the_pooled_acceptance(dec) -> None:
     eng.run()
 
 
-def test_a_requests_first_token_may_be_speculated(dec) -> None:
-    # A row drafts from its first step, as the single engine did: its drafts ride in the pass
-    # that feeds its prompt's last token (the draft model reads the prompt first), and what it
-    # emits is still the target's own greedy text.
+def test_a_requests_first_token_may_be_speculated_but_not_by_the_draft_model(dec) -> None:
+    # A lookup drafts from a row's first step (its drafts ride in the pass that feeds the
+    # prompt's last token); the draft model waits for the second (its first token would pay for
+    # the draft model reading the whole prompt). Either way the output is the target's own.
     eng = engine(dec)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    request_id = eng.add_request(dec.encode(PROMPTS[0]), params, "draft", 3)
-    (first,) = eng.step()
-    assert first.stats.draft_tokens_proposed == 3 and first.stats.verify_steps == 1
-    assert len(first.new_tokens) == 1 + first.drafted and first.drafted > 0  # the close draft is right here
-    generated = first.new_tokens + eng.run()[request_id]
-    assert generated == dec.generate(PROMPTS[0], params, method="none").token_ids
+    prompt = copyable_prompt(dec)  # its tail matches earlier in it: a lookup proposes at once
+    lookup = eng.add_request(prompt, params, "ngram", 3)
+    model = eng.add_request(prompt, params, "draft", 3)
+    first = {output.request_id: output for output in eng.step()}
+    assert first[lookup].stats.draft_tokens_proposed > 0 and first[lookup].stats.verify_steps == 1
+    assert first[model].stats.draft_tokens_proposed == 0 and len(first[model].new_tokens) == 1
+    second = {output.request_id: output for output in eng.step()}
+    assert second[model].stats.draft_tokens_proposed == 3
+    generated = eng.run()
+    expected = dec.generate(prompt, params, method="none").token_ids
+    for request_id in (lookup, model):
+        assert first[request_id].new_tokens + second[request_id].new_tokens + generated[request_id] == expected
     assert_pools_empty(eng)
 
 

@@ -27,11 +27,19 @@ from specdecode.engine.scheduler import ScheduledSequence
 MIN_OBSERVED_TRIALS = 3.0
 
 
-def may_draft(request: BatchRequest) -> bool:
-    # Even a request's first token may be speculated: its drafts ride in the pass that feeds
-    # its prompt's last token (on llama.cpp, its prompt's last chunk too), as the single
-    # engine's did. A draft model's read of the prompt is priced in (``BatchK._read_ahead``).
-    return request.method != "none"
+def may_draft(seq: ScheduledSequence) -> bool:
+    """Whether a row may draft this step. Even a request's first token may be speculated (its
+    drafts ride in the pass that feeds its prompt's last token; on llama.cpp its prompt's last
+    chunk too), but not by the draft model (``model_may_draft``)."""
+    request: BatchRequest = seq.state
+    return request.method != "none" and (request.sources is not None or not seq.uses_draft or model_may_draft(seq))
+
+
+def model_may_draft(seq: ScheduledSequence) -> bool:
+    """Whether the draft model may draft for this row this step: not for its first token,
+    whose time would then pay for the draft model reading the whole prompt first (measured: a
+    priced-out draft model's re-try on a turn's first step made it 1.96 s, 4x the others)."""
+    return seq.uses_draft and seq.state.stats.new_tokens > 0
 
 
 def max_draft(request: BatchRequest) -> int:
@@ -45,7 +53,7 @@ def drafts_with_model(seq: ScheduledSequence) -> bool:
     """Whether the draft model drafts for this row this step (a row that picks its source: if
     it picked the model)."""
     request: BatchRequest = seq.state
-    return seq.uses_draft and (request.sources is None or request.sources.drafts_with_model)
+    return model_may_draft(seq) and (request.sources is None or request.sources.drafts_with_model)
 
 
 def plan_row(seq: ScheduledSequence, drafter: BatchDraftModel | None, draft_confidence: float,
@@ -58,16 +66,17 @@ def plan_row(seq: ScheduledSequence, drafter: BatchDraftModel | None, draft_conf
     if request.ngram is not None:  # the lookups look at every committed token
         request.ngram.extend(request.tokens[len(request.ngram.history):])
     backlog = 0
-    if seq.uses_draft:
+    with_model = model_may_draft(seq)
+    if with_model:
         assert drafter is not None
         backlog = drafter.backlog(seq.seq_id, len(request.tokens))
-    row = BatchRow(request.acceptance.rate, max_draft(request), seq.uses_draft, backlog,
+    row = BatchRow(request.acceptance.rate, max_draft(request), with_model, backlog,
                    observed=request.acceptance.trials >= MIN_OBSERVED_TRIALS, remaining=request.remaining,
-                   stops_early=seq.uses_draft and draft_confidence > 0,
+                   stops_early=with_model and draft_confidence > 0,
                    self_pass_fraction=skip_fraction if request.skips_layers else 0.0,
                    fixed=request.schedule is not None)
     if request.sources is not None:
-        return request.sources.choices(request.remaining, row if seq.uses_draft else None)
+        return request.sources.choices(request.remaining, row if with_model else None)
     return row
 
 
@@ -81,7 +90,7 @@ def plan_rows(
     drafting, plans, broken = [], [], []
     skip_fraction = skipper.pass_fraction if skipper is not None else 0.0
     for seq in running:
-        if not may_draft(seq.state):
+        if not may_draft(seq):
             continue
         try:
             plans.append(plan_row(seq, drafter, draft_confidence, skip_fraction))
