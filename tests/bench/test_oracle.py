@@ -69,6 +69,20 @@ def test_price_trace_leaves_out_prefill_and_prices_every_later_pass() -> None:
     assert price_trace(merged, costs) == pytest.approx(1.0 + 1.0)
     assert max_trace_rows([merged]) == 3  # the prompt's tail is no verify row
     assert costs.target(5) == pytest.approx(3.0)  # past the table: along the last slope
+    batch = PassTrace([  # the batch engine holding one request, on torch
+        PassEvent("target", "begin", (64, 0)),
+        PassEvent("target", "extend", (0, 40, 0)),  # the prompt but its last token: a prefill pass of its own
+        PassEvent("target", "commit", (40,)),
+        PassEvent("target", "extend", (40, 3, 3)),  # the last prompt token and 2 lookup drafts: y[0]'s pass
+        PassEvent("target", "commit", (42,)),
+        PassEvent("draft", "begin", (43, 0)),
+        PassEvent("draft", "extend", (0, 41, 0)),  # the draft model's read-ahead of its backlog: 41 x 0.01
+        PassEvent("draft", "commit", (41,)),
+        PassEvent("draft", "extend", (41, 1, 1)),
+        PassEvent("target", "extend", (42, 2, 2)),
+    ])
+    assert price_trace(batch, costs) == pytest.approx((2.0 - 1.0) + 0.41 + 0.25 + 1.5)
+    assert max_trace_rows([batch]) == 3
 
 
 METHODS = (("none", None), ("draft", 3), ("draft", "auto"), ("ngram", 4), ("ngram", "auto"), ("suffix", 4),
@@ -106,8 +120,10 @@ def test_no_method_beats_the_oracle(tiny_qwen2_dir: Path, tiny_close_draft_dir: 
         sources |= {s.source for s in steps}
     assert price_trace(traced["none", None][0], costs) + price_trace(traced["none", None][1], costs) == pytest.approx(
         costs.target(1) * (len(plain[0]) - 1 + len(plain[1]) - 1))
-    first = next(e for e in traced["none", None][0].events if e.role == "target" and e.op == "extend")
-    assert first.args == (0, len(turns[0]), 1)  # y[0] came from one pass over the whole prompt
+    # The batch engine holding one request (the default) prefills a torch prompt in a pass of its
+    # own, without logits (priced as prefill); y[0] then comes from a one-row pass, priced free.
+    extends = [e.args for e in traced["none", None][0].events if e.role == "target" and e.op == "extend"]
+    assert extends[:2] == [(0, len(turns[0]) - 1, 0), (len(turns[0]) - 1, 1, 1)]
     for key, traces in traced.items():
         priced = sum(price_trace(t, costs) for t in traces)
         assert oracle <= priced * (1 + 1e-9), (key, oracle, priced)

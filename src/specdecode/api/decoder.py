@@ -113,7 +113,6 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
             suffix_cache=SuffixCache(config.suffix_cache_tokens),
             costs=DecoderCosts(self.engine, draft_drafter, None if draft is None else self._cost_store(draft, "draft")),
         )
-        self._tracing = False  # inside trace_passes: decode on the single-request engine, which it traces
         self.heads: dict[str, DraftHeads] = {}
         if heads is not None:
             self.attach_heads(heads, config.tree_size)
@@ -272,7 +271,7 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
         prompt_ids = self.prompt_ids(prompt, chat)
         self.check_request(prompt_ids, params)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
-        engine = resolve_engine("single" if self._tracing else self.config.engine, bool(self.compile_mode))
+        engine = resolve_engine(self.config.engine, bool(self.compile_mode))
         if engine == "batch":
             return self._stream_batched(prompt_ids, params, request, cache_salt, grammar, acceptance)
         plan = plan_request(self.resources, request)

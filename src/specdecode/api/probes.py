@@ -16,31 +16,36 @@ from specdecode.config import TREE_METHODS, SamplingParams
 from specdecode.core.sampling import LogitsProcessor, make_generator
 from specdecode.drafters.base import Drafter, TreeDrafter
 from specdecode.drafters.planner import DecoderResources
+from specdecode.engine.batch_trace import tracing_one_request
 from specdecode.engine.probe import continuation_logits, logits_in_passes, next_draft_probs
 from specdecode.engine.single import SpecEngine
 from specdecode.engine.trace import DRAFT, TARGET, PassTrace, TracingSequence
 from specdecode.errors import InvalidRequestError
 
+if TYPE_CHECKING:
+    from specdecode.engine.one_request import OneRequestEngine
+
 
 class DecoderProbes:
-    """``SpecDecoder``'s probes of its models (the module docstring); they run on the
-    single-request engine's sequences, and drop its prefix record after."""
+    """``SpecDecoder``'s probes of its models (the module docstring); but for ``trace_passes``
+    they run on the single-request engine's sequences, and drop its prefix record after."""
 
     if TYPE_CHECKING:
         engine: SpecEngine
         resources: DecoderResources
         drafters: dict[str, Drafter | TreeDrafter]
-        _tracing: bool
+        one_request: OneRequestEngine
 
     @contextlib.contextmanager
     def trace_passes(self) -> Iterator[PassTrace]:
-        """Record every pass the single-request engine makes on the target's and the draft
-        model's sequences inside the block (``engine/trace.py``): a trace to price with a cost
-        table or replay on another device. The batch engine is not traced: inside the block,
-        ``generate`` and ``stream`` decode on the single-request engine (as ``engine="single"``).
+        """Record every pass ``generate`` and ``stream`` make inside the block on the target's and
+        the draft model's sequences (``engine/trace.py``): a trace to price with a cost table or
+        replay on another device. On the batch engine holding one request (the default) its
+        one-row batch models are traced (``engine/batch_trace.py``): the trace says what that
+        engine runs, a torch prompt's prefill pass and the draft model's read-ahead included; on
+        the single-request engine (``engine="single"``, a compiled decoder) its sequences are.
         Layer skip's passes run inside the target's model and are not recorded."""
         trace = PassTrace()
-        self._tracing = True
         target = self.engine.target
         draft = self.resources.draft_model
         draft_sequence = draft.model if draft is not None else None
@@ -48,9 +53,9 @@ class DecoderProbes:
         if draft is not None:
             draft.model = TracingSequence(draft_sequence, DRAFT, trace)  # type: ignore[arg-type, assignment]
         try:
-            yield trace
+            with tracing_one_request(self.one_request, trace):
+                yield trace
         finally:
-            self._tracing = False
             self.engine.target = target
             if draft is not None:
                 draft.model = draft_sequence  # type: ignore[assignment]

@@ -130,14 +130,20 @@ def replay(trace: PassTrace, sequences: Mapping[str, SequenceModel]) -> ReplayRe
     zeros = torch.zeros((1, longest), dtype=torch.long, device=device)
     passes: dict[str, int] = {}
     rows: dict[str, int] = {}
+    # Positions each role's sequence holds. A batch-engine trace's BEGIN keeps what its pool's
+    # prefix cache served, which may be an older request's prefix than the one sequence before
+    # it here; the replay keeps what it holds (a pass costs the same either way: zeros for ids).
+    held: dict[str, int] = {}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     started = time.perf_counter()
     for event in trace.events:
         sequence = sequences[event.role]
         if event.op == BEGIN:
-            sequence.begin(event.args[0], keep=event.args[1])
+            held[event.role] = min(event.args[1], held.get(event.role, 0))
+            sequence.begin(event.args[0], keep=held[event.role])
         elif event.op == COMMIT:
+            held[event.role] = event.args[0]
             sequence.commit(event.args[0])
         elif event.op == EXTEND:
             start, count, logit_rows = event.args
