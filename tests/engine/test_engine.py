@@ -170,8 +170,10 @@ def test_distribution_test_catches_wrong_residual(sampling_setup, monkeypatch) -
 def test_the_prompt_is_fed_in_the_first_verify_pass(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
     """No prefill pass of its own: the first target pass feeds the whole prompt with the first
     drafts and computes logits for the last prompt token and the drafts only, so the first token
-    costs one pass. The output equals a decode that prefills the prompt first (exact in fp32)."""
-    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
+    costs one pass. The output equals a decode that prefills the prompt first (exact in fp32).
+    The single-request engine's first pass (on torch the batch engine prefills the prompt in a
+    pass of its own; its merged first pass on llama.cpp: test_batch_trace.py)."""
+    dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir, engine="single")
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     ids = dec.encode(PROMPTS[1])
     for method, k in (("none", None), ("draft", 3), ("ngram", 3)):
