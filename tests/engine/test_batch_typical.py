@@ -209,7 +209,8 @@ def test_one_request_engine_and_run_samples_pass_the_rule_on(dec: SpecDecoder) -
     for rule in ("typical", "lossless"):
         # Fresh engines for each rule: a prompt cached by the first would start the second
         # without its prompt's features, so its heads could not draft its first token.
-        one = OneRequestEngine(lambda tokens: engine(dec, max_batch=1, kv_cache_tokens=tokens))
+        one = OneRequestEngine(lambda tokens, k_max: engine(dec, max_batch=1, kv_cache_tokens=tokens, k_max=k_max),
+                               dec.config.k_max)
         eng = engine(dec, kv_cache_tokens=MIN_POOL_TOKENS)
         steps = one.decode(
             dec.encode(prompt), params, method, None, None, GenerationStats(), None, None, None, acceptance=rule
