@@ -51,6 +51,7 @@ from specdecode.backends.llamacpp_repack import (
     use_extra_buffer_types,
 )
 from specdecode.backends.llamacpp_threads import attach_shared_threadpool
+from specdecode.backends.mapped_pages import drop_resident_pages
 from specdecode.backends.openmp import forget_loaded_libraries
 from specdecode.errors import InvalidRequestError, ModelLoadError, SpecDecodeError
 
@@ -74,9 +75,7 @@ class _Weights:
     """A loaded llama_model and how many contexts use it; freed with the last."""
 
     def __init__(self, model: Any) -> None:
-        self.model = model
-        self.users = 1
-        self._lock = threading.Lock()
+        self.model, self.users, self._lock = model, 1, threading.Lock()
 
     def share(self) -> _Weights:
         with self._lock:
@@ -199,10 +198,10 @@ class LlamaCppModel:
             model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
         if not model:
             detail = LogSink.take_recent() or "no detail from llama.cpp"
-            raise ModelLoadError(
-                f"llama.cpp could not load {self.path} ({detail}); is it a complete GGUF file of an "
-                "architecture this llama-cpp-python version supports?"
-            )
+            raise ModelLoadError(f"llama.cpp could not load {self.path} ({detail}); is it a complete GGUF file of an "
+                                 "architecture this llama-cpp-python version supports?")
+        if self.repack.extra_buffers:  # the repacked tensors' originals are never read again
+            drop_resident_pages(self.path)
         return model
 
     def _new_context(self, llama_cpp: ModuleType, kv_type: str, flash_attn: bool | None) -> Any:
