@@ -23,10 +23,12 @@ share of it. The oracle is optimistic on purpose: it ignores the draft model's c
 tokens it did not read (the prompt included) and its stopping rule, so no method's priced
 trace is below it (tested). Prefill is left out of both: every method pays the same one.
 
-The pass that emits ``y[0]`` is the prompt's: the engine feeds the prompt's tail in its first
-verify pass, with the first drafts. So on both sides ``y[0]``'s row is free (prefill), and that
-pass costs only the rows it verifies beside it: ``target(k + 1) - target(1)``, nothing for a
-plain first step.
+The pass that emits ``y[0]`` is the prompt's: on llama.cpp the engine feeds the prompt's tail
+in its first verify pass, with the first drafts; on torch the batch engine prefills the prompt
+in a pass of its own, then feeds its last token with the first drafts. Either way ``y[0]``'s row
+is counted as prefill on both sides, and the pass costs only the rows it verifies beside it:
+``target(k + 1) - target(1)``, nothing for a plain first step. (The batch engine's draft model
+never drafts ``y[0]``: its lookups may. The oracle lets every source draft it: optimistic.)
 
 This module is the ceiling of one turn; ``bench/oracle_report.py`` applies it to a whole run.
 """
