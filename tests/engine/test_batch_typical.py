@@ -236,3 +236,18 @@ def test_typical_is_refused_for_a_chain_method_and_an_unknown_rule_always(dec: S
     for method in TREE_METHODS:  # what the tree methods take
         eng.add_request(prompt, params, method, 3, acceptance="typical")
     assert not run_until_done(eng)[1]
+
+
+def test_typical_rows_leave_the_pooled_acceptance_to_lossless_rows(dec: SpecDecoder) -> None:
+    """A new row of a method starts from the acceptance pooled over that method's rows; a lossy
+    rule accepts more than lossless verification would, so its rows do not feed that prior."""
+    eng = engine(dec)
+    prompt, method, seed = ROWS[0]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, seed=seed, **SAMPLED)
+    typical = GenerationStats()
+    eng.add_request(dec.encode(prompt), params, method, None, stats=typical, acceptance="typical")
+    run_until_done(eng)
+    assert typical.draft_tokens_accepted > 0 and eng._pooled_acceptance[method].trials == 0
+    eng.add_request(dec.encode(prompt), params, method, None, acceptance="lossless")
+    run_until_done(eng)
+    assert eng._pooled_acceptance[method].trials > 0

@@ -111,8 +111,7 @@ class BatchEngine:
         self.target = as_batch_model(target, kv_cache_tokens, block_size)
         self.drafter: BatchDraftModel | None = (
             None if draft is None else BatchDraftModel(as_batch_model(draft, kv_cache_tokens, block_size), self.target.vocab_size))
-        # Prefix caching (kv/paged.py, backends/llamacpp_batch.py): the pools keep what finished
-        # requests computed, and a new request starts after its longest cached prefix.
+        # Prefix caching (kv/paged.py, backends/llamacpp_batch.py): a new request starts after its longest cached prefix.
         self.target_cache.prefix_cache = prefix_cache
         if self.drafter is not None:
             self.drafter.cache.prefix_cache = prefix_cache
@@ -411,7 +410,8 @@ class BatchEngine:
             # scores apart (drafters/auto_row.py), so only its draft model's count here.
             if proposal.num_tokens > 0 and not proposal.forced and (request.sources is None or with_model):
                 request.acceptance.observe(proposal.depth, accepted_len)
-                self._pooled_acceptance[request.method].observe(proposal.depth, accepted_len)
+                if request.acceptance_rule != "typical":  # a lossy rule's rate is no prior for lossless rows
+                    self._pooled_acceptance[request.method].observe(proposal.depth, accepted_len)
             new_tokens, stop_reason = cut_at_stop(row, request.remaining, self.eos_token_ids, request.params.ignore_eos)
             count = len(new_tokens)
             length = len(request.tokens)
