@@ -106,7 +106,26 @@ def _logit_rows(logits: str, logit_rows: Sequence[int] | None) -> int | None:
     return None if logit_rows is None else logit_rows[0]
 
 
-class TracingBatchModel:
+class _Recording:
+    """What both tracing wrappers do alike: commits and kept paths recorded and passed on; cost
+    probes passed on unrecorded (a scratch sequence, not the request's)."""
+
+    inner: Any  # the wrapped BatchModel
+    recorder: _Recorder
+
+    def commit(self, seq: int, length: int) -> None:
+        self.recorder.record_commit(seq, length)
+        self.inner.commit(seq, length)
+
+    def keep_path(self, seq: int, root: int, path: Sequence[int]) -> None:
+        self.recorder.record_keep(seq, root, path)
+        self.inner.keep_path(seq, root, path)
+
+    def pass_seconds(self, shapes: Sequence[tuple[int, int]], repeats: int) -> dict[tuple[int, int], float]:
+        return self.inner.pass_seconds(shapes, repeats)
+
+
+class TracingBatchModel(_Recording):
     """A ``BatchModel`` that records its one-row calls into ``trace`` as ``role`` and passes
     them on (any backend's; llama.cpp's). Everything else is the wrapped model's."""
 
@@ -149,19 +168,8 @@ class TracingBatchModel:
         self.recorder.record_pass(seqs, inputs, starts, _logit_rows(logits, logit_rows), options.get("trees"))
         return self.inner.forward(seqs, inputs, starts, logits, logit_rows, **options)
 
-    def commit(self, seq: int, length: int) -> None:
-        self.recorder.record_commit(seq, length)
-        self.inner.commit(seq, length)
 
-    def keep_path(self, seq: int, root: int, path: Sequence[int]) -> None:
-        self.recorder.record_keep(seq, root, path)
-        self.inner.keep_path(seq, root, path)
-
-    def pass_seconds(self, shapes: Sequence[tuple[int, int]], repeats: int) -> dict[tuple[int, int], float]:
-        return self.inner.pass_seconds(shapes, repeats)
-
-
-class TracingPagedBatchModel(PagedBatchModel):
+class TracingPagedBatchModel(_Recording, PagedBatchModel):
     """``TracingBatchModel`` for torch's ``PagedBatchModel``: still one (the engine hands trained
     heads' features only to a paged model, ``forward_features``), over the same model and pool."""
 
@@ -199,16 +207,6 @@ class TracingPagedBatchModel(PagedBatchModel):
         self.recorder.record_pass(seqs, inputs, starts, None if logits else 0, trees)
         return self.inner.forward_features(seqs, inputs, starts, logits, trees)
 
-    def commit(self, seq: int, length: int) -> None:
-        self.recorder.record_commit(seq, length)
-        self.inner.commit(seq, length)
-
-    def keep_path(self, seq: int, root: int, path: Sequence[int]) -> None:
-        self.recorder.record_keep(seq, root, path)
-        self.inner.keep_path(seq, root, path)
-
-    def pass_seconds(self, shapes: Sequence[tuple[int, int]], repeats: int) -> dict[tuple[int, int], float]:
-        return self.inner.pass_seconds(shapes, repeats)
 
 
 def tracing_batch_model(inner: BatchModel, role: str, trace: PassTrace) -> BatchModel:
