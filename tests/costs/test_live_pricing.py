@@ -285,21 +285,43 @@ def test_auto_stops_a_lookup_slower_than_plain_by_measurement() -> None:
 
 # --- the batch's chooser -------------------------------------------------------------------------
 
-def test_the_batch_tries_a_priced_out_draft_model_and_its_live_passes_price_it_back() -> None:
+def test_the_batch_times_a_priced_out_draft_model_and_its_timed_passes_price_it_back() -> None:
     verify = PassCosts({1: 0.030, 16: 0.040})
     draft = PassCosts({1: TOO_HIGH * DRAFT_PASS, 16: TOO_HIGH * 0.004})
     assert not model_can_pay(verify, draft, 8)
     chooser = BatchK(8, verify, draft)
     row = RowChoices((BatchRow(0.8, 5, uses_draft_model=True),))
-    ks = []
+    ks, tries = [], []
     for step in range(REPROBE_FIRST_AFTER + 6):
         k = chooser.choose([row], 1)
         ks.append(k)
+        if chooser.model_try:  # the engine times two one-token passes (BatchDraftModel.time_passes)
+            tries.append(step)
+            chooser.observe_try([1.5 * DRAFT_PASS, DRAFT_PASS])
         pick = chooser.pick(row, k, 1) if k else None
         model = pick is not None and pick.option is not None and pick.option.uses_draft_model
-        first_try = model and ks.count(PROBE_K) == 1  # its first pass read the row's backlog: not timed
         chooser.observe([1 + (pick.k if pick else 0)], pick.k if pick else 0, 0.030, 1 if model else 0,
-                        0 if first_try or not model else pick.k, pick.k * DRAFT_PASS if model else 0.0)
-    first = next(i for i, k in enumerate(ks) if k > 0)
-    assert first == REPROBE_FIRST_AFTER and ks[first:first + 2] == [PROBE_K, PROBE_K]
-    assert model_can_pay(verify, draft, 8) and all(k > 0 for k in ks[first + 2:])
+                        pick.k if model else 0, pick.k * DRAFT_PASS if model else 0.0)
+    # One try, after the wait; it drafted nothing (a drafting try read the row's whole backlog first).
+    assert tries == [REPROBE_FIRST_AFTER] and ks[:REPROBE_FIRST_AFTER + 1] == [0] * (REPROBE_FIRST_AFTER + 1)
+    # The quickest timed pass priced the model back in: the row drafts with it from the next step on.
+    assert model_can_pay(verify, draft, 8) and all(k > 0 for k in ks[REPROBE_FIRST_AFTER + 1:])
+
+
+def test_a_timed_try_that_confirms_the_price_doubles_the_wait() -> None:
+    verify = PassCosts({1: 0.030, 16: 0.040})
+    draft = PassCosts({1: TOO_HIGH * DRAFT_PASS, 16: TOO_HIGH * 0.004})
+    chooser = BatchK(8, verify, draft)
+    row = RowChoices((BatchRow(0.8, 5, uses_draft_model=True),))
+    tries = []
+    for step in range(300):
+        chooser.choose([row], 1)
+        if chooser.model_try:
+            tries.append(step)
+            chooser.observe_try([TOO_HIGH * DRAFT_PASS] * 2)  # the price was right
+        chooser.observe([1], 0, 0.030, 0, 0, 0.0)
+    assert not model_can_pay(verify, draft, 8)
+    # The wait doubles after a try that confirms, and the tries cost at most their share (each
+    # costs its two passes, here 3x a target pass: the second waits for the time seen to cover it).
+    assert tries[0] == REPROBE_FIRST_AFTER and tries[1] - tries[0] >= 2 * REPROBE_FIRST_AFTER
+    assert chooser.reprobe.spent <= REPROBE_SHARE * chooser.reprobe.seconds + 2 * TOO_HIGH * DRAFT_PASS

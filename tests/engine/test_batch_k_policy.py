@@ -10,6 +10,7 @@ from helpers import PROMPTS, decoder
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.costs.batch_k import PROBE_K, BatchK, BatchRow, PassCosts
+from specdecode.costs.goodput import Reprobe
 from specdecode.engine.batch import BatchEngine
 from specdecode.engine.metrics import GenerationStats
 from specdecode.errors import InvalidRequestError
@@ -113,3 +114,31 @@ def test_the_chooser_prices_a_fixed_row_at_its_cap_at_every_k() -> None:
     chooser = BatchK(8, steep())
     assert chooser.choose([fixed, doubtful], 2) == 0
     assert chooser.pick(fixed, 0, 2).k == 5 and chooser.pick(doubtful, 0, 2).k == 0
+
+
+@pytest.mark.parametrize("method", ["draft", "auto"])
+def test_a_priced_out_draft_model_is_tried_by_timing_passes_not_by_reading_the_prompt(
+        dec: SpecDecoder, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """The batch re-prices a draft model its table priced out by timing two one-token passes
+    (``BatchDraftModel.time_passes``): a try that drafted read the row's whole prompt first
+    (1.6 s of a 7.7 s turn on the demo pair). Those passes price it back in, and it drafts."""
+    flat = PassCosts({1: 1.0, 64: 1.1}, live=False)  # verify rows nearly free: a cheap draft pays
+    # A draft pass 3x a target pass: priced out. (The read of a row's backlog is priced by this
+    # table too, which the one-token passes correct only in part.)
+    eng = engine(dec, verify_costs=flat, draft_costs=PassCosts({1: 3.0, 64: 3.5}))
+    eng.chooser.reprobe = Reprobe(first_after=0)  # a try due from the start
+    assert eng.drafter is not None
+    fed: list[list[int]] = []
+    forward = eng.drafter.model.forward
+
+    def recording(seqs, inputs, starts, logits="all"):  # noqa: ANN001, ANN202 - the batch model's own signature
+        fed.append([x.shape[0] for x in inputs])
+        return forward(seqs, inputs, starts, logits=logits)
+
+    monkeypatch.setattr(eng.drafter.model, "forward", recording)
+    prompt = " ".join(PROMPTS[:3])
+    outputs, stats = run(dec, eng, [(prompt, method, 4, None)])
+    assert outputs == [plain(dec, prompt)]
+    assert eng.chooser.reprobe.tries == 1 and len(dec.encode(prompt)) > 20
+    assert fed[:2] == [[1], [1]]  # the try: one token a pass, not the prompt
+    assert stats[0].draft_tokens_proposed > 0  # priced back in by them

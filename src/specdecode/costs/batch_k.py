@@ -171,9 +171,11 @@ class BatchK:
 
     A draft model whose pass costs say it never pays (``model_can_pay``) would never run, and
     so never be re-priced: after ``reprobe``'s wait (``costs/goodput.py``: doubling while the
-    tries confirm the price, their cost a bounded share) every row that may draft with it drafts
-    ``PROBE_K`` tokens with it, and again the next step where the first read the rows' backlogs
-    (a step the engine does not time the draft passes of); the live passes then re-price it.
+    tries confirm the price, their cost a bounded share) ``choose`` sets ``model_try`` and the
+    engine times a few of its one-token passes on a row that may draft with it
+    (``BatchDraftModel.time_passes``), which ``observe_try`` prices it by. A try that drafted
+    would first read the row's whole backlog (a turn's prompt: 1.6 s, measured); its drafts say
+    nothing the price needs (``model_can_pay`` is judged at full acceptance).
     """
 
     k_max: int
@@ -186,13 +188,13 @@ class BatchK:
     # the last ``choose`` (``pick``).
     model_allowed: bool = True
     reprobe: Reprobe = field(default_factory=Reprobe)  # when to try a draft model priced out
-    model_try: bool = False  # the last ``choose`` tries it: rows that may draft with it do
-    _follow_up: bool = False  # the try's draft passes were not timed: try once more
-    _try_seconds: float = 0.0
+    model_try: bool = False  # the last ``choose`` asks the engine to time the priced-out model
 
     def choose(self, speculative: Sequence[BatchRow | RowChoices], batch_size: int) -> int:
         """The batch's k; each ``RowChoices`` row then drafts what ``pick`` says at it."""
-        self.model_allowed, self.model_try = True, False
+        self.model_allowed = True
+        self.model_try = (self.draft is not None and self.draft.live and any(uses_model(row) for row in speculative)
+                          and not model_can_pay(self.verify, self.draft, self.k_max) and self.reprobe.due())
         if not speculative:
             # Steps with no row that could draft are not plain steps the probes wait out: a
             # draft request joining after a run of plain-only requests starts a fresh count.
@@ -200,11 +202,6 @@ class BatchK:
             return 0
         if self.verify is None or (self.draft is None and any(uses_model(row) for row in speculative)):
             return self.k_max
-        if (self.draft is not None and self.draft.live and any(uses_model(row) for row in speculative)
-                and not model_can_pay(self.verify, self.draft, self.k_max)
-                and (self._follow_up or self.reprobe.due())):
-            self.model_try = True
-            return min(PROBE_K, self.k_max)
         # A lookup's offers are scored every step, drafted or not (drafters/auto.py
         # LookupAgreement): only rows with a model or a fixed drafter need probes.
         if self.plain_streak >= self.probe_after and any(uses_model(row) or isinstance(row, BatchRow)
@@ -242,10 +239,6 @@ class BatchK:
         a draft model's estimate (a probe's optimism), never a lookup's scores."""
         if isinstance(row, BatchRow):
             return RowPick(row, 0, self._rate(row, batch_size, acceptance), row.cap if row.fixed else min(k, row.cap))
-        if self.model_try:
-            for index, option in enumerate(row.options):
-                if option.uses_draft_model and min(k, option.cap) > 0:
-                    return RowPick(option, index, self._rate(option, batch_size, None), min(k, option.cap))
         best, most = RowPick(None, None, 0.0, 0), 1.0  # plain decoding emits one token
         for index, option in enumerate(row.options):
             if option.uses_draft_model and not model_allowed:
@@ -335,14 +328,15 @@ class BatchK:
             self.verify.observe_pass(widths, verify_seconds)
         if self.draft is not None and draft_passes > 0:
             self.draft.observe(draft_rows, 1, draft_seconds / draft_passes)
-        seconds = draft_seconds + (verify_seconds or 0.0)
-        self.reprobe.step(seconds, ran=draft_rows > 0)
-        if self.model_try and draft_rows > 0:  # a try of the priced-out draft model: did its passes price it back?
-            self._try_seconds += seconds
-            self._follow_up = draft_passes == 0
-            if draft_passes > 0:
-                self.reprobe.outcome(model_can_pay(self.verify, self.draft, self.k_max), self._try_seconds)
-                self._try_seconds = 0.0
+        self.reprobe.step(draft_seconds + (verify_seconds or 0.0), ran=draft_rows > 0)
+
+    def observe_try(self, seconds: Sequence[float]) -> None:
+        """The engine timed one-token passes of the priced-out draft model (``model_try``): the
+        quickest prices it, and the try's outcome sets the wait for the next."""
+        assert self.draft is not None and seconds
+        self.model_try = False
+        self.draft.observe(1, 1, min(seconds))
+        self.reprobe.outcome(model_can_pay(self.verify, self.draft, self.k_max), sum(seconds))
 
 
 def time_batch_costs(

@@ -108,6 +108,7 @@ class Reprobe:
     def outcome(self, paid: bool, seconds: float) -> None:
         """A try that took ``seconds`` ``paid`` (the source is back) or confirmed the verdict."""
         self.tries += 1
+        self.waited = 0  # the try ran the source: the next wait starts now
         if paid:
             self.after = self.first_after
             return

@@ -52,6 +52,7 @@ from specdecode.engine.batch_proposals import (
     propose,
     reads_backlog,
     slots_needed,
+    time_draft_model,
 )
 from specdecode.engine.batch_request import BatchRequest, RequestOutput, generator_states, restore_generators
 from specdecode.engine.batch_rows import BATCH_METHODS, check_method, row_drafters, uses_draft
@@ -141,8 +142,8 @@ class BatchEngine:
     def model_can_pay(self) -> bool:
         """Whether a new auto row may draft with the draft model (holding draft KV): unless it
         loses even at full acceptance by the live costs and no re-try of that price is due."""
-        can_pay = model_can_pay(self.chooser.verify, self.chooser.draft, self.k_max) or self.chooser.reprobe.due()
-        return self.drafter is not None and can_pay
+        chooser = self.chooser
+        return self.drafter is not None and (model_can_pay(chooser.verify, chooser.draft, self.k_max) or chooser.reprobe.due())
 
     @property
     def device(self) -> torch.device:
@@ -260,8 +261,7 @@ class BatchEngine:
         request: BatchRequest = seq.state
         request.stats.total_seconds = time.perf_counter() - request.started
         self.scheduler.finish(seq)
-        if seq in self._prefilling:
-            self._prefilling.remove(seq)
+        self._prefilling = [other for other in self._prefilling if other != seq]
         if self.drafter is not None:
             self.drafter.forget(seq.seq_id)
         self._requests.pop(request.request_id, None)
@@ -302,6 +302,7 @@ class BatchEngine:
         running = self._decoding()
         if not running:
             return failed
+        time_draft_model(drafting, plans, running, self.drafter, self.chooser)  # a try of a priced-out draft model
         generators = generator_states(running)
         draft_watch, verify_watch = Stopwatch(self.device, self.sync_timing), Stopwatch(self.device, self.sync_timing)
         try:
@@ -341,12 +342,8 @@ class BatchEngine:
     # is idempotent, and the generators are restored from a snapshot. So a failed step can be
     # rerun row by row to find the request to blame, then once more without it.
     def _isolate_failures(
-        self,
-        running: list[ScheduledSequence],
-        wanted: dict[int, int],
-        forced: dict[int, list[int]],
-        generators: list[tuple[torch.Generator, torch.Tensor]],
-        error: Exception,
+        self, running: list[ScheduledSequence], wanted: dict[int, int], forced: dict[int, list[int]],
+        generators: list[tuple[torch.Generator, torch.Tensor]], error: Exception,
     ) -> list[RequestOutput]:
         """Rerun the step's draft and verify for each row alone; fail the rows that raise alone.
         Re-raises the step's error when none does, or every row does (a failure of the batch or

@@ -13,7 +13,7 @@ import torch
 
 from specdecode.core.device import host_to_device
 from specdecode.core.tree import TokenTree
-from specdecode.costs.batch_k import BatchK, BatchRow, RowChoices
+from specdecode.costs.batch_k import BatchK, BatchRow, RowChoices, uses_model
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.batch_draft import BatchDraftModel, DraftRow
 from specdecode.drafters.batch_layer_skip import BatchLayerSkip
@@ -124,6 +124,25 @@ def reads_backlog(drafting: list[ScheduledSequence], wanted: dict[int, int], dra
     return drafter is not None and any(
         wanted[seq.seq_id] > 0 and drafts_with_model(seq) and drafter.backlog(seq.seq_id, len(seq.state.tokens)) > 0
         for seq in drafting)
+
+
+# One-token passes a try of a priced-out draft model times (``time_draft_model``): the quicker
+# of two, as the stored tables keep the best of their repeats.
+TRY_PASSES = 2
+
+
+def time_draft_model(drafting: list[ScheduledSequence], plans: list[BatchRow | RowChoices],
+                     running: list[ScheduledSequence], drafter: BatchDraftModel | None, chooser: BatchK) -> None:
+    """Where the chooser asks (``BatchK.model_try``), time the priced-out draft model's passes
+    on the first running row that may draft with it, for the chooser to re-price it; call after
+    the step's KV slots are reserved."""
+    if not chooser.model_try or drafter is None:
+        return
+    for seq, plan in zip(drafting, plans, strict=True):
+        if seq in running and uses_model(plan) and model_may_draft(seq):
+            request: BatchRequest = seq.state
+            chooser.observe_try(drafter.time_passes(seq.seq_id, request.committed[:len(request.tokens)], TRY_PASSES))
+            return
 
 
 def slots_needed(seq: ScheduledSequence, wanted: dict[int, int], forced: dict[int, list[int]]) -> tuple[int, int]:
