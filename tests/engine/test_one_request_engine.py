@@ -161,7 +161,7 @@ def test_an_int8_kv_cache_decodes_on_the_batch_engine_as_on_the_single(tiny_qwen
 def test_one_request_at_a_time_and_a_fixed_k_past_k_max(pair: tuple[SpecDecoder, SpecDecoder],
                                                         tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
     """A second stream while one is open is refused by name (it would step the same engine and
-    pools), and the first still ends as alone; a fixed k past k_max decodes on the one-seat
+    pools), as is forget_prefix, and the first still ends as alone; a fixed k past k_max decodes on the one-seat
     batch engine (built with a k_max that holds it) with the single engine's greedy tokens."""
     single, batch = pair
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -170,6 +170,8 @@ def test_one_request_at_a_time_and_a_fixed_k_past_k_max(pair: tuple[SpecDecoder,
     next(pieces)
     with pytest.raises(InvalidRequestError, match="already decoding a request"):
         batch.generate(PROMPTS[1], params)
+    with pytest.raises(InvalidRequestError, match="while a request decodes"):  # the pools are in use
+        batch.forget_prefix()
     rest = list(pieces)
     assert first.result is not None and first.result.token_ids == single.generate(PROMPTS[0], params).token_ids
     assert rest and batch.generate(PROMPTS[1], params).token_ids == single.generate(PROMPTS[1], params).token_ids

@@ -214,8 +214,8 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
     def forget_prefix(self) -> None:
         """Drop the prefix cache's record (the K/V stay allocated): the next request prefills its
         whole prompt, as the first request after loading does (on the engines already built)."""
+        self.one_request.forget_prefix()  # first: it refuses while a stream is open
         self.engine.forget_prefix()
-        self.one_request.forget_prefix()
 
     def encode(self, prompt: str | Messages, chat: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a prompt; a chat's ``tools`` (OpenAI's tool objects) go into its template."""

@@ -100,12 +100,18 @@ class OneRequestEngine:
     def forget_prefix(self) -> None:
         """Drop the prefixes the engine's pools cache (the target's and the draft model's): the
         next request prefills its whole prompt, on the same engine (its pass costs and pools
-        kept, which rebuilding it would read, time and allocate again)."""
-        if self._engine is None:
-            return
-        self._engine.target_cache.drop_cached_prefixes()
-        if self._engine.drafter is not None:
-            self._engine.drafter.cache.drop_cached_prefixes()
+        kept, which rebuilding it would read, time and allocate again). Refused while a request
+        decodes: its pools would change under the step (as a second stream is refused)."""
+        if not self._busy.acquire(blocking=False):
+            raise InvalidRequestError("forget_prefix cannot run while a request decodes: finish or close its stream "
+                                      "first.")
+        try:
+            if self._engine is not None:
+                self._engine.target_cache.drop_cached_prefixes()
+                if self._engine.drafter is not None:
+                    self._engine.drafter.cache.drop_cached_prefixes()
+        finally:
+            self._busy.release()
 
     def decode(
         self,
