@@ -26,9 +26,11 @@ from specdecode import SpecDecoder
 from specdecode.bench.oracle import CostTable
 from specdecode.config import DEFAULT_K_MAX, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from specdecode.core.sampling import LogitsProcessor
+from specdecode.costs.batch_k import BatchK, PassCosts
 from specdecode.drafters.auto import AutoDrafter
+from specdecode.drafters.auto_row import AutoRow
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.suffix import AUTO_DEPTH, SuffixDrafter, SuffixProposer
+from specdecode.drafters.suffix import AUTO_DEPTH, SuffixDrafter, SuffixProposer, auto_depth
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 
 
@@ -66,11 +68,48 @@ def simulate_turn(prompt: list[int], y: list[int], costs: CostTable, cache: Suff
     return seconds
 
 
+def simulate_turn_batch(prompt: list[int], y: list[int], costs: CostTable, cache: SuffixCache,
+                        sources: dict[str, int]) -> float:
+    """As ``simulate_turn``, but the batch engine's auto (the default engine's: a batch of one):
+    an ``AutoRow`` offers its lookups each step, ``BatchK`` picks the source and draft length."""
+    depth = auto_depth(DEFAULT_K_MAX)
+    verify = [costs.target(rows) for rows in range(1, depth + 2)]
+    chooser = BatchK(DEFAULT_K_MAX, PassCosts(dict(enumerate(verify, start=1)), live=False, flat=True))
+    suffix = SuffixDrafter(SuffixProposer(cache, DEFAULT_GROUP, depth=depth, verify_seconds=verify))
+    row = AutoRow(NgramDrafter(DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN), suffix, ngram_cap=DEFAULT_K_MAX)
+    n = len(y)
+    row.start(len(prompt), len(prompt) + n + 1)
+    committed = list(prompt) + [y[0]]  # the prompt's pass emits the first token
+    seconds, i = 0.0, 1
+    while i < n:
+        row.extend(committed[len(row.history):])  # as plan_row: every committed token, then the offers
+        plan = row.choices(n - i, None)
+        k = chooser.choose([plan], 1)
+        pick = chooser.pick(plan, k, 1) if k > 0 else None
+        row.choose(pick.index if pick is not None else None)
+        drafted = row.match(pick.k)[0] if pick is not None else []
+        accepted = 0
+        while accepted < len(drafted) and drafted[accepted] == y[i + accepted]:
+            accepted += 1
+        cost = costs.target(len(drafted) + 1)
+        chooser.observe([len(drafted) + 1], len(drafted), cost, 0, 0, 0.0)
+        row.observe(len(drafted))
+        sources[row.source if drafted else "none"] += 1
+        committed.extend(y[i : i + accepted + 1])
+        seconds += cost
+        i += accepted + 1
+    suffix.proposer.close()
+    return seconds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="a bench run's results.json with --oracle, none and auto on one backend")
     parser.add_argument("--target", default=None, help="the run's target (its tokenizer encodes the prompts)")
+    parser.add_argument("--engine", choices=("batch", "single"), default="batch",
+                        help="whose auto to replay: the batch engine's (the default) or the single path's")
     args = parser.parse_args()
+    simulate = simulate_turn_batch if args.engine == "batch" else simulate_turn
     run = json.load(open(args.results))
     (plain_key, group), = run["oracle"].items()
     costs = CostTable(tuple(group["cost_table"]["verify_seconds"]))
@@ -92,7 +131,7 @@ def main() -> int:
         for turn, plain in zip(prompt["turns"], plain_turns):
             messages.append({"role": "user", "content": turn})
             ids = decoder.encode(messages, chat=True)
-            seconds += simulate_turn(ids, plain["tokens"], costs, cache, sources)
+            seconds += simulate(ids, plain["tokens"], costs, cache, sources)
             messages.append({"role": "assistant", "content": plain["text"]})
         measured = row["methods"][auto_key]
         print(f"{prompt['prompt_id']:>16} {row['category']:<15} share sim {row['oracle_seconds'] / seconds:.2f} "
