@@ -54,8 +54,8 @@ def drafted_every_step(stats: GenerationStats, k: int) -> bool:
 
 
 def only_probes(stats: GenerationStats) -> bool:
-    """The batch's own choice kept the row plain but for its tries of a priced-out draft model
-    (``BatchK.reprobe``: PROBE_K tokens, twice where the first read the row's backlog)."""
+    """The batch's own choice kept the row plain but for its probes (``BatchK``: PROBE_K tokens
+    after a run of plain steps, where optimistic acceptance would pay)."""
     return stats.draft_tokens_proposed <= 2 * PROBE_K
 
 
@@ -136,9 +136,47 @@ def test_a_priced_out_draft_model_is_tried_by_timing_passes_not_by_reading_the_p
         return forward(seqs, inputs, starts, logits=logits)
 
     monkeypatch.setattr(eng.drafter.model, "forward", recording)
+    steps: list[int] = []  # the step each draft-model proposal ran in
+    propose, step = eng.drafter.propose, eng.step
+    monkeypatch.setattr(eng.drafter, "propose", lambda rows: steps.append(eng.chooser.reprobe.tries) or propose(rows))
+
+    def stepping() -> list:
+        fed.append([])  # a step boundary
+        return step()
+
+    monkeypatch.setattr(eng, "step", stepping)
     prompt = " ".join(PROMPTS[:3])
     outputs, stats = run(dec, eng, [(prompt, method, 4, None)])
     assert outputs == [plain(dec, prompt)]
     assert eng.chooser.reprobe.tries == 1 and len(dec.encode(prompt)) > 20
-    assert fed[:2] == [[1], [1]]  # the try: one token a pass, not the prompt
-    assert stats[0].draft_tokens_proposed > 0  # priced back in by them
+    passes = [widths for widths in fed if widths]
+    assert passes[:2] == [[1], [1]]  # the try: one token a pass, not the prompt
+    try_step = next(i for i, widths in enumerate(fed) if widths == [1])
+    assert fed[try_step + 1] == [1] and fed[try_step + 2] == []  # ... and the step drafted nothing
+    assert stats[0].draft_tokens_proposed > 0 and steps  # priced back in by them
+
+
+def test_a_try_whose_passes_raise_fails_its_own_row_alone(dec: SpecDecoder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timed passes of a try run outside the step's rerun: an error there is its row's."""
+    flat = PassCosts({1: 1.0, 64: 1.1}, live=False)
+    eng = engine(dec, verify_costs=flat, draft_costs=PassCosts({1: 3.0, 64: 3.5}))
+    eng.chooser.reprobe = Reprobe(first_after=0)
+    assert eng.drafter is not None
+
+    time_passes, calls = eng.drafter.time_passes, []
+
+    def broken(*args) -> list[float]:  # noqa: ANN002 - time_passes' own arguments
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("the draft model's pass failed")
+        return time_passes(*args)
+
+    monkeypatch.setattr(eng.drafter, "time_passes", broken)
+    stats = [GenerationStats(), GenerationStats()]
+    ids = [eng.add_request(dec.encode(p), SamplingParams(max_new_tokens=12, ignore_eos=True), "draft", 4, stats=s)
+           for p, s in zip(PROMPTS[:2], stats, strict=True)]
+    outputs = eng.run()
+    reasons = [s.stop_reason for s in stats]
+    assert sorted(reasons) == ["error", "length"]
+    survivor = reasons.index("length")
+    assert outputs[ids[survivor]] == plain(dec, PROMPTS[survivor], 12)

@@ -234,9 +234,9 @@ class BatchK:
     def _pick(self, row: BatchRow | RowChoices, k: int, batch_size: int, model_allowed: bool,
               acceptance: float | None) -> RowPick:
         """A fixed row drafts min(k, its cap); a ``RowChoices`` row the option that emits most
-        at k (ties to the earlier option: lookups come before the draft model), or nothing; the
-        draft model where it is tried (``model_try``). ``acceptance`` replaces a fixed row's or
-        a draft model's estimate (a probe's optimism), never a lookup's scores."""
+        at k (ties to the earlier option: lookups come before the draft model), or nothing.
+        ``acceptance`` replaces a fixed row's or a draft model's estimate (a probe's optimism),
+        never a lookup's scores."""
         if isinstance(row, BatchRow):
             return RowPick(row, 0, self._rate(row, batch_size, acceptance), row.cap if row.fixed else min(k, row.cap))
         best, most = RowPick(None, None, 0.0, 0), 1.0  # plain decoding emits one token

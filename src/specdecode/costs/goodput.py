@@ -34,9 +34,10 @@ MIN_JUDGED_STEPS = 8
 # a source that really loses can cost a run, after its first try.
 REPROBE_SHARE = 0.03
 # Steps before a source priced out by its cost table is first tried, doubling after each try
-# that confirms the price (up to REPROBE_MAX_AFTER). The first try reads every token the draft
-# model missed (about 3 target passes of the demo pair on 2 cores, at 32 tokens after a short
-# prompt): a few percent of a 128-token answer, and a table 30x too high is corrected by then.
+# that confirms the price (up to REPROBE_MAX_AFTER). On the single engine a try drafts, so the
+# first reads every token the draft model missed (about 3 target passes of the demo pair on 2
+# cores, at 32 tokens after a short prompt): a few percent of a 128-token answer, and a table
+# 30x too high is corrected by then. The batch engine's tries time two one-token passes only.
 REPROBE_FIRST_AFTER = 32
 REPROBE_MAX_AFTER = 512
 

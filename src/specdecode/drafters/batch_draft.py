@@ -96,17 +96,21 @@ class BatchDraftModel:
         (``committed``: (L,) long, on the device), each as dear as a draft pass: how the engine
         re-prices a draft model its cost table priced out (``BatchK.model_try``) without reading a
         long backlog first (a try that drafted read a 365-token prompt first: 1.6 s of a 7.7 s
-        turn, measured). The tokens read stay read, but for the last committed one, which the
-        next catch-up pass writes again. Synchronises the device around each pass (a rare step)."""
+        turn, measured). The tokens read stay read. Each pass attends to the row's draft context
+        so far (short where the draft model never read the row: a little cheap against a long
+        one; its live passes, once it drafts, correct that). Synchronises the device around each
+        pass (a rare step)."""
         state = self._states[seq]
         seconds = []
         for _ in range(passes):
-            position = min(state.cached_len, committed.shape[0] - 1)
+            # Never past the committed tokens but the last: the slots a plain step reserved. A row
+            # already caught up has its last cached token written again (the same K/V).
+            position = min(state.cached_len, committed.shape[0] - 2)
             self.cache.reserve(seq, position + 1)
             with Stopwatch(self.model.device, sync=True) as watch:
                 self.model.forward([seq], [committed[position : position + 1]], [position], logits="last")
             seconds.append(watch.elapsed)
-            if position + 1 < committed.shape[0]:
+            if position == state.cached_len:
                 state.cached_len = position + 1
                 self.model.commit(seq, state.cached_len)
         return seconds

@@ -299,10 +299,11 @@ class BatchEngine:
         for seq in self.scheduler.reserve(lambda seq: slots_needed(seq, wanted, forced)):
             if self.drafter is not None:
                 self.drafter.forget(seq.seq_id)
+        broken = time_draft_model(drafting, plans, self._decoding(), self.drafter, self.chooser)  # a priced-out draft's try
+        failed += [self._fail(seq, err) for seq, err in broken]
         running = self._decoding()
         if not running:
             return failed
-        time_draft_model(drafting, plans, running, self.drafter, self.chooser)  # a try of a priced-out draft model
         generators = generator_states(running)
         draft_watch, verify_watch = Stopwatch(self.device, self.sync_timing), Stopwatch(self.device, self.sync_timing)
         try:

@@ -132,17 +132,25 @@ TRY_PASSES = 2
 
 
 def time_draft_model(drafting: list[ScheduledSequence], plans: list[BatchRow | RowChoices],
-                     running: list[ScheduledSequence], drafter: BatchDraftModel | None, chooser: BatchK) -> None:
+                     running: list[ScheduledSequence], drafter: BatchDraftModel | None,
+                     chooser: BatchK) -> list[tuple[ScheduledSequence, Exception]]:
     """Where the chooser asks (``BatchK.model_try``), time the priced-out draft model's passes
     on the first running row that may draft with it, for the chooser to re-price it; call after
-    the step's KV slots are reserved."""
+    the step's KV slots are reserved. Returns that row with the error where its passes raised:
+    the row's alone, as an error of its drafts is (the try is dropped)."""
     if not chooser.model_try or drafter is None:
-        return
+        return []
     for seq, plan in zip(drafting, plans, strict=True):
         if seq in running and uses_model(plan) and model_may_draft(seq):
             request: BatchRequest = seq.state
-            chooser.observe_try(drafter.time_passes(seq.seq_id, request.committed[:len(request.tokens)], TRY_PASSES))
-            return
+            try:
+                seconds = drafter.time_passes(seq.seq_id, request.committed[:len(request.tokens)], TRY_PASSES)
+            except Exception as err:  # noqa: BLE001 - a pass over one row's sequence fails that row
+                chooser.model_try = False
+                return [(seq, err)]
+            chooser.observe_try(seconds)
+            return []
+    return []
 
 
 def slots_needed(seq: ScheduledSequence, wanted: dict[int, int], forced: dict[int, list[int]]) -> tuple[int, int]:
