@@ -149,6 +149,8 @@ def time_draft_model(drafting: list[ScheduledSequence], plans: list[BatchRow | R
                 chooser.model_try = False
                 return [(seq, err)]
             chooser.observe_try(seconds)
+            request.stats.draft_forward_passes += len(seconds)  # the row's own: its time paid for them
+            request.stats.draft_seconds += sum(seconds)
             return []
     return []
 
