@@ -239,23 +239,18 @@ def untrace_engine(engine: BatchEngine) -> None:
 def tracing_one_request(one_request: OneRequestEngine, trace: PassTrace) -> Iterator[None]:
     """Inside the block, whatever engine ``one_request`` decodes on records into ``trace``: the
     one it keeps now, and any it builds in its place (a larger pool or k_max, or after a step's
-    error), through its factory. Out of it, every one of them has its own models back."""
-    build = one_request._build  # the factory is the one place every engine it keeps comes from
+    error: ``OneRequestEngine.on_build``). Out of it, every one of them has its own models back."""
     traced: list[BatchEngine] = []
 
-    def traced_build(tokens: int, k_max: int) -> BatchEngine:
-        engine = build(tokens, k_max)
+    def traced_engine(engine: BatchEngine) -> None:
         trace_engine(engine, trace)
         traced.append(engine)
-        return engine
 
     if one_request.engine is not None:
-        trace_engine(one_request.engine, trace)
-        traced.append(one_request.engine)
-    one_request._build = traced_build
+        traced_engine(one_request.engine)
     try:
-        yield
+        with one_request.on_build(traced_engine):
+            yield
     finally:
-        one_request._build = build
         for engine in traced:  # one dropped for a larger one may still be held by a caller
             untrace_engine(engine)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from specdecode.backends.openmp import release_thread_team
 from specdecode.config import SamplingParams
@@ -60,6 +61,7 @@ class OneRequestEngine:
         # the first ended) would step the same engine and pools. It is refused, not queued: a
         # stream open in the same thread could never end while this one waits for it.
         self._busy = threading.Lock()
+        self._build_hooks: list[Callable[[BatchEngine], None]] = []  # ``on_build``
 
     @property
     def engine(self) -> BatchEngine | None:
@@ -95,7 +97,19 @@ class OneRequestEngine:
             # shrink it and the next rebuild it again.
             tokens = pool_tokens(max(needed, self._pool_tokens))
             self._engine, self._pool_tokens = self._build(tokens, k_max), tokens
+            for hook in self._build_hooks:
+                hook(self._engine)
         return self._engine
+
+    @contextmanager
+    def on_build(self, hook: Callable[[BatchEngine], None]) -> Iterator[None]:
+        """Inside the block, ``hook`` sees every engine built here (a larger pool or k_max, or
+        one after a step's error) before it decodes (``engine/batch_trace.tracing_one_request``)."""
+        self._build_hooks.append(hook)
+        try:
+            yield
+        finally:
+            self._build_hooks.remove(hook)
 
     def forget_prefix(self) -> None:
         """Drop the prefixes the engine's pools cache (the target's and the draft model's): the
