@@ -107,6 +107,18 @@ def assert_greedy_equal_up_to_near_tie(actual: list[int], expected: list[int], m
     return len(expected)
 
 
+def traced_generate(dec, ids: list[int], params: SamplingParams, method: str, k):
+    """(untraced greedy tokens, the traced result, its trace) of one request decoded twice, each
+    from an empty prefix cache (``SpecDecoder.trace_passes``); the cache is left empty."""
+    dec.forget_prefix()
+    untraced = dec.generate(ids, params, method=method, k=k).token_ids
+    dec.forget_prefix()
+    with dec.trace_passes() as trace:
+        traced = dec.generate(ids, params, method=method, k=k)
+    dec.forget_prefix()
+    return untraced, traced, trace
+
+
 def run_until_done(eng) -> tuple[dict[str, list[int]], dict[str, BaseException]]:
     """Step a batch engine until every request has ended: each request's new tokens, and the
     error of each request that failed alone."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, decoder
+from helpers import PROMPTS, decoder, traced_generate
 
 from specdecode import SamplingParams
 from specdecode.backends.torch_backend import TorchSequence
@@ -29,11 +29,7 @@ def test_a_replay_makes_the_traced_passes_exactly(
     traces = []
     for prompt in PROMPTS[:2]:
         ids = dec.encode(prompt + " " + prompt)  # repeated text: lookups find matches
-        untraced = dec.generate(ids, params, method=method, k=k).token_ids
-        dec.forget_prefix()
-        with dec.trace_passes() as trace:
-            traced = dec.generate(ids, params, method=method, k=k)
-        dec.forget_prefix()
+        untraced, traced, trace = traced_generate(dec, ids, params, method, k)
         assert traced.token_ids == untraced
         assert dec.engine.target.__class__ is not TracingSequence  # put back after the block
         stats = traced.stats

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, decoder, llamacpp_decoder
+from helpers import PROMPTS, decoder, llamacpp_decoder, traced_generate
 
 from specdecode import SamplingParams
 from specdecode.backends.torch_backend import TorchSequence
@@ -63,12 +63,7 @@ def test_a_traced_request_is_the_untraced_one_and_its_stats(
     dec = decoder(tiny_qwen2_dir, tiny_close_draft_dir)
     params = SamplingParams(max_new_tokens=20)
     ids = dec.encode(PROMPTS[0] + " " + PROMPTS[0])  # repeated text: lookups find matches
-    dec.forget_prefix()
-    untraced = dec.generate(ids, params, method=method, k=k).token_ids
-    dec.forget_prefix()
-    with dec.trace_passes() as trace:
-        traced = dec.generate(ids, params, method=method, k=k)
-    dec.forget_prefix()
+    untraced, traced, trace = traced_generate(dec, ids, params, method, k)
     assert traced.token_ids == untraced
     engine = dec.one_request.engine
     assert not isinstance(engine.target, TRACING) and not isinstance(engine.drafter.model, TRACING)
