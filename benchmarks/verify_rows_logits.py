@@ -29,14 +29,15 @@ def main() -> int:
     parser.add_argument("--gguf", default=None, help="a GGUF file (default: the demo target, assembled if missing)")
     parser.add_argument("--rows", default="1,2,3,4,8")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--context", type=int, default=CONTEXT, help=f"positions cached before each pass (default {CONTEXT})")
     args = parser.parse_args()
-    model = LlamaCppModel(args.gguf or str(demo_model_path(DEFAULT_TARGET)), n_ctx=2048)
-    model.forward(0, [FILLER] * CONTEXT, 0, "none")
     rows_list = [int(r) for r in args.rows.split(",")]
+    model = LlamaCppModel(args.gguf or str(demo_model_path(DEFAULT_TARGET)), n_ctx=max(2048, args.context + max(rows_list)))
+    model.forward(0, [FILLER] * args.context, 0, "none")
 
     def once(rows: int, mode: str) -> float:
         started = time.perf_counter()
-        model.forward(0, [FILLER] * rows, CONTEXT, mode)
+        model.forward(0, [FILLER] * rows, args.context, mode)
         return time.perf_counter() - started
 
     base = None
