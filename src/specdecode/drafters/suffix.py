@@ -151,7 +151,7 @@ class SuffixProposer:
         shared = self.cache.draft(self.group, self.history, **limits)  # type: ignore[arg-type]
         return shared if shared.score > local.score else local
 
-    def _calibrated(self, draft: Draft) -> list[float]:
+    def calibrated(self, draft: Draft) -> list[float]:
         """Each node's path probability with every edge's count ratio scaled by the measured
         calibration of its match-length bucket (so a chain of sure-looking edges that the target
         keeps leaving decays with depth)."""
@@ -186,7 +186,7 @@ class SuffixProposer:
             return Draft()
         raw = self._draft(depth, self.tree_size if tree else depth, None if tree else 1)
         self.last_match_len = raw.match_len
-        kept = _subset(raw, self._choose(self._calibrated(raw)))
+        kept = _subset(raw, self._choose(self.calibrated(raw)))
         if mark:
             self.mark_proposed(kept)
         return kept
