@@ -9,8 +9,9 @@ decoding's, from the results) is decoded again by an ``AutoDrafter`` over prompt
 suffix decoding: each step it proposes as in a real run, the target accepts the drafted run
 that equals ``y``, and the step is charged the run's measured price of a pass over k + 1 rows.
 The draft model is left out: on the run's cost table it cannot pay even when every draft is
-accepted (``speculation_can_pay``), so auto never drafts with it there. Each prompt has a fresh
-suffix cache, as the bench's runs had. Printed per category: plain, oracle and simulated seconds, and the share
+accepted (``speculation_can_pay``), so auto never drafts with it there. Each prompt starts with
+an empty suffix cache that keeps its calibration memory, as the bench's runs do (``clear``).
+Printed per category: plain, oracle and simulated seconds, and the share
 (oracle / simulated), beside the share the real run measured.
 """
 
@@ -119,12 +120,13 @@ def main() -> int:
     records = {(r["method"], r["prompt_id"]): r for r in run["records"]}
     oracle_rows = {row["prompt_id"]: row for row in group["prompts"]}
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    cache = SuffixCache()
     for prompt in run["prompts"]:
         row = oracle_rows.get(prompt["prompt_id"])
         if row is None:
             continue
         plain_turns = records[plain_key, prompt["prompt_id"]]["repeats"][0]
-        cache = SuffixCache()
+        cache.clear()  # the earlier prompts' responses go, their calibration stays (as the bench)
         messages: list[dict[str, str]] = []
         seconds = 0.0
         sources: dict[str, int] = defaultdict(int)
