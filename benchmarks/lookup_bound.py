@@ -116,10 +116,11 @@ def bound_seconds(decoder: SpecDecoder | None, prompt: list[int], y: list[int], 
                   with_draft: bool) -> float:
     """The cheapest schedule of copy runs (and the draft model's runs) over ``y``."""
     proposals = Proposals(len(y))
-    proposals.accepted["copy"] = [[min(k, run) for k in range(1, run + 1)] for run in copy_runs(prompt, y, cap)]
+    # A draft of k <= run tokens is accepted whole; a longer one would add rows, not tokens.
+    proposals.accepted["copy"] = [list(range(1, run + 1)) for run in copy_runs(prompt, y, cap)]
     if with_draft and decoder is not None and decoder.resources.draft_model is not None:
         runs = draft_model_runs(decoder, prompt, y)
-        proposals.accepted["draft"] = [[min(k, run) for k in range(1, run + 1)] for run in runs]
+        proposals.accepted["draft"] = [list(range(1, run + 1)) for run in runs]
     return best_schedule(proposals, costs)[0]
 
 

@@ -21,8 +21,8 @@ each request at its prior, so a turn decoded 15-40 plain steps before its first 
 accepted over the edges its counts predicted, per match-length bucket, pooled over the group's
 requests) already says how far such a chain holds. On the bench's default prompts it raised
 auto's share of the oracle from 0.893 to 0.915 (summarization 0.82 to 0.86, humaneval 0.80 to
-0.90, no category lower by more than 0.01; RESULTS 2026-12-07); counting shorter matches too gained nothing in
-replays (benchmarks/auto_policy_sim.py), their counts say little.
+0.90, no category lower by more than 0.01; RESULTS 2026-12-07); counting shorter matches too
+gained nothing in replays (benchmarks/auto_policy_sim.py), their counts say little.
 
 Unlike ``AutoDrafter`` the draft model is priced by its per-token acceptance and the batch's
 measured pass costs (as the batch prices method draft), not by its own measured goodput: in a
