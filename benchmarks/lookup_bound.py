@@ -38,10 +38,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from auto_policy_sim import simulate_turn_batch
+from priced_sessions import cost_table
 
 from specdecode import SpecDecoder
 from specdecode.bench.oracle import CostTable, Proposals, best_schedule, draft_model_runs
-from specdecode.costs.k_policy import interpolate
 from specdecode.drafters.suffix_cache import SuffixCache
 
 NGRAM_MOD = (24, 48, 64)  # llama.cpp's n_match, n_min, n_max for --spec-type ngram-mod
@@ -138,11 +138,7 @@ def main() -> int:
     plain_key = next(r["method"] for r in run["records"] if r["method"].partition("@")[0] == "none")
     decoder = SpecDecoder.from_pretrained(args.target, method="none" if args.no_draft else "draft", backend=plain_key.partition("@")[2] or "auto",
                                           show_progress=False)
-    costs = CostTable.of(decoder, args.cap + 1)  # this machine's table: stored, or timed now
-    if args.verify_ms:
-        table = {int(rows): float(ms) / 1e3 for rows, ms in (pair.split(":") for pair in args.verify_ms.split(","))}
-        costs = CostTable(tuple(interpolate(table, rows) for rows in range(1, args.cap + 2)), costs.draft_pass,
-                          costs.draft_token)
+    costs = cost_table(decoder, args.cap + 1, args.verify_ms)  # this machine's (stored, or timed now) or the given
     print("pass seconds by rows:", {r: round(costs.target(r), 4) for r in (1, 2, 4, 8, 16, 32, 64, args.cap + 1)},
           f"draft pass {costs.draft_pass:.4f}")
     records = {(r["method"], r["prompt_id"]): r for r in run["records"]}
