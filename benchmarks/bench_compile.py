@@ -1,4 +1,4 @@
-"""Compiled passes against eager ones, side by side in one run (``compile=``, backends/compiled.py).
+"""Compiled passes against eager ones, side by side in one run (``compile=``: backends/compiled_batch.py, compiled.py).
 
     python benchmarks/bench_compile.py --out compile.json                 # demo pair, bf16, CPU
     python benchmarks/bench_compile.py --only-passes --mode max-autotune-no-cudagraphs
@@ -7,11 +7,14 @@ Both decoders share the loaded weights; the compiled one compiles its passes fir
 first run's compile time with an empty inductor cache, ``--fresh-cache``; then, with
 ``--cached-rerun``, a second process compiles the same passes from the on-disk cache). Then:
 
-- pass costs: the draft's one-row pass and the target's passes over ``--rows`` rows, eager and
-  compiled back to back in each round, at 64 cached positions; the draft/target cost ratio and
-  the compiled/eager ratio per round; medians over ``--rounds``;
-- end to end (unless ``--only-passes``): plain decoding and the draft method, eager and
-  compiled, interleaved per prompt on the bench's prompts (first turns, chat template, greedy),
+- the batch engine's target passes (``--batch-shapes``, B sequences feeding T tokens each), eager
+  and compiled back to back in each round, at 64 cached positions each; compiled/eager medians;
+- the single engine's pass costs (unless ``--skip-single-passes``): the draft's one-row pass and
+  the target's passes over ``--rows`` rows, eager and compiled back to back in each round, at 64
+  cached positions; the draft/target cost ratio and the compiled/eager ratio per round; medians
+  over ``--rounds``;
+- end to end (unless ``--only-passes``; on the batch engine, as ``generate`` decodes): plain
+  decoding and the draft method, eager and compiled, interleaved per prompt on the bench's prompts (first turns, chat template, greedy),
   with greedy equality checked within each path.
 Machines are shared: every figure is a ratio within one run or a median, and the load average
 is recorded before and after.
@@ -34,6 +37,7 @@ import torch
 
 from specdecode import SamplingParams, SpecDecoder
 from specdecode.config import DecoderConfig
+from specdecode.engine.one_request import MIN_POOL_TOKENS
 from specdecode.models import demo
 from specdecode.models.loader import load_model
 from specdecode.prompt_sets import load_prompts, select_prompts
@@ -77,6 +81,37 @@ def pass_costs(eager: SpecDecoder, compiled: SpecDecoder, rows: list[int], round
             ratios[f"compiled_over_eager/{base}"] = round(statistics.median(per_round), 3)
     out["ratios"] = ratios
     return out
+
+
+def batch_pass_costs(eager: SpecDecoder, compiled: SpecDecoder, shapes: list[tuple[int, int]],
+                     rounds: int) -> dict[str, object]:
+    """``pass_costs`` for the batch engine's target passes (what ``generate`` and the server run):
+    B sequences of ``PROBE_CONTEXT`` cached positions each feeding T tokens, eager and compiled
+    (``backends/compiled_batch.py``) back to back in each round; median ms and compiled/eager."""
+    models = {path: decoder.one_request.engine_for(MIN_POOL_TOKENS).target
+              for path, decoder in (("eager", eager), ("compiled", compiled))}
+    samples: dict[str, list[float]] = {}
+    for index in range(rounds + 1):  # round 0 compiles a new shape (and warms the eager kernels): not kept
+        sides = list(models.items()) if index % 2 == 0 else list(reversed(models.items()))
+        for batch, rows in shapes:
+            for path, model in sides:
+                seqs = [-1 - b for b in range(batch)]
+                for seq in seqs:
+                    model.pool.add(seq)
+                    model.pool.reserve(seq, PROBE_CONTEXT + rows)
+                inputs = [torch.zeros(rows, dtype=torch.long)] * batch
+                started = time.perf_counter()
+                model.forward(seqs, inputs, [PROBE_CONTEXT] * batch)
+                if index:
+                    samples.setdefault(f"{batch}x{rows}/{path}", []).append(time.perf_counter() - started)
+                for seq in seqs:
+                    model.pool.free(seq)
+    ratios = {}
+    for batch, rows in shapes:
+        pairs = zip(samples[f"{batch}x{rows}/compiled"], samples[f"{batch}x{rows}/eager"], strict=True)
+        ratios[f"{batch}x{rows}"] = round(statistics.median(c / e for c, e in pairs), 3)
+    return {"ms": {key: round(1000 * statistics.median(v), 2) for key, v in samples.items()},
+            "compiled_over_eager": ratios}
 
 
 def end_to_end(eager: SpecDecoder, compiled: SpecDecoder, args: argparse.Namespace) -> dict[str, object]:
@@ -136,6 +171,9 @@ def main() -> None:
     parser.add_argument("--prompts-per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--only-passes", action="store_true")
+    parser.add_argument("--batch-shapes", default="1x1,1x4,4x1,4x4",
+                        help="the batch engine's target passes to time, BxT (B sequences feeding T tokens); '' for none")
+    parser.add_argument("--skip-single-passes", action="store_true", help="no single-engine pass costs")
     parser.add_argument("--fresh-cache", action="store_true", help="compile into an empty inductor cache (a first run)")
     parser.add_argument("--cached-rerun", action="store_true", help="then time a second process compiling from the cache")
     parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
@@ -172,8 +210,13 @@ def main() -> None:
         print(json.dumps(results["compile_cached_rerun"]), file=sys.stderr, flush=True)
     eager = SpecDecoder(target, draft, config)
     rows = [int(r) for r in args.rows.split(",")]
-    results["passes"] = pass_costs(eager, compiled, rows, args.rounds)
-    print(json.dumps(results["passes"], indent=1), file=sys.stderr, flush=True)
+    if args.batch_shapes:
+        shapes = [(int(b), int(t)) for b, t in (shape.split("x") for shape in args.batch_shapes.split(","))]
+        results["batch_passes"] = batch_pass_costs(eager, compiled, shapes, args.rounds)
+        print(json.dumps(results["batch_passes"], indent=1), file=sys.stderr, flush=True)
+    if not args.skip_single_passes:
+        results["passes"] = pass_costs(eager, compiled, rows, args.rounds)
+        print(json.dumps(results["passes"], indent=1), file=sys.stderr, flush=True)
     if not args.only_passes:
         results["end_to_end"] = end_to_end(eager, compiled, args)
     results["load_after"] = load_average()

@@ -1,10 +1,14 @@
-"""Compiled passes (``compile=``, backends/compiled.py) on the CPU: logits as eager's, greedy
-output as eager's and as plain decoding's for every chain method, no recompilation once warm,
-the on-disk compile cache, the sampled distribution, and the refusals.
+"""Compiled passes (``compile=``) on the CPU. ``generate`` decodes on the batch engine holding one
+request, whose chain passes run compiled (``backends/compiled_batch.py``): logits as eager's,
+greedy output as eager's and as plain decoding's for every chain method (and for a tree method,
+whose passes stay eager), a batch of several rows, no recompilation once warm, the on-disk
+compile cache, the sampled distribution. The single-request engine's compiled passes
+(``backends/compiled.py``, ``engine="single"``) keep their own tests while that engine is kept,
+and the refusals.
 
-Compiling costs seconds per shape even for the tiny models, so the tests share one compiled
-decoder (k = 2: verify passes of 1 to 3 rows, and the draft's 1- and 2-row passes) and keep
-to few shapes.
+Compiling costs seconds per graph even for the tiny models, so the tests share one compiled
+decoder (k = 2) and keep to few graphs: on the CPU one graph serves every batch size, row count
+and attention width above one.
 """
 
 from dataclasses import replace
@@ -23,7 +27,9 @@ from specdecode.backends.compiled import (
     configure_compile_cache,
     resolve_compile_mode,
 )
+from specdecode.backends.compiled_batch import CompiledPagedBatchModel
 from specdecode.backends.torch_backend import TorchSequence
+from specdecode.backends.torch_batch import PagedBatchModel
 from specdecode.errors import InvalidRequestError
 
 K = 2
@@ -42,32 +48,50 @@ def pair(target: Path, draft: Path) -> tuple[SpecDecoder, SpecDecoder]:
     return eager, compiled
 
 
-def test_compiled_passes_give_eager_logits(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+def test_compiled_batch_passes_give_eager_logits(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
     eager, compiled = pair(tiny_qwen2_dir, tiny_close_draft_dir)
-    plain, fast = eager.engine.target, compiled.engine.target
-    assert isinstance(fast, CompiledSequence) and not isinstance(plain, CompiledSequence)
-    ids = torch.tensor([eager.encode(PROMPTS[0])])  # (1, L)
-    length = ids.shape[1]
+    assert compiled.batch_graphs is not None
+    model = eager.target.model
+    plain = PagedBatchModel.with_pool(model, 512)
+    fast = CompiledPagedBatchModel.over_pool(model, 512, 16, compiled.batch_graphs, max_rows=4, role="target")
+    padded = CompiledPagedBatchModel.over_pool(model, 512, 16, compiled.batch_graphs, max_rows=4, role="target")
+    padded.pad_shapes = True  # CUDA graphs' shapes: batch, rows and width padded to powers of two
+    generator = torch.Generator().manual_seed(0)
+    lengths = (20, 33, 12)  # each sequence's prompt, then 8 tokens fed by the passes below
+    ids = [torch.randint(0, model.config.vocab_size, (n + 8,), generator=generator) for n in lengths]
     with torch.inference_mode():
-        for seq in (plain, fast):
-            seq.begin(length + 8)
-            seq.extend(ids[:, :-3], 0, compute_logits=False)  # a prefill: eager on both
-        # One row, then three rows (a verify pass), then a two-row catch-up with the last
-        # row's logits, each after the same committed prefix: compiled passes read the whole
-        # cache under a mask where eager ones read a slice.
-        for rows, logits_last in ((1, None), (3, None), (2, 1)):
-            start = length - 3
-            want = plain.extend(ids[:, start : start + rows], start, logits_last=logits_last).logits
-            got = fast.extend(ids[:, start : start + rows], start, logits_last=logits_last).logits
-            assert got.shape == want.shape
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for batch in (plain, fast, padded):
+            for seq, n in enumerate(lengths):  # prefills longer than max_rows: eager on both
+                batch.pool.add(seq)
+                batch.pool.reserve(seq, n + 8)
+                batch.forward([seq], [ids[seq][:n]], [0], logits="none")
+        # One row; a verify pass; three ragged rows at different lengths (padding rows and
+        # an attention width each); the last rows' logits only (the draft model's pass); and
+        # five rows, past max_rows, which run eagerly. Each pass writes the same K/V on both.
+        for seqs, rows, logits in (([0], [1], "all"), ([0], [3], "all"), ([0, 1, 2], [2, 4, 1], "all"),
+                                   ([2, 1], [1, 2], "last"), ([1], [5], "all")):
+            starts = [lengths[s] for s in seqs]
+            inputs = [ids[s][lengths[s] : lengths[s] + r] for s, r in zip(seqs, rows, strict=True)]
+            want = plain.forward(seqs, inputs, starts, logits=logits)
+            passes = len(compiled.compile_log.passes)
+            for model_under_test in (fast, padded):
+                got = model_under_test.forward(seqs, inputs, starts, logits=logits)
+                assert got.shape == want.shape
+                # Padding positions of a ragged row are not compared: neither side's is used.
+                for b, r in enumerate(rows):
+                    torch.testing.assert_close(got[b, :r] if logits == "all" else got[b],
+                                               want[b, :r] if logits == "all" else want[b], atol=1e-4, rtol=1e-4)
+            if max(rows) > fast.max_rows:
+                assert len(compiled.compile_log.passes) == passes  # eager: nothing compiled
 
 
-@pytest.mark.parametrize("method", ["none", "draft", "ngram"])
+@pytest.mark.parametrize("method", ["none", "draft", "ngram", "suffix", "auto"])
 def test_compiled_greedy_equals_eager_and_plain(method: str, tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
     eager, compiled = pair(tiny_qwen2_dir, tiny_close_draft_dir)
-    # Prompt lookup finds repeats only in longer outputs of the tiny model.
-    prompts, params = (PROMPTS, SamplingParams(max_new_tokens=40)) if method == "ngram" else (PROMPTS[:4], PARAMS)
+    # Lookups find repeats only in longer outputs of the tiny model. Suffix rows draft token
+    # trees, whose passes stay eager beside the compiled plain ones.
+    lookup = method in ("ngram", "suffix", "auto")
+    prompts, params = (PROMPTS, SamplingParams(max_new_tokens=40)) if lookup else (PROMPTS[:4], PARAMS)
     accepted = 0
     for prompt in prompts:
         want = eager.generate(prompt, params, method=method).token_ids
@@ -78,17 +102,23 @@ def test_compiled_greedy_equals_eager_and_plain(method: str, tiny_qwen2_dir: Pat
     assert method == "none" or accepted > 0  # speculation happened, or the test proves nothing
 
 
-def test_more_rows_than_compiled_run_eagerly(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
-    # A per-call k above the decoder's k_max verifies more rows than were compiled: those
-    # passes run eagerly on the same cache, and the output is still plain decoding's.
+def test_a_batch_of_rows_decodes_compiled_as_each_alone(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    # A server's engine (batch_engine, then warm_up_engine as `specdecode serve --compile` does):
+    # rows of several lengths and methods share each compiled pass (a graph whose batch, rows and
+    # attention width are symbolic), nothing compiles after the warm-up, and each row's output
+    # is its plain output.
     eager, compiled = pair(tiny_qwen2_dir, tiny_close_draft_dir)
-    target = compiled.engine.target
-    assert isinstance(target, CompiledSequence) and not target.compiles(K_MAX + 2)
-    for prompt in PROMPTS[:2]:
-        got = compiled.generate(prompt, PARAMS, method="draft", k=K_MAX + 3)
-        assert got.token_ids == eager.generate(prompt, PARAMS, method="none").token_ids
-    # Rows up to K_MAX + 1 compile when first needed (and are timed); more never do.
-    assert not [p for p in compiled.compile_log.passes if p.startswith("target") and int(p.split()[1]) > K_MAX + 1]
+    engine = compiled.batch_engine(max_batch=4, kv_cache_tokens=2048)
+    compiled.warm_up_engine(engine)
+    assert any(" batch 2 x " in p for p in compiled.compile_log.passes)
+    passes = list(compiled.compile_log.passes)
+    prompts = PROMPTS[:3]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for method in ("draft", "ngram", "none"):
+            got = compiled.generate_batch(prompts, PARAMS, method=method, engine=engine)
+            for prompt, result in zip(prompts, got, strict=True):
+                assert result.token_ids == eager.generate(prompt, PARAMS, method="none").token_ids, (method, prompt)
+    assert compiled.compile_log.passes == passes
 
 
 def test_no_recompilation_once_warm(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
@@ -118,13 +148,55 @@ def test_compiled_sampling_matches_target_distribution(tiny_qwen2_dir: Path, tin
 
 
 def test_a_second_decoder_compiles_from_the_disk_cache(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
-    # The shared decoder compiled this graph already (into the cache folder of this machine:
+    # The shared decoder compiled these graphs already (into the cache folder of this machine:
     # a fresh folder would also rebuild inductor's precompiled headers, minutes on 2 cores).
     eager, _ = pair(tiny_qwen2_dir, tiny_close_draft_dir)
     log = SpecDecoder(eager.target, None, replace(eager.config, method="none", compile=True)).warm_up()
-    assert log.passes == ["target 1 rows"]
-    assert log.cache_hits == 1 and log.cache_misses == 0
+    # Its four graphs (one row or more, logits or not), in whichever order the engine's cost
+    # timing and the warm-up met them first.
+    assert sorted(log.passes) == ["target batch 1 x 1 rows", "target batch 1 x 1 rows (no logits)",
+                                  "target batch 1 x 2 rows", "target batch 1 x 2 rows (no logits)"]
+    assert log.cache_hits == 4 and log.cache_misses == 0
     assert any(configure_compile_cache().rglob("*.py"))  # inductor's generated code, on disk
+
+
+@cache
+def single_engine(target: Path, draft: Path) -> SpecDecoder:
+    """The shared pair's compiled decoder on the single-request engine (``engine="single"``)."""
+    eager, compiled = pair(target, draft)
+    return SpecDecoder(eager.target, eager.draft, replace(compiled.config, engine="single"))
+
+
+def test_single_engine_compiled_passes_give_eager_logits(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    eager = pair(tiny_qwen2_dir, tiny_close_draft_dir)[0]
+    plain, fast = eager.engine.target, single_engine(tiny_qwen2_dir, tiny_close_draft_dir).engine.target
+    assert isinstance(fast, CompiledSequence) and not isinstance(plain, CompiledSequence)
+    ids = torch.tensor([eager.encode(PROMPTS[0])])  # (1, L)
+    length = ids.shape[1]
+    with torch.inference_mode():
+        for seq in (plain, fast):
+            seq.begin(length + 8)
+            seq.extend(ids[:, :-3], 0, compute_logits=False)  # a prefill: eager on both
+        # One row, then three rows (a verify pass), then a two-row catch-up with the last
+        # row's logits, each after the same committed prefix: compiled passes read the whole
+        # cache under a mask where eager ones read a slice.
+        for rows, logits_last in ((1, None), (3, None), (2, 1)):
+            start = length - 3
+            want = plain.extend(ids[:, start : start + rows], start, logits_last=logits_last).logits
+            got = fast.extend(ids[:, start : start + rows], start, logits_last=logits_last).logits
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_single_engine_compiled_greedy_equals_plain(tiny_qwen2_dir: Path, tiny_close_draft_dir: Path) -> None:
+    eager = pair(tiny_qwen2_dir, tiny_close_draft_dir)[0]
+    single = single_engine(tiny_qwen2_dir, tiny_close_draft_dir)
+    accepted = 0
+    for prompt in PROMPTS[:3]:
+        got = single.generate(prompt, PARAMS, method="draft")
+        assert got.token_ids == eager.generate(prompt, PARAMS, method="none").token_ids, prompt
+        accepted += got.stats.draft_tokens_accepted
+    assert accepted > 0
 
 
 def test_capacity_rounds_up_so_requests_share_graphs() -> None:

@@ -44,7 +44,10 @@ def test_generate_on_the_batch_engine_prints_the_single_engines_text(
     code, batch, err = run_cli(capsys, *argv)  # the default, auto: the batch engine here
     assert code == 0, err
     assert batch == single and batch.strip()
-    expect_error(capsys, [*argv, "--engine", "batch", "--compile"], "compile")
+    # --compile: the batch engine's passes compiled (backends/compiled_batch.py), the same text.
+    code, compiled, err = run_cli(capsys, *argv, "--compile")
+    assert code == 0, err
+    assert compiled == single
 
 
 def test_chat_mode_and_metrics_on_stderr(capsys, tiny_qwen2_dir: Path) -> None:

@@ -3,8 +3,8 @@
 equals the single-request engine's for every chain method (fp32, exact; llama.cpp up to the
 first near-tie), a sampled request equals the same request given to a batch engine directly,
 a stream closed early aborts its request, a chat's next turn reuses the cached prefix, a
-larger request gets a larger pool, and what only the single engine runs (compiled passes) is refused by name; an int8 KV cache
-and typical acceptance decode on either."""
+larger request gets a larger pool, and an unknown engine is refused by name; an int8 KV cache
+and typical acceptance decode on either (compiled passes: tests/backends/test_compiled.py)."""
 
 from pathlib import Path
 
@@ -103,9 +103,10 @@ def test_a_request_larger_than_the_pool_gets_a_larger_one(pair: tuple[SpecDecode
     assert pool_tokens(65) == 128 and pool_tokens(1) == 64  # the patched minimum
 
 
-def test_what_only_the_single_engine_runs_is_refused(tiny_qwen2_dir: Path, pair: tuple[SpecDecoder, SpecDecoder]) -> None:
-    with pytest.raises(InvalidRequestError, match="single-request engine"):
-        decoder(tiny_qwen2_dir, None, "batch", compile=True)
+def test_an_unknown_engine_and_typical_acceptance_for_a_chain_are_refused(
+        tiny_qwen2_dir: Path, pair: tuple[SpecDecoder, SpecDecoder]) -> None:
+    # compile= runs on the batch engine too (tests/backends/test_compiled.py): nothing is left
+    # that only the single engine runs.
     with pytest.raises(InvalidRequestError, match="engine="):
         decoder(tiny_qwen2_dir, None, "fastest")
     _, batch = pair
@@ -134,12 +135,11 @@ def test_llamacpp_greedy_output_equals_the_single_engines_up_to_a_near_tie(tiny_
     assert compared >= total * 3 // 4
 
 
-def test_auto_takes_the_batch_engine_unless_a_setting_needs_the_single_one() -> None:
-    assert resolve_engine("auto", False) == "batch"
-    assert resolve_engine("auto", True) == "single"  # compiled passes
-    assert resolve_engine("single", False) == "single"
-    with pytest.raises(InvalidRequestError, match="single-request engine"):
-        resolve_engine("batch", True)
+def test_auto_takes_the_batch_engine() -> None:
+    assert resolve_engine("auto") == "batch"  # compiled passes too (tests/backends/test_compiled.py)
+    assert resolve_engine("single") == "single"
+    with pytest.raises(InvalidRequestError, match="is not one of"):
+        resolve_engine("one")
 
 
 def test_an_int8_kv_cache_decodes_on_the_batch_engine_as_on_the_single(tiny_qwen2_dir: Path,

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from specdecode.backends.batch_select import batch_model
+from specdecode.backends.compiled import CATCH_UP_COMPILED_ROWS, CompileLog
+from specdecode.backends.compiled_batch import BatchGraphs, CompiledPagedBatchModel, warm_up_batch
 from specdecode.backends.openmp import releases_thread_team
 from specdecode.config import MAX_CHOICES, DecoderConfig, SamplingParams, SchedulerConfig
 from specdecode.core import registry
@@ -37,6 +39,8 @@ class BatchGeneration:
         draft: LoadedModel | None
         config: DecoderConfig
         kv_dtype: str
+        batch_graphs: BatchGraphs | None
+        compile_log: CompileLog
         engine: SpecEngine
         tokenizer: Any
         grammars: GrammarCompiler
@@ -89,11 +93,16 @@ class BatchGeneration:
         scheduling = scheduling or SchedulerConfig()
         k_max = self.config.k_max if k_max is None else k_max
         # kv_dtype="int8": both paged pools store int8 K/V with per-(slot, head) scales (kv/paged.py).
+        # compile=: chain passes of up to a chain's longest (auto's suffix chains) run compiled, the
+        # draft model's one- and two-row passes too (backends/compiled_batch.py).
+        compiled = {role: None if self.batch_graphs is None else (self.batch_graphs, rows, role)
+                    for role, rows in (("target", max(k_max, auto_depth(k_max)) + 1),
+                                       ("draft", CATCH_UP_COMPILED_ROWS))}
         target = batch_model(self.target, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots,
-                             kv_dtype=self.kv_dtype)
+                             kv_dtype=self.kv_dtype, compiled=compiled["target"])
         draft = (None if self.draft is None
                  else batch_model(self.draft, max_batch, kv_cache_tokens, block_size, scheduling.spare_slots,
-                                  kv_dtype=self.kv_dtype))
+                                  kv_dtype=self.kv_dtype, compiled=compiled["draft"]))
         verify_costs = draft_costs = None
         if cost_aware:
             verify_costs, draft_costs = batch_pass_costs(target, draft, max_batch, k_max, live=self.costs.live,
@@ -107,6 +116,22 @@ class BatchGeneration:
             scheduling=scheduling, heads=self._head_drafters(), skip_layers=self.config.skip_layers,
             k_policy=self.config.k_policy,
         )
+
+    def warm_up_engine(self, engine: BatchEngine, verify_rows: int | None = None, show_progress: bool = False) -> float:
+        """With ``compile=``, compile now (on CUDA, record) the passes ``engine`` will run: the
+        target's verify passes of up to ``verify_rows`` rows (None: the engine's k_max + 1) and
+        the draft model's, for one sequence and for more (on CUDA every power of two of the
+        batch). Returns the seconds it took (0 without ``compile=``)."""
+        target = engine.target
+        draft = None if engine.drafter is None else engine.drafter.model
+        if not isinstance(target, CompiledPagedBatchModel):
+            return 0.0
+        assert draft is None or isinstance(draft, CompiledPagedBatchModel)
+        most = engine.scheduler.max_batch
+        batches = [1 << i for i in range(most.bit_length()) if 1 << i <= most] if target.pad_shapes else [1, 2][:most]
+        before = self.compile_log.seconds
+        warm_up_batch(target, draft, engine.k_max + 1 if verify_rows is None else verify_rows, batches, show_progress)
+        return self.compile_log.seconds - before
 
     def _head_drafters(self) -> dict[str, HeadsDrafter]:
         """The Medusa and EAGLE drafters by method, of which the batch engine gives each row a fresh one."""

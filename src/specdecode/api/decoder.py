@@ -18,6 +18,7 @@ from specdecode.backends.compiled import (
     resolve_compile_mode,
     warm_up_passes,
 )
+from specdecode.backends.compiled_batch import BatchGraphs, CompiledPagedBatchModel
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
 from specdecode.backends.openmp import releases_thread_team
 from specdecode.backends.select import LLAMACPP, TORCH
@@ -45,7 +46,7 @@ from specdecode.drafters.planner import DecoderResources, PlanRequest, plan_requ
 from specdecode.drafters.suffix_cache import DEFAULT_GROUP, SuffixCache
 from specdecode.engine.grammar import CompiledGrammar, GrammarCompiler
 from specdecode.engine.metrics import GenerationStats
-from specdecode.engine.one_request import OneRequestEngine
+from specdecode.engine.one_request import MIN_POOL_TOKENS, OneRequestEngine
 from specdecode.engine.single import SpecEngine
 from specdecode.engine.stream import GenerationResult, GenerationStream
 from specdecode.engine.text import IncrementalDecoder, Messages, check_same_tokenizer, encode_prompt, eos_token_ids
@@ -91,6 +92,8 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
                     check_compilable(loaded.backend, loaded.quant, config.kv_dtype)
         self.compile_mode = resolve_compile_mode(config.compile, target.model.device) if config.compile else None
         self.compile_log = CompileLog()
+        # The batch engines' compiled passes, shared by every engine this decoder builds.
+        self.batch_graphs = None if self.compile_mode is None else BatchGraphs(self.compile_mode, self.compile_log)
         # Heads are refused by attach_heads, below, on the same grounds.
         if self.backend == LLAMACPP and (config.skip_layers or config.kv_dtype != "auto"):
             raise InvalidRequestError('Layer skip and the int8 KV cache need the torch backend (backend="torch").')
@@ -149,12 +152,25 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
         Returns the decoder's compile log: passes, seconds, on-disk cache hits."""
         if self.compile_mode is None:
             return self.compile_log
+        if resolve_engine(self.config.engine) == "batch":
+            self._warm_up_batch(show_progress, all_shapes)
+            return self.compile_log
         target = self.engine.target
         draft_drafter = self.resources.draft_model
         draft = None if draft_drafter is None else draft_drafter.model
         assert isinstance(target, CompiledSequence) and (draft is None or isinstance(draft, CompiledSequence))
         warm_up_passes(target, draft, self.config, show_progress, all_shapes)
         return self.compile_log
+
+    def _warm_up_batch(self, show_progress: bool, all_shapes: bool) -> None:
+        """``warm_up`` for ``generate`` and ``stream`` on the one-seat batch engine (built now)."""
+        engine = self.one_request.engine_for(MIN_POOL_TOKENS)
+        adaptive = self.config.policy != "fixed" or self.config.method == registry.AUTO.name
+        verify_rows = 1 if self.config.method == registry.NONE.name else (
+            self.config.k_max if adaptive else self.config.draft_k) + 1
+        target = engine.target
+        assert isinstance(target, CompiledPagedBatchModel)
+        self.warm_up_engine(engine, target.max_rows if all_shapes else verify_rows, show_progress)
 
     def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
         """Make method ``heads.config.kind`` (medusa or eagle) available with these heads."""
@@ -271,7 +287,7 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
         prompt_ids = self.prompt_ids(prompt, chat)
         self.check_request(prompt_ids, params)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
-        engine = resolve_engine(self.config.engine, bool(self.compile_mode))
+        engine = resolve_engine(self.config.engine)
         if engine == "batch":
             return self._stream_batched(prompt_ids, params, request, cache_salt, grammar, acceptance)
         plan = plan_request(self.resources, request)
@@ -300,8 +316,13 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
                     request: PlanRequest | None = None) -> Iterator[list[int]]:
         """``chunks``, then this run's own cost notes in ``stats.note`` (its live passes replaced a
         stored table: costs/live.py; on the batch engine, a draft model whose timed passes rule it
-        out for a ``request`` that lets the engine choose k), so a one-shot ``generate`` tells them too."""
+        out for a ``request`` that lets the engine choose k), so a one-shot ``generate`` tells them too.
+        With ``compile=``, the seconds spent compiling shapes first met on the batch engine (its
+        building included) go into ``stats.compile_seconds``."""
+        compiled_before = self.compile_log.seconds
         yield from chunks
+        if request is not None:
+            stats.compile_seconds = self.compile_log.seconds - compiled_before
         notes = [stats.note]
         engine = self.one_request.engine
         if (request is not None and request.policy == "cost" and engine is not None

@@ -155,9 +155,8 @@ def add_decoder_arguments(parser: argparse.ArgumentParser, *, exclude: frozenset
     add("compile", action="store_true", help="compile the torch backend's repeated passes per shape (CUDA graphs "
         "on a GPU); compiled before the first request, minutes on a small CPU the first time, then from an on-disk "
         "cache (docs/compile.md)")
-    add("engine", choices=ENGINES, help="which engine decodes: batch, the batch engine the server runs, holding one "
-        "request; single, the single-request engine (the only one that runs --compile yet); auto (default): batch "
-        "unless --compile asks for single")
+    add("engine", choices=ENGINES, help="which engine decodes: auto (default) or batch, the batch engine the server "
+        "runs, holding one request; single, the single-request engine")
     if "compile" not in exclude:
         group.add_argument("--compile-mode", choices=COMPILE_MODES, help="with --compile: the torch.compile mode "
                            "(default: reduce-overhead on CUDA, default on the CPU)")

@@ -50,7 +50,7 @@ BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "llama.cpp")
 QUANTS: tuple[str, ...] = ("none", "int8", "int4")
 KV_DTYPES: tuple[str, ...] = ("auto", "int8")  # auto: the model's dtype
 COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
-# auto: the batch engine holding one request, or the single-request engine where a setting needs it.
+# auto: the batch engine holding one request (as "batch"); "single": the single-request engine.
 ENGINES: tuple[str, ...] = ("auto", "single", "batch")
 
 
@@ -121,9 +121,8 @@ class DecoderConfig:
     kv_dtype: str = "auto"
     compile: bool | str = False  # True, or a torch.compile mode (COMPILE_MODES)
     # Which engine generate and stream decode on (ENGINES): the batch engine holding one request
-    # (engine/one_request.py), as the server and generate_batch always do, or the single-request
-    # engine; auto (the default) takes the batch engine unless a setting only the single-request
-    # engine runs asks for it (``resolve_engine``).
+    # (engine/one_request.py), as the server and generate_batch always do (auto, the default),
+    # or the single-request engine (``resolve_engine``).
     engine: str = "auto"
 
     def __post_init__(self) -> None:
@@ -175,7 +174,7 @@ class DecoderConfig:
             raise InvalidRequestError(
                 f"compile must be True, False or one of {', '.join(COMPILE_MODES)}, got {self.compile!r}."
             )
-        check_engine(self.engine, bool(self.compile))
+        check_engine(self.engine)
         for name in ("target", "draft", "heads", "layerskip_config"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -230,22 +229,17 @@ class DecoderConfig:
         return call_k, policy
 
 
-def check_engine(engine: str, compile: bool) -> None:
-    """``engine`` is a known one, and "batch" is not asked to run what it cannot (yet): compiled
-    passes (the batch engine's passes are eager: issue 45)."""
+def check_engine(engine: str) -> None:
     if engine not in ENGINES:
         raise InvalidRequestError(f"engine={engine!r} is not one of: {', '.join(ENGINES)}.")
-    if engine == "batch" and compile:
-        raise InvalidRequestError('compile runs on the single-request engine only: drop it or use engine="single".')
 
 
-def resolve_engine(engine: str, compile: bool) -> str:
-    """The engine a call decodes on: "auto" is "batch" unless ``compile`` needs the
-    single-request engine; an explicit choice is checked (``check_engine``) and kept."""
-    check_engine(engine, compile)
-    if engine != "auto":
-        return engine
-    return "single" if compile else "batch"
+def resolve_engine(engine: str) -> str:
+    """The engine a call decodes on: "auto" is "batch" (every method and setting runs there,
+    compiled passes included: ``backends/compiled_batch.py``); "single" keeps the
+    single-request engine, which ``audit``'s probes and layer search also use."""
+    check_engine(engine)
+    return "batch" if engine == "auto" else engine
 
 
 def check_acceptance(acceptance: str, method: str) -> None:

@@ -352,6 +352,29 @@ class PagedKVCache:
     def _slot(self, table: BlockTable, position: int) -> int:
         return table.blocks[position // self.block_size] * self.block_size + position % self.block_size
 
+    def slot_rows(
+        self,
+        seqs: Sequence[int],
+        host_positions: Sequence[Sequence[int]],
+        kv_width: int | None = None,
+    ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+        """``view``'s host side: each row's positions and write slots padded to the longest row, and
+        its visible slots in position order padded to ``kv_width`` (at least the longest row's)."""
+        width = max(len(row) for row in host_positions)
+        kv_len = max(max(row[-1] for row in host_positions) + 1, kv_width or 0)
+        null_slot = NULL_BLOCK * self.block_size
+        positions, write_slots, read_slots = [], [], []
+        for seq, row in zip(seqs, host_positions, strict=True):
+            table = self.tables[seq]
+            positions.append(list(row) + [row[-1]] * (width - len(row)))
+            for block in {table.blocks[p // self.block_size] for p in row}:
+                # A shared or registered block holds another sequence's (or a later one's) K/V.
+                assert self._refs[block] == 1 and block not in self._key_of, "a shared KV block is never written"
+            write_slots.append([self._slot(table, p) for p in row] + [null_slot] * (width - len(row)))
+            visible = row[-1] + 1
+            read_slots.append([self._slot(table, p) for p in range(visible)] + [null_slot] * (kv_len - visible))
+        return positions, write_slots, read_slots
+
     def view(
         self,
         seqs: Sequence[int],
@@ -372,20 +395,8 @@ class PagedKVCache:
         position root + depth(i), and it sees the slots before the root and, among the tree's,
         its own ancestors only (``core/tree_mask.py``). ``keep_path`` then keeps one path.
         """
-        width = max(len(row) for row in host_positions)
-        kv_len = max(row[-1] for row in host_positions) + 1
-        null_slot = NULL_BLOCK * self.block_size
-        positions, write_slots, read_slots = [], [], []
-        for seq, row in zip(seqs, host_positions, strict=True):
-            table = self.tables[seq]
-            padded = list(row) + [row[-1]] * (width - len(row))
-            positions.append(padded)
-            for block in {table.blocks[p // self.block_size] for p in row}:
-                # A shared or registered block holds another sequence's (or a later one's) K/V.
-                assert self._refs[block] == 1 and block not in self._key_of, "a shared KV block is never written"
-            write_slots.append([self._slot(table, p) for p in row] + [null_slot] * (width - len(row)))
-            visible = row[-1] + 1
-            read_slots.append([self._slot(table, p) for p in range(visible)] + [null_slot] * (kv_len - visible))
+        positions, write_slots, read_slots = self.slot_rows(seqs, host_positions)
+        width, kv_len = len(positions[0]), len(read_slots[0])
         device = self.device
         slot_positions = host_to_device(positions, torch.long, device)  # (B, T): where each token is stored
         key_pos = torch.arange(kv_len, device=device)

@@ -75,13 +75,14 @@ def load_server(spec: ServerSpec) -> ServerParts:
 
     decoder = SpecDecoder.from_config(spec.decoder)
     config = decoder.config
-    if config.compile:  # the batch engine's passes are not compiled
-        print("--compile: the server's batch engine runs its passes eagerly; --compile speeds up `specdecode "
-              "generate` and `bench`.", file=sys.stderr)
     name = spec.model_name or served_model_name(config.target or demo.DEFAULT_TARGET)
     print(f"Timing the models for the batch's cost-aware draft length (max batch {spec.max_batch}) ...", file=sys.stderr)
     engine = decoder.batch_engine(max_batch=spec.max_batch, kv_cache_tokens=spec.kv_cache_tokens,
                                   policy=spec.batch_policy, scheduling=spec.scheduling)
+    if config.compile:  # compiled (on CUDA, recorded) before the first request, not during it
+        print("--compile: compiling the batch's passes ...", file=sys.stderr)
+        seconds = decoder.warm_up_engine(engine)
+        print(f"--compile: {decoder.compile_log.summary()}; {seconds:.1f} s", file=sys.stderr)
     worker = BatchWorker(engine)
     # Structured outputs and tool calls need the vocabulary in the grammar engine (about a second
     # for a 151k vocabulary): read it now rather than on the first such request.
