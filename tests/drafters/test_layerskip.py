@@ -135,7 +135,7 @@ def test_tune_layerskip_writes_a_choice_that_generate_loads(tiny_deep_dir: Path,
 def test_tune_layerskip_rejects_shallow_models(tiny_qwen2_dir: Path) -> None:
     dec = SpecDecoder.from_pretrained(str(tiny_qwen2_dir), method="none", dtype="fp32", device="cpu", show_progress=False)
     with pytest.raises(InvalidRequestError, match="at least 3 layers"):
-        tune_layerskip(dec.engine, "tiny", [dec.encode("def f():")], log=lambda line: None)
+        tune_layerskip(dec, [dec.encode("def f():")], log=lambda line: None)
 
 
 def test_demo_target_ships_a_tuned_choice() -> None:

@@ -66,7 +66,7 @@ def cmd_tune_layerskip(args: argparse.Namespace) -> int:
     prompts = [decoder.encode(text, chat=chat) for text in texts]
     log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
     choice = tune_layerskip(
-        decoder.engine, decoder.target.name, prompts, max_new_tokens=args.max_new_tokens,
+        decoder, prompts, max_new_tokens=args.max_new_tokens,
         skip_counts=skip_counts, measure_top=args.measure_top, k_max=decoder.config.k_max, log=log,
     )
     out = Path(args.out)

@@ -14,9 +14,10 @@ file (``LayerSkipChoice``, ``drafters/layer_skip_file.py``) that ``generate --me
    teacher-forced top-1 agreement with the reference continuation (one pass per prompt)
    and the measured cost of one draft pass on this machine give a predicted speedup,
    max over k of E(a, k) / (k draft passes + verify of k + 1 rows) against one plain pass.
-4. The ``measure_top`` best predictions are run for real (layer-skip drafting with the
-   cost-aware draft length, interleaved with plain decoding of the same prompts), and the
-   choice is the one with the highest measured tokens/s, not the highest acceptance.
+4. The ``measure_top`` best predictions are run for real (``generate`` with each candidate's
+   layer skip and the batch engine's cost-aware draft length, interleaved with plain decoding
+   of the same prompts), and the choice is the one with the highest measured tokens/s, not the
+   highest acceptance.
 
 Calibration prompts default to the last rows of each category of the shipped Spec-Bench file
 and the last HumanEval problems: apart from every bench subset that takes the first N.
@@ -26,21 +27,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.backends.torch_backend import TorchSequence, time_passes
+from specdecode.backends.select import TORCH
+from specdecode.backends.torch_backend import time_passes
 from specdecode.config import SamplingParams
-from specdecode.costs.k_policy import CostAwareK, best_plan
-from specdecode.drafters.layer_skip import LayerSkipDrafter
+from specdecode.core.registry import LAYERSKIP, NONE
+from specdecode.costs.k_policy import best_plan
 from specdecode.drafters.layer_skip_file import LayerSkipChoice
-from specdecode.drafters.plan import PLAIN, RequestPlan
 from specdecode.engine.metrics import GenerationStats
-from specdecode.engine.single import SpecEngine
 from specdecode.errors import InvalidRequestError
 from specdecode.models.llama import Transformer
+
+if TYPE_CHECKING:
+    from specdecode.api.decoder import SpecDecoder
 
 DEFAULT_CALIBRATION_PER_CATEGORY = 1
 DEFAULT_CALIBRATION_TOKENS = 64
@@ -102,17 +105,8 @@ class Candidate:
     measured_acceptance: float | None = None
 
 
-def _decode(engine: SpecEngine, prompt_ids: list[int], params: SamplingParams, drafter: Any, schedule: Any, k_max: int) -> GenerationStats:
-    plan = PLAIN if drafter is None else RequestPlan("layerskip", drafter, k_max, schedule)
-    stats = GenerationStats(method=plan.method)
-    for _ in engine.decode(prompt_ids, params, plan, stats):
-        pass
-    return stats
-
-
 def tune_layerskip(
-    engine: SpecEngine,
-    target_name: str,
+    decoder: SpecDecoder,
     prompts: Sequence[list[int]],
     *,
     max_new_tokens: int = DEFAULT_CALIBRATION_TOKENS,
@@ -121,11 +115,13 @@ def tune_layerskip(
     k_max: int = 8,
     log: Callable[[str], None] = print,
 ) -> LayerSkipChoice:
-    """Search the layers to skip for ``engine``'s target on ``prompts`` (token ids); see the module doc."""
-    target = engine.target
-    if not isinstance(target, TorchSequence):
+    """Search the layers to skip for ``decoder``'s target on ``prompts`` (token ids); see the
+    module doc. Decoding (the plain reference and the measured candidates) runs as ``generate``
+    does, on the batch engine holding one request."""
+    if decoder.backend != TORCH:
         raise InvalidRequestError("The layer search runs the torch backend's model with layers skipped; load it with backend='torch'.")
-    model = target.model
+    model = decoder.target.model
+    assert isinstance(model, Transformer)
     num_layers = model.config.num_layers
     if num_layers < 3:
         raise InvalidRequestError("layer skip needs a model with at least 3 layers (the first and last are kept).")
@@ -139,8 +135,7 @@ def tune_layerskip(
     log(f"1/4 plain decoding of {len(prompts)} calibration prompts ({max_new_tokens} tokens each)")
     references = []
     for ids in prompts:
-        stats = GenerationStats()
-        new = [t for chunk in engine.decode(ids, params, PLAIN, stats) for t in chunk]
+        new = decoder.generate(ids, params, method=NONE.name).token_ids
         references.append((list(ids) + new, len(ids)))
     sequences = [(seq, first) for seq, first in references if len(seq) > first]
 
@@ -149,13 +144,13 @@ def tune_layerskip(
     order = sorted(range(1, num_layers - 1), key=lambda i: influence[i])
 
     log(f"3/4 predicted speedup for skipping {', '.join(map(str, skip_counts))} layers")
-    verify = engine.verify_costs(k_max + 1)
+    verify = decoder.engine.verify_costs(k_max + 1)  # one sequence's verify passes, timed (or stored)
     candidates: list[Candidate] = []
     for m in skip_counts:
         skip = tuple(sorted(order[:m]))
         kept = [i for i in range(num_layers) if i not in skip]
         agreement = teacher_forced_agreement(model, kept, sequences)
-        draft_seconds = time_passes(model, [1], target.kv_dtype, layers=kept)[1]
+        draft_seconds = time_passes(model, [1], decoder.kv_dtype, layers=kept)[1]
         _, rate = best_plan(agreement, verify, draft_seconds, k_max, k_min=1)
         candidates.append(Candidate(skip, agreement, draft_seconds, rate * verify[0]))
         log(f"    skip {m:2d}: agreement {agreement:.2f}, draft pass {draft_seconds / verify[0]:.2f} of a target pass, "
@@ -166,14 +161,16 @@ def tune_layerskip(
     plain_seconds = plain_tokens = 0.0
     spec_seconds = [0.0] * len(best_predicted)
     spec_runs: list[list[GenerationStats]] = [[] for _ in best_predicted]
+    # Each candidate as a user would run it: a decoder over the same weights whose layer skip
+    # drafts with this set, its draft length chosen by the batch engine's cost-aware policy.
+    measured_decoders = [type(decoder)(decoder.target, None, replace(
+        decoder.config, method=LAYERSKIP.name, skip_layers=cand.skip_layers, k_max=k_max)) for cand in best_predicted]
     for ids in prompts:
-        plain = _decode(engine, ids, params, None, None, k_max)
+        plain = decoder.generate(ids, params, method=NONE.name).stats
         plain_seconds += plain.total_seconds
         plain_tokens += plain.new_tokens
-        for index, cand in enumerate(best_predicted):
-            drafter = LayerSkipDrafter(model, cand.skip_layers)
-            schedule = CostAwareK(list(verify), k_max=k_max, live_costs=model.device.type == "cpu")
-            spec = _decode(engine, ids, params, drafter, schedule, k_max)
+        for index, candidate_decoder in enumerate(measured_decoders):
+            spec = candidate_decoder.generate(ids, params).stats
             spec_seconds[index] += spec.total_seconds
             spec_runs[index].append(spec)
     plain_rate = plain_tokens / plain_seconds
@@ -189,7 +186,7 @@ def tune_layerskip(
             f"acceptance {cand.measured_acceptance or 0:.2f}")
     chosen = max(best_predicted, key=lambda c: c.measured_speedup or 0.0)
     return LayerSkipChoice(
-        target=target_name,
+        target=decoder.target.name,
         num_layers=num_layers,
         skip_layers=chosen.skip_layers,
         measured={
