@@ -53,7 +53,6 @@ ALLOWED = {
     ("training/heads.py", "eagle"): "the same kinds",
     ("cli/train.py", "medusa"): "the `train` command's kind argument",
     ("cli/train.py", "eagle"): "the same kinds",
-    ("training/layer_search.py", "layerskip"): "the tuned file's kind of layers",
     ("bench/oracle.py", "ngram"): "the oracle's sources, auto's source labels",
     ("bench/oracle.py", "suffix"): "the same sources",
     ("bench/oracle_report.py", "ngram"): "the oracle's columns: plain, each source, auto",
