@@ -128,7 +128,7 @@ class BatchGeneration:
             return 0.0
         assert draft is None or isinstance(draft, CompiledPagedBatchModel)
         most = engine.scheduler.max_batch
-        batches = [1 << i for i in range(most.bit_length()) if 1 << i <= most] if target.pad_shapes else [1, 2][:most]
+        batches = [1 << i for i in range(most.bit_length())] if target.pad_shapes else [1, 2][:most]
         before = self.compile_log.seconds
         warm_up_batch(target, draft, engine.k_max + 1 if verify_rows is None else verify_rows, batches, show_progress)
         return self.compile_log.seconds - before

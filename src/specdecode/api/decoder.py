@@ -17,6 +17,7 @@ from specdecode.backends.compiled import (
     compiled_rows,
     resolve_compile_mode,
     warm_up_passes,
+    warm_up_rows,
 )
 from specdecode.backends.compiled_batch import BatchGraphs, CompiledPagedBatchModel
 from specdecode.backends.llamacpp_sequence import LlamaCppSequence
@@ -165,12 +166,9 @@ class SpecDecoder(DecoderProbes, BatchGeneration):
     def _warm_up_batch(self, show_progress: bool, all_shapes: bool) -> None:
         """``warm_up`` for ``generate`` and ``stream`` on the one-seat batch engine (built now)."""
         engine = self.one_request.engine_for(MIN_POOL_TOKENS)
-        adaptive = self.config.policy != "fixed" or self.config.method == registry.AUTO.name
-        verify_rows = 1 if self.config.method == registry.NONE.name else (
-            self.config.k_max if adaptive else self.config.draft_k) + 1
         target = engine.target
         assert isinstance(target, CompiledPagedBatchModel)
-        self.warm_up_engine(engine, target.max_rows if all_shapes else verify_rows, show_progress)
+        self.warm_up_engine(engine, target.max_rows if all_shapes else warm_up_rows(self.config), show_progress)
 
     def attach_heads(self, heads: DraftHeads, tree_size: int | None = None) -> None:
         """Make method ``heads.config.kind`` (medusa or eagle) available with these heads."""

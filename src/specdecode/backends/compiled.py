@@ -142,7 +142,7 @@ def decode_pass(
     return out.logits, out.hidden
 
 
-def _own_copy(function: Callable, name: str) -> Callable:
+def own_copy(function: Callable, name: str) -> Callable:
     """``function`` with a code object of its own. Dynamo keeps compiled graphs per code
     object, so a copy per shape means one graph per cache entry: no guard search across shapes
     on every call, and no shared recompile limit (8) for a target's 9 verify shapes."""
@@ -150,7 +150,8 @@ def _own_copy(function: Callable, name: str) -> Callable:
     return types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
 
 
-def _cache_counts() -> tuple[int, int]:
+def cache_counts() -> tuple[int, int]:
+    """Inductor's on-disk graph cache (hits, misses) in this process so far."""
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
@@ -213,7 +214,7 @@ class CompiledSequence(TorchSequence):
         function = self._compiled.get(shape)
         if function is None:
             name = f"{self.role}_pass_{cache.capacity}_{rows}_{logits_last or 'all'}"
-            function = torch.compile(_own_copy(decode_pass, name), fullgraph=True, dynamic=False, mode=self.mode)
+            function = torch.compile(own_copy(decode_pass, name), fullgraph=True, dynamic=False, mode=self.mode)
             self._compiled[shape] = function
         # Fresh, contiguous inputs: a slice of the committed buffer has a stride that differs
         # between requests, and a guard on it would recompile.
@@ -245,7 +246,7 @@ class CompiledSequence(TorchSequence):
         width: torch.Tensor | None,  # (W,) see decode_pass
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The call that compiles ``shape``, timed into the log."""
-        hits, misses = _cache_counts()
+        hits, misses = cache_counts()
         started = time.perf_counter()
         out = function(self.model, tokens, positions, cache, logits_last, width)
         if self.cuda_graphs:
@@ -256,7 +257,7 @@ class CompiledSequence(TorchSequence):
                 out = function(self.model, tokens, positions, cache, logits_last, width)
             out = tuple(t.clone() for t in out)
         self.log.seconds += time.perf_counter() - started
-        new_hits, new_misses = _cache_counts()
+        new_hits, new_misses = cache_counts()
         self.log.cache_hits += new_hits - hits
         self.log.cache_misses += new_misses - misses
         _, rows, last = shape
@@ -311,14 +312,19 @@ def compiled_rows(role: str, config: DecoderConfig) -> int:
     return CATCH_UP_COMPILED_ROWS if role == "draft" else max(config.draft_k, config.k_max) + 1
 
 
+def warm_up_rows(config: DecoderConfig) -> int:
+    """The most rows a verify pass of ``config``'s method and k takes: k + 1, k_max + 1 under an
+    adaptive k or auto, 1 for plain decoding (what either engine's warm-up compiles up to)."""
+    adaptive = config.policy != "fixed" or config.method == "auto"
+    return 1 if config.method == "none" else (config.k_max if adaptive else config.draft_k) + 1
+
+
 def warm_up_passes(
     target: CompiledSequence, draft: CompiledSequence | None, config: DecoderConfig, show_progress: bool, all_shapes: bool
 ) -> None:
     """Compile now the passes ``config``'s method and k will run, or with ``all_shapes`` every
     pass any chain method can run compiled (k up to max(k, k_max))."""
-    adaptive = config.policy != "fixed" or config.method == "auto"
-    verify_rows = 1 if config.method == "none" else (config.k_max if adaptive else config.draft_k) + 1
-    verify_rows = target.max_rows if all_shapes else verify_rows
+    verify_rows = target.max_rows if all_shapes else warm_up_rows(config)
     target.warm_up([(rows, None) for rows in range(1, verify_rows + 1)], show_progress)
     if draft is not None and (all_shapes or config.method in DRAFT_MODEL_METHODS):
         draft.warm_up([(1, None), (2, 1)], show_progress)

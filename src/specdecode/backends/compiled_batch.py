@@ -31,16 +31,15 @@ from __future__ import annotations
 
 import sys
 import time
-import types
 from collections.abc import Callable, Sequence
 
 import torch
 
-from specdecode.backends.compiled import CUDA_GRAPH_MODES, CompileLog, configure_compile_cache
+from specdecode.backends.compiled import CUDA_GRAPH_MODES, CompileLog, cache_counts, configure_compile_cache, own_copy
 from specdecode.backends.torch_batch import PagedBatchModel
 from specdecode.core.device import host_to_device
 from specdecode.core.timing import COST_PROBE_CONTEXT, best_seconds
-from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, NULL_BLOCK, PagedKVCache, blocks_for
+from specdecode.kv.paged import DEFAULT_BLOCK_SIZE, NULL_BLOCK, PagedKVCache, blocks_for, stack_padded
 from specdecode.kv.paged_view import PagedView
 from specdecode.models.llama import ModelOutput, Transformer
 
@@ -71,19 +70,6 @@ def paged_pass(
     return out.logits, out.hidden
 
 
-def _own_copy(function: Callable, name: str) -> Callable:
-    """``function`` with a code object of its own: dynamo keeps graphs (and its recompile limit)
-    per code object, so each graph key gets its own (as ``backends/compiled.py`` does per shape)."""
-    code = function.__code__.replace(co_name=name)
-    return types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
-
-
-def _cache_counts() -> tuple[int, int]:
-    from torch._dynamo.utils import counters
-
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-
-
 def _power_of_two(size: int) -> int:
     return 1 << (size - 1).bit_length()
 
@@ -104,7 +90,7 @@ class BatchGraphs:
         if function is None:
             batch_one, row_one, logits = key
             name = f"{role}_paged_pass_{'b1' if batch_one else 'bn'}_{'t1' if row_one else 'tn'}_{int(logits)}"
-            function = torch.compile(_own_copy(paged_pass, name), fullgraph=True, dynamic=False, mode=self.mode)
+            function = torch.compile(own_copy(paged_pass, name), fullgraph=True, dynamic=False, mode=self.mode)
             self.functions[(role, key)] = function
         return function
 
@@ -170,9 +156,7 @@ class CompiledPagedBatchModel(PagedBatchModel):
             position_row += [position_row[-1]] * (padded_rows - rows)
             write_row += [null_slot] * (padded_rows - rows)
         device = self.device
-        tokens = torch.zeros((padded, padded_rows), dtype=torch.long, device=device)
-        for b, x in enumerate(inputs):
-            tokens[b, : x.shape[0]] = x
+        tokens = torch.nn.functional.pad(stack_padded(list(inputs)), (0, padded_rows - rows, 0, padded - batch))
         # One transfer for positions and write slots, one for the read slots.
         pos_write = host_to_device([positions, write_slots], torch.long, device)  # (2, B, T)
         reads = host_to_device(read_slots, torch.long, device)  # (B, W)
@@ -202,7 +186,7 @@ class CompiledPagedBatchModel(PagedBatchModel):
         torch._dynamo.mark_dynamic(read_slots, 1)
         shape = (batch, rows, read_slots.shape[1], compute_logits)
         first = shape not in self._shapes_seen
-        hits, misses = _cache_counts()
+        hits, misses = cache_counts()
         started = time.perf_counter()
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # each call is a new replay
@@ -216,7 +200,7 @@ class CompiledPagedBatchModel(PagedBatchModel):
                                           compute_logits)
         if first:
             self._shapes_seen.add(shape)
-            new_hits, new_misses = _cache_counts()
+            new_hits, new_misses = cache_counts()
             if new_hits + new_misses > hits + misses or self.cuda_graphs:
                 self.log.seconds += time.perf_counter() - started
                 self.log.cache_hits += new_hits - hits
